@@ -1,0 +1,64 @@
+"""The ETP operator layer: primitives the eligibility-trace compiler recognises.
+
+This package owns ``register_primitive`` / ``ETPPrimitive``, the rule registries keyed by
+primitive identity, and the user-facing operators (``matmul``, ``element_wise``, ...). It
+knows nothing about algorithms: learners reach the operators only through the registries.
+"""
+
+from braintrace._op._primitive import ETPPrimitive, register_primitive
+from braintrace._op._registries import (
+    BATCHED_PRIMITIVES,
+    ETP_FAST_PATH_RULES,
+    ETP_PRIMITIVES,
+    ETP_RULES_DT_TO_T,
+    ETP_RULES_INIT_DRTRL,
+    ETP_RULES_INIT_PP,
+    ETP_RULES_PP_X_REPR,
+    ETP_RULES_XY_TO_DW,
+    ETP_TRAINABLE_INVARS_FNS,
+    ETP_X_INVAR_INDICES,
+    ETP_Y_OUTVAR_INDICES,
+    GRADIENT_ENABLED_PRIMITIVES,
+    FastPathRules,
+    get_fast_path_rules,
+    get_pp_x_repr,
+    get_trainable_invars,
+    get_x_invar_index,
+    get_y_outvar_index,
+    is_batched_primitive,
+    is_etp_enable_gradient_primitive,
+    is_etp_primitive,
+)
+from braintrace._op.dense import etp_mm_p, etp_mv_p, matmul
+from braintrace._op.elemwise import element_wise, etp_elemwise_p
+
+__all__ = [
+    "ETPPrimitive",
+    "register_primitive",
+    "ETP_PRIMITIVES",
+    "ETP_RULES_DT_TO_T",
+    "ETP_RULES_XY_TO_DW",
+    "ETP_RULES_INIT_DRTRL",
+    "ETP_RULES_INIT_PP",
+    "ETP_TRAINABLE_INVARS_FNS",
+    "ETP_X_INVAR_INDICES",
+    "ETP_Y_OUTVAR_INDICES",
+    "GRADIENT_ENABLED_PRIMITIVES",
+    "BATCHED_PRIMITIVES",
+    "is_etp_primitive",
+    "is_etp_enable_gradient_primitive",
+    "is_batched_primitive",
+    "get_trainable_invars",
+    "get_x_invar_index",
+    "get_y_outvar_index",
+    "FastPathRules",
+    "ETP_FAST_PATH_RULES",
+    "get_fast_path_rules",
+    "ETP_RULES_PP_X_REPR",
+    "get_pp_x_repr",
+    "etp_mm_p",
+    "etp_mv_p",
+    "etp_elemwise_p",
+    "matmul",
+    "element_wise",
+]

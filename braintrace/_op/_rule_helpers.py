@@ -1,0 +1,107 @@
+"""Small building blocks shared by the ETP rules of several primitive families.
+
+Examples
+--------
+>>> import jax.numpy as jnp
+>>> from braintrace._op._rule_helpers import pullback
+>>> def impl(x, w, **params):
+...     return x @ w
+>>> pullback(impl, jnp.ones(2), jnp.ones(3), {'weight': jnp.zeros((2, 3))}, {})['weight']
+Array([[1., 1., 1.],
+       [1., 1., 1.]], dtype=float32)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Var
+
+from braintrace._typing import Array, Params, WeightFn
+
+__all__ = [
+    "HOOK_NAMES",
+    "apply_hook",
+    "bias_trainable_invars",
+    "drtrl_dtype",
+    "no_hooks",
+    "propagate_df",
+    "pullback",
+    "zeros_pp",
+]
+
+#: The static parameters that hold parameter transforms, across every operator family.
+HOOK_NAMES = ("weight_fn", "bias_fn", "kernel_fn", "a_fn", "b_fn")
+
+
+def apply_hook(hook: WeightFn | None, value: Array) -> Array:
+    """``hook(value)``, or ``value`` itself when there is no hook."""
+    return value if hook is None else hook(value)
+
+
+def no_hooks(eqn_params: Params) -> bool:
+    """``True`` when no transform hook is active: the gate of the closed-form kernels."""
+    return all(eqn_params.get(name) is None for name in HOOK_NAMES)
+
+
+def bias_trainable_invars(eqn_params: Params) -> dict[str, int]:
+    """``{'weight': 1}`` plus ``{'bias': 2}`` when the equation binds a bias."""
+    layout = {"weight": 1}
+    if eqn_params.get("has_bias", False):
+        layout["bias"] = 2
+    return layout
+
+
+def pullback(
+    impl: Callable[..., Array],
+    x: Array | None,
+    hidden_dim: Array,
+    weights: dict[str, Array],
+    params: Params,
+    order: tuple[str, ...] = ("weight", "bias"),
+) -> dict[str, Array]:
+    """One fused VJP of ``impl`` with respect to every trainable operand, at ``hidden_dim``.
+
+    ``impl`` is called as ``impl(x, *operands, **params)`` with the operands of ``weights``
+    taken in ``order`` (keys absent from ``weights`` are skipped, ``x`` is left out when
+    ``None``). Hooks in ``params`` are differentiated through, so gradients are with respect
+    to the raw stored parameters.
+    """
+    unknown = set(weights) - set(order)
+    if unknown:
+        raise KeyError(f"pullback: unexpected trainable keys {sorted(unknown)}; known: {order}.")
+    keys = [k for k in order if k in weights]
+
+    def forward(ws: dict[str, Array]) -> Array:
+        operands = ([] if x is None else [x]) + [ws[k] for k in keys]
+        return impl(*operands, **params)
+
+    y, vjp = jax.vjp(forward, dict(weights))
+    grads: dict[str, Array] = vjp(jnp.asarray(hidden_dim, dtype=y.dtype))[0]
+    return grads
+
+
+def drtrl_dtype(x_var: Var | None, y_var: Var, weight_vars: dict[str, Var] | None) -> Any:
+    """The dtype of a D-RTRL trace: the promotion of every operand's and the output's dtype."""
+    dtypes = [y_var.aval.dtype]
+    if x_var is not None:
+        dtypes.append(x_var.aval.dtype)
+    if weight_vars:
+        dtypes.extend(v.aval.dtype for v in weight_vars.values())
+    return jnp.result_type(*dtypes)
+
+
+def zeros_pp(
+    x_var: Var | None, y_var: Var, weight_vars: dict[str, Var] | None, num_hidden_state: int
+) -> Array:
+    """The pp_prop df trace of a primitive: ``zeros((*y.shape, S), y.dtype)``."""
+    return jnp.zeros((*y_var.aval.shape, num_hidden_state), y_var.aval.dtype)
+
+
+def propagate_df(p_seq: Array, df_seq: Array, num_state: int) -> Array:
+    """``P_s df_s`` for every step of a window: ``(T, ..., S, S)`` times ``(T, ..., S)``."""
+    if num_state == 1:
+        return p_seq[..., 0] * df_seq
+    return jnp.einsum("t...ab,t...b->t...a", p_seq, df_seq)

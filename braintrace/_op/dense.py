@@ -1,0 +1,290 @@
+"""Dense ETP matmul: ``matmul`` and its primitives ``etp_mm`` (batched) / ``etp_mv``.
+
+``y = x @ f_W(W) (+ f_b(b))`` with ``x: (B, I)`` or ``(I,)``, ``W: (I, O)``, ``b: (O,)``.
+
+Trace geometry. Weight ``W[i, o]`` reaches only output ``o``, so the D-RTRL trace keeps one
+entry per weight: ``ε_W[..., i, o, s] = ∂h[..., o, s] / ∂W[i, o]`` (for ``etp_mm`` one trace
+per batch row), and ``ε_b[..., o, s]`` for the bias. Propagating through a hidden Jacobian
+slice ``hd`` (shaped like ``y``) multiplies the output axis: ``ε_W[..., i, o] · hd[..., o]``.
+The instantaneous term is ``x[..., i] · df[..., o]`` pulled back through ``f_W``.
+
+Examples
+--------
+>>> import jax.numpy as jnp, braintrace
+>>> x, w, b = jnp.ones((2, 3)), jnp.ones((3, 4)), jnp.full((4,), 0.5)
+>>> braintrace.matmul(x, w, b)[0]
+Array([3.5, 3.5, 3.5, 3.5], dtype=float32)
+>>> braintrace.matmul(x[0], w, weight_fn=jnp.abs).shape
+(4,)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Var
+
+from braintrace._errors import OperandShapeError
+from braintrace._op._operands import (
+    bias_mantissa,
+    check_bias_shape,
+    check_hook,
+    check_rank,
+    split_units,
+    with_unit,
+)
+from braintrace._op._primitive import register_primitive
+from braintrace._op._registries import FastPathRules, register_batched_counterpart
+from braintrace._op._rule_helpers import (
+    apply_hook,
+    bias_trainable_invars,
+    drtrl_dtype,
+    no_hooks,
+    propagate_df,
+    pullback,
+    zeros_pp,
+)
+from braintrace._typing import Array, ArrayLike, Params, WeightFn
+
+__all__ = ["etp_mm_p", "etp_mv_p", "matmul"]
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _etp_matmul_impl(
+    x: Array,
+    weight: Array,
+    bias: Array | None = None,
+    *,
+    has_bias: bool = False,
+    weight_fn: WeightFn | None = None,
+    bias_fn: WeightFn | None = None,
+) -> Array:
+    y = x @ apply_hook(weight_fn, weight)
+    if has_bias:
+        assert bias is not None, "has_bias=True binds a bias operand"
+        y = y + apply_hook(bias_fn, bias)
+    return y
+
+
+etp_mm_p = register_primitive(
+    "etp_mm",
+    _etp_matmul_impl,
+    batched=True,
+    trainable_invars_fn=bias_trainable_invars,
+    x_invar_index=0,
+)
+etp_mv_p = register_primitive(
+    "etp_mv",
+    _etp_matmul_impl,
+    batched=False,
+    trainable_invars_fn=bias_trainable_invars,
+    x_invar_index=0,
+)
+register_batched_counterpart(etp_mv_p, etp_mm_p)
+
+
+# --- ETP rules --------------------------------------------------------------------------
+
+
+def _mm_dt_to_t(hidden_dim: Array, trace: dict[str, Array], **params: Any) -> dict[str, Array]:
+    """``ε_W[..., i, o] · hd[..., o]`` and ``ε_b[..., o] · hd[..., o]``; hooks play no part."""
+    out = {"weight": trace["weight"] * jnp.expand_dims(hidden_dim, -2)}
+    if "bias" in trace:
+        out["bias"] = trace["bias"] * hidden_dim
+    return out
+
+
+# The unbatched rule is the same contraction: the output axis is the last one of hd either way.
+_mv_dt_to_t = _mm_dt_to_t
+
+
+def _matmul_xy_to_dw(
+    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: Any
+) -> dict[str, Array]:
+    """Pull ``hidden_dim`` back to the raw parameters: ``f_W'ᵀ(xᵀ hd)`` and ``f_b'ᵀ(Σ hd)``."""
+    return pullback(_etp_matmul_impl, x, hidden_dim, weights, params)
+
+
+def _mm_init_drtrl(
+    x_var: Var, y_var: Var, weight_vars: dict[str, Var], num_hidden_state: int
+) -> dict[str, Array]:
+    batch = x_var.aval.shape[0]
+    dtype = drtrl_dtype(x_var, y_var, weight_vars)
+    w_shape = weight_vars["weight"].aval.shape
+    out = {"weight": jnp.zeros((batch, *w_shape, num_hidden_state), dtype)}
+    if "bias" in weight_vars:
+        out["bias"] = jnp.zeros((batch, w_shape[-1], num_hidden_state), dtype)
+    return out
+
+
+def _mv_init_drtrl(
+    x_var: Var, y_var: Var, weight_vars: dict[str, Var], num_hidden_state: int
+) -> dict[str, Array]:
+    dtype = drtrl_dtype(x_var, y_var, weight_vars)
+    w_shape = weight_vars["weight"].aval.shape
+    out = {"weight": jnp.zeros((*w_shape, num_hidden_state), dtype)}
+    if "bias" in weight_vars:
+        out["bias"] = jnp.zeros((w_shape[-1], num_hidden_state), dtype)
+    return out
+
+
+# --- closed-form D-RTRL kernels -----------------------------------------------------------
+
+
+def _dense_fast_instant(x: Array, df: Array, has_bias: bool) -> dict[str, Array]:
+    """``x ⊗ df``: ``(..., I)`` and ``(..., O, S)`` give ``(..., I, O, S)``."""
+    out = {"weight": jnp.einsum("...i,...ka->...ika", x, df)}
+    if has_bias:
+        out["bias"] = df
+    return out
+
+
+def _dense_fast_recurrent(
+    diag: Array, old: dict[str, Array], num_state: int
+) -> dict[str, Array]:
+    """``ε[..., i, o, a] ← Σ_b D[..., o, a, b] ε[..., i, o, b]`` with ``D: (..., O, S, S)``."""
+    if num_state == 1:
+        d = diag[..., 0, 0]
+        out = {"weight": old["weight"] * d[..., None, :, None]}
+        if "bias" in old:
+            out["bias"] = old["bias"] * d[..., None]
+        return out
+    out = {"weight": jnp.einsum("...kab,...ikb->...ika", diag, old["weight"])}
+    if "bias" in old:
+        out["bias"] = jnp.einsum("...kab,...kb->...ka", diag, old["bias"])
+    return out
+
+
+def _dense_fast_solve(
+    signal: Array, trace: dict[str, Array], *, fold_batch: bool = False
+) -> dict[str, Array]:
+    """``∇W[i, o] = Σ_a g[..., o, a] ε_W[..., i, o, a]`` (also over the batch when folding)."""
+    if fold_batch:
+        out = {"weight": jnp.einsum("bka,bika->ik", signal, trace["weight"])}
+        if "bias" in trace:
+            out["bias"] = jnp.einsum("bka,bka->k", signal, trace["bias"])
+        return out
+    out = {"weight": jnp.einsum("...ka,...ika->...ik", signal, trace["weight"])}
+    if "bias" in trace:
+        out["bias"] = jnp.einsum("...ka,...ka->...k", signal, trace["bias"])
+    return out
+
+
+def _dense_fast_chunk(
+    x_seq: Array,
+    df_seq: Array,
+    p_seq: Array,
+    m_full: Array,
+    old: dict[str, Array],
+    num_state: int,
+) -> dict[str, Array]:
+    """A window of ``T`` steps at once: ``M ε + Σ_s x_s ⊗ (P_s df_s)``.
+
+    ``x_seq: (T, ..., I)``, ``df_seq: (T, ..., O, S)``, ``p_seq: (T, ..., O, S, S)``,
+    ``m_full: (..., O, S, S)``.
+    """
+    pdf = propagate_df(p_seq, df_seq, num_state)
+    out = _dense_fast_recurrent(m_full, old, num_state)
+    out["weight"] = out["weight"] + jnp.einsum(
+        "t...i,t...ka->...ika", x_seq, pdf, precision=_HIGHEST
+    )
+    if "bias" in old:
+        out["bias"] = out["bias"] + pdf.sum(axis=0)
+    return out
+
+
+_DENSE_FAST_PATH = FastPathRules(
+    instant=_dense_fast_instant,
+    recurrent=_dense_fast_recurrent,
+    solve=_dense_fast_solve,
+    applicable=no_hooks,
+    chunk=_dense_fast_chunk,
+)
+
+for _p, _init in ((etp_mm_p, _mm_init_drtrl), (etp_mv_p, _mv_init_drtrl)):
+    _p.register_etp_rules(
+        dt_to_t=_mm_dt_to_t,
+        xy_to_dw=_matmul_xy_to_dw,
+        init_drtrl=_init,
+        init_pp=zeros_pp,
+        fast_path=_DENSE_FAST_PATH,
+    )
+
+
+# --- user function ------------------------------------------------------------------------
+
+
+def matmul(
+    x: ArrayLike,
+    weight: ArrayLike,
+    bias: ArrayLike | None = None,
+    *,
+    weight_fn: WeightFn | None = None,
+    bias_fn: WeightFn | None = None,
+) -> Any:
+    """Dense ``x @ weight (+ bias)`` whose parameters learn online with eligibility traces.
+
+    Use it in place of ``x @ W`` for a weight that should take part in online learning; a
+    plain ``x @ W`` keeps the weight out of the eligibility-trace graph.
+
+    Parameters
+    ----------
+    x : array or Quantity
+        Input, ``(batch, in)`` (binds ``etp_mm``) or ``(in,)`` (binds ``etp_mv``).
+    weight : array or Quantity
+        Weight, ``(in, out)``.
+    bias : array or Quantity, optional
+        Bias, ``(out,)``, in the unit of ``x·weight``.
+    weight_fn, bias_fn : callable, optional
+        Shape-preserving transforms applied to the stored parameters inside the primitive,
+        ``y = x @ weight_fn(weight) + bias_fn(bias)``. Traces and gradients stay with respect
+        to the raw stored parameters.
+
+    Returns
+    -------
+    array or Quantity
+        ``(batch, out)`` or ``(out,)``, in the unit of ``x·weight``.
+
+    Raises
+    ------
+    TypeError
+        If an operand is not an array or a hook is not callable.
+    ValueError
+        If ``x`` has rank 0 or above 2, ``weight`` is not rank 2, or the shapes do not fit.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp, braintrace
+    >>> braintrace.matmul(jnp.ones((2, 3)), jnp.ones((3, 4)), weight_fn=lambda w: 2 * w)
+    Array([[6., 6., 6., 6.],
+           [6., 6., 6., 6.]], dtype=float32)
+    """
+    op = "braintrace.matmul"
+    x_m, x_unit = split_units(x, "x", op)
+    w_m, w_unit = split_units(weight, "weight", op)
+    check_rank(
+        x_m, "x", op, (1, 2),
+        hint="Use braintrace.einsum for genuine tensor contractions over more axes.",
+    )
+    check_rank(w_m, "weight", op, (2,))
+    if x_m.shape[-1] != w_m.shape[0]:
+        raise OperandShapeError(
+            f"{op}: the last axis of x {tuple(x_m.shape)} must equal the first axis of weight "
+            f"{tuple(w_m.shape)}; weight is laid out as (in, out)."
+        )
+    check_hook(weight_fn, "weight_fn", op)
+    check_hook(bias_fn, "bias_fn", op)
+    unit = x_unit * w_unit
+    operands = [x_m, w_m]
+    if bias is not None:
+        b_m = bias_mantissa(bias, unit, op)
+        check_bias_shape(b_m, (*x_m.shape[:-1], w_m.shape[1]), op)
+        operands.append(b_m)
+    prim = etp_mm_p if x_m.ndim == 2 else etp_mv_p
+    y = prim.bind(
+        *operands, has_bias=bias is not None, weight_fn=weight_fn, bias_fn=bias_fn
+    )
+    return with_unit(y, unit)
