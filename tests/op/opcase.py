@@ -1,0 +1,99 @@
+"""The table row every ETP primitive contributes to the operator contract tests.
+
+A family adds rows by defining ``CASES: list[OpCase]`` in a module of ``tests/op/cases/``;
+``test_rule_oracles.py`` checks every row against first principles:
+
+* the trace geometry ``trace_of(fn, x, weights, params)`` states, from the full Jacobian of
+  ``fn`` (``jax.jacrev``), which entries of ``∂y/∂θ`` the D-RTRL trace keeps; every rule is
+  then checked against it (``dt_to_t``, the instantaneous term, the solve);
+* ``xy_to_dw`` against ``jax.vjp`` of the impl;
+* jit / grad / jvp / vmap, init shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+TraceOf = Callable[[Callable[[Any, dict[str, Array]], Array], Any, dict[str, Array], dict[str, Any]], dict[str, Array]]
+
+
+@dataclass(frozen=True)
+class OpCase:
+    """One primitive at one concrete point.
+
+    Attributes
+    ----------
+    id : str
+        Test id.
+    prim : ETPPrimitive
+        The primitive under test.
+    impl : callable
+        Its implementation, called as ``impl(x, *weights.values(), **params)``.
+    x : array or None
+        The input operand (``None`` for primitives without one).
+    weights : dict
+        Trainable operands in invar order.
+    params : dict
+        Static parameters of the equation.
+    trace_of : callable or None
+        Trace geometry: ``trace_of(fn, x, weights, params) -> {key: trace without S}`` where
+        ``fn(x, weights) -> y``. ``None`` skips the geometry oracles.
+    drtrl_shapes : dict
+        Expected ``init_drtrl`` leaf shapes without the trailing ``S``.
+    hooked : bool
+        Whether a transform hook is active (the fast path must then be gated off).
+    extra_operands : tuple
+        Non-trainable operands bound after the trainable ones (rare).
+    """
+
+    id: str
+    prim: Any
+    impl: Callable[..., Array]
+    x: Any
+    weights: dict[str, Array]
+    params: dict[str, Any]
+    trace_of: TraceOf | None
+    drtrl_shapes: dict[str, tuple[int, ...]]
+    hooked: bool = False
+    init_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def operands(self, x: Any = None, weights: dict[str, Array] | None = None) -> list[Any]:
+        x = self.x if x is None else x
+        weights = self.weights if weights is None else weights
+        # Pytree transformations rebuild dicts with sorted keys: keep the invar order explicit.
+        return ([] if x is None else [x]) + [weights[k] for k in self.weights]
+
+    def fn(self, x: Any, weights: dict[str, Array]) -> Array:
+        """``y`` as a function of ``x`` and the trainable operands, through the impl."""
+        return self.impl(*self.operands(x, weights), **self.params)
+
+    def bind(self, x: Any, weights: dict[str, Array]) -> Array:
+        return self.prim.bind(*self.operands(x, weights), **self.params)
+
+    def y(self) -> Array:
+        return self.fn(self.x, self.weights)
+
+
+def rand(key: int, shape: tuple[int, ...], dtype: Any = jnp.float32) -> Array:
+    """A deterministic normal sample."""
+    return jax.random.normal(jax.random.PRNGKey(key), shape, dtype)
+
+
+def jac(fn: Callable[[Any, dict[str, Array]], Array], x: Any, weights: dict[str, Array]) -> dict[str, Array]:
+    """``{key: ∂y/∂key}`` with shape ``(*y, *key)``."""
+    return jax.jacrev(lambda ws: fn(x, ws))(weights)  # type: ignore[no-any-return]
+
+
+def close(a: Any, b: Any, atol: float = 1e-5, rtol: float = 1e-5) -> None:
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=atol, rtol=rtol)
+
+
+def scale_y(fn: Callable[[Any, dict[str, Array]], Array], hd: Array) -> Callable[[Any, dict[str, Array]], Array]:
+    """``(x, ws) -> hd * fn(x, ws)``: a hidden state whose Jacobian on ``y`` is ``diag(hd)``."""
+    return lambda x, ws: hd * fn(x, ws)
