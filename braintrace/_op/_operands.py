@@ -70,7 +70,7 @@ def bias_mantissa(bias: Any, unit: Any, op: str) -> jax.Array:
         If the bias unit is incompatible with ``unit``.
     """
     split_units(bias, "bias", op)
-    return u.Quantity(bias).to_decimal(unit)  # type: ignore[no-any-return]
+    return u.Quantity(bias).to_decimal(unit)
 
 
 def check_hook(hook: Any, arg: str, op: str) -> None:

@@ -124,7 +124,7 @@ class ETPPrimitive(Primitive):
 def _checked_rule(name: str, fn: Any) -> Rule:
     if not callable(fn):
         raise TypeError(f"{name} rule must be callable, got {type(fn).__name__}: {fn!r}.")
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def register_primitive(

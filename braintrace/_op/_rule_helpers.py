@@ -13,17 +13,20 @@ Array([[1., 1., 1.],
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import jax
 import jax.numpy as jnp
 from jax.extend.core import Var
 
+from braintrace._compatible_imports import ShapedArray
 from braintrace._typing import Array, Params, WeightFn
 
 __all__ = [
     "HOOK_NAMES",
     "apply_hook",
+    "shape_of",
+    "dtype_of",
     "bias_trainable_invars",
     "drtrl_dtype",
     "no_hooks",
@@ -83,13 +86,23 @@ def pullback(
     return grads
 
 
+def shape_of(var: Var) -> tuple[int, ...]:
+    """The static shape of a jaxpr variable."""
+    return tuple(cast(ShapedArray, var.aval).shape)
+
+
+def dtype_of(var: Var) -> Any:
+    """The dtype of a jaxpr variable."""
+    return cast(ShapedArray, var.aval).dtype
+
+
 def drtrl_dtype(x_var: Var | None, y_var: Var, weight_vars: dict[str, Var] | None) -> Any:
     """The dtype of a D-RTRL trace: the promotion of every operand's and the output's dtype."""
-    dtypes = [y_var.aval.dtype]
+    dtypes = [dtype_of(y_var)]
     if x_var is not None:
-        dtypes.append(x_var.aval.dtype)
+        dtypes.append(dtype_of(x_var))
     if weight_vars:
-        dtypes.extend(v.aval.dtype for v in weight_vars.values())
+        dtypes.extend(dtype_of(v) for v in weight_vars.values())
     return jnp.result_type(*dtypes)
 
 
@@ -97,7 +110,7 @@ def zeros_pp(
     x_var: Var | None, y_var: Var, weight_vars: dict[str, Var] | None, num_hidden_state: int
 ) -> Array:
     """The pp_prop df trace of a primitive: ``zeros((*y.shape, S), y.dtype)``."""
-    return jnp.zeros((*y_var.aval.shape, num_hidden_state), y_var.aval.dtype)
+    return jnp.zeros((*shape_of(y_var), num_hidden_state), dtype_of(y_var))
 
 
 def propagate_df(p_seq: Array, df_seq: Array, num_state: int) -> Array:

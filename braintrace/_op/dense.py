@@ -44,6 +44,7 @@ from braintrace._op._rule_helpers import (
     no_hooks,
     propagate_df,
     pullback,
+    shape_of,
     zeros_pp,
 )
 from braintrace._typing import Array, ArrayLike, Params, WeightFn
@@ -111,9 +112,9 @@ def _matmul_xy_to_dw(
 def _mm_init_drtrl(
     x_var: Var, y_var: Var, weight_vars: dict[str, Var], num_hidden_state: int
 ) -> dict[str, Array]:
-    batch = x_var.aval.shape[0]
+    batch = shape_of(x_var)[0]
     dtype = drtrl_dtype(x_var, y_var, weight_vars)
-    w_shape = weight_vars["weight"].aval.shape
+    w_shape = shape_of(weight_vars["weight"])
     out = {"weight": jnp.zeros((batch, *w_shape, num_hidden_state), dtype)}
     if "bias" in weight_vars:
         out["bias"] = jnp.zeros((batch, w_shape[-1], num_hidden_state), dtype)
@@ -124,7 +125,7 @@ def _mv_init_drtrl(
     x_var: Var, y_var: Var, weight_vars: dict[str, Var], num_hidden_state: int
 ) -> dict[str, Array]:
     dtype = drtrl_dtype(x_var, y_var, weight_vars)
-    w_shape = weight_vars["weight"].aval.shape
+    w_shape = shape_of(weight_vars["weight"])
     out = {"weight": jnp.zeros((*w_shape, num_hidden_state), dtype)}
     if "bias" in weight_vars:
         out["bias"] = jnp.zeros((w_shape[-1], num_hidden_state), dtype)

@@ -30,7 +30,14 @@ from jax.extend.core import Var
 from braintrace._op._operands import check_hook, split_units, with_unit
 from braintrace._op._primitive import register_primitive
 from braintrace._op._registries import FastPathRules
-from braintrace._op._rule_helpers import apply_hook, drtrl_dtype, no_hooks, propagate_df
+from braintrace._op._rule_helpers import (
+    apply_hook,
+    drtrl_dtype,
+    dtype_of,
+    no_hooks,
+    propagate_df,
+    shape_of,
+)
 from braintrace._typing import Array, ArrayLike, WeightFn
 
 __all__ = ["etp_elemwise_p", "element_wise"]
@@ -110,7 +117,7 @@ def _elemwise_init_drtrl(
     num_hidden_state: int,
     group: Any = None,
 ) -> dict[str, Array]:
-    shape = tuple(group.varshape) if group is not None else tuple(y_var.aval.shape)
+    shape = tuple(group.varshape) if group is not None else shape_of(y_var)
     dtype = drtrl_dtype(None, y_var, weight_vars)
     return {"weight": jnp.zeros((*shape, num_hidden_state), dtype)}
 
@@ -122,8 +129,8 @@ def _elemwise_init_pp(
     num_hidden_state: int,
     group: Any = None,
 ) -> Array:
-    shape = tuple(group.varshape) if group is not None else tuple(y_var.aval.shape)
-    return jnp.zeros((*shape, num_hidden_state), y_var.aval.dtype)
+    shape = tuple(group.varshape) if group is not None else shape_of(y_var)
+    return jnp.zeros((*shape, num_hidden_state), dtype_of(y_var))
 
 
 # --- closed-form D-RTRL kernels -----------------------------------------------------------
