@@ -1,0 +1,131 @@
+"""Every closed-form D-RTRL bundle (``FastPathRules``) against the general per-primitive rules.
+
+For each row of ``cases/`` whose primitive has a bundle:
+
+* ``instant(x, df)`` equals the instantaneous term of the general path (``xy_to_dw`` per
+  sample and per state);
+* ``recurrent(D, ε)[..., a]`` equals ``Σ_c dt_to_t(D[..., a, c], ε[..., c])``;
+* ``solve(g, ε)`` equals ``Σ_a dt_to_t(g[..., a], ε[..., a])`` (also folded over the batch);
+* ``chunk`` over a window equals the step-by-step roll;
+* ``applicable`` is false whenever a transform hook is active.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from braintrace._op import _registries as reg
+from tests.op.cases import ALL_CASES
+from tests.op.opcase import OpCase, close, rand
+
+FAST = [c for c in ALL_CASES if reg.get_fast_path_rules(c.prim) is not None and not c.hooked]
+HOOKED = [c for c in ALL_CASES if reg.get_fast_path_rules(c.prim) is not None and c.hooked]
+fast_cases = pytest.mark.parametrize("case", FAST, ids=[c.id for c in FAST])
+states = pytest.mark.parametrize("num_state", [1, 2])
+
+
+def _batched(case: OpCase) -> bool:
+    return case.prim in reg.BATCHED_PRIMITIVES
+
+
+def _has_bias(case: OpCase) -> bool:
+    return bool(case.params.get("has_bias", False))
+
+
+def _traces(case: OpCase, num_state: int, key: int) -> dict[str, jax.Array]:
+    return {k: rand(key + i, (*s, num_state)) for i, (k, s) in enumerate(case.drtrl_shapes.items())}
+
+
+def _general_recurrent(case: OpCase, diag: jax.Array, old: dict[str, jax.Array], num_state: int) -> dict[str, jax.Array]:
+    dt_to_t = reg.ETP_RULES_DT_TO_T[case.prim]
+    rows = []
+    for a in range(num_state):
+        terms = [
+            dt_to_t(diag[..., a, c], {k: v[..., c] for k, v in old.items()}, **case.params)
+            for c in range(num_state)
+        ]
+        rows.append(jax.tree.map(lambda *xs: sum(xs), *terms))
+    return jax.tree.map(lambda *xs: jnp.stack(xs, axis=-1), *rows)
+
+
+def _general_instant(case: OpCase, x: Any, df: jax.Array) -> dict[str, jax.Array]:
+    xy_to_dw = reg.ETP_RULES_XY_TO_DW[case.prim]
+
+    def one_state(d: jax.Array) -> dict[str, jax.Array]:
+        if _batched(case):
+            return jax.vmap(lambda xb, db: xy_to_dw(xb, db, case.weights, **case.params))(x, d)
+        return xy_to_dw(x, d, case.weights, **case.params)  # type: ignore[no-any-return]
+
+    return jax.vmap(one_state, in_axes=-1, out_axes=-1)(df)  # type: ignore[no-any-return]
+
+
+def _diag(case: OpCase, num_state: int, key: int, lead: tuple[int, ...] = ()) -> jax.Array:
+    return 0.5 * rand(key, (*lead, *case.y().shape, num_state, num_state))
+
+
+@fast_cases
+@states
+def test_instant_matches_the_general_instantaneous_term(case: OpCase, num_state: int) -> None:
+    fp = reg.ETP_FAST_PATH_RULES[case.prim]
+    df = rand(30, (*case.y().shape, num_state))
+    got = fp.instant(case.x, df, _has_bias(case))
+    jax.tree.map(close, got, _general_instant(case, case.x, df))
+
+
+@fast_cases
+@states
+def test_recurrent_matches_the_sum_of_dt_to_t(case: OpCase, num_state: int) -> None:
+    fp = reg.ETP_FAST_PATH_RULES[case.prim]
+    diag, old = _diag(case, num_state, 31), _traces(case, num_state, 40)
+    jax.tree.map(close, fp.recurrent(diag, old, num_state), _general_recurrent(case, diag, old, num_state))
+
+
+@fast_cases
+@states
+def test_solve_matches_the_sum_of_dt_to_t(case: OpCase, num_state: int) -> None:
+    fp = reg.ETP_FAST_PATH_RULES[case.prim]
+    g, trace = rand(32, (*case.y().shape, num_state)), _traces(case, num_state, 50)
+    dt_to_t = reg.ETP_RULES_DT_TO_T[case.prim]
+    per_state = [dt_to_t(g[..., a], {k: v[..., a] for k, v in trace.items()}, **case.params) for a in range(num_state)]
+    want = jax.tree.map(lambda *xs: sum(xs), *per_state)
+    jax.tree.map(close, fp.solve(g, trace), want)
+    if _batched(case):
+        folded = fp.solve(g, trace, fold_batch=True)
+        jax.tree.map(lambda u, v: close(u, v.sum(axis=0), atol=1e-4), folded, want)
+
+
+@fast_cases
+@states
+def test_chunk_equals_the_step_by_step_roll(case: OpCase, num_state: int) -> None:
+    fp = reg.ETP_FAST_PATH_RULES[case.prim]
+    if fp.chunk is None:
+        pytest.skip("this bundle has no chunk kernel")
+    steps = 4
+    xs = None if case.x is None else jnp.stack([case.x * (t + 1) for t in range(steps)])
+    dfs = rand(33, (steps, *case.y().shape, num_state))
+    diags = _diag(case, num_state, 34, (steps,))
+    trace = start = _traces(case, num_state, 60)
+    for t in range(steps):
+        inst = fp.instant(None if xs is None else xs[t], dfs[t], _has_bias(case))
+        trace = jax.tree.map(jnp.add, fp.recurrent(diags[t], trace, num_state), inst)
+    eye = jnp.broadcast_to(jnp.eye(num_state), diags.shape[1:])
+    suffix = [eye] * steps  # P_s = D_{T-1} ... D_{s+1}
+    for s in range(steps - 2, -1, -1):
+        suffix[s] = suffix[s + 1] @ diags[s + 1]
+    full = suffix[0] @ diags[0]
+    got = fp.chunk(xs, dfs, jnp.stack(suffix), full, start, num_state)
+    jax.tree.map(lambda u, v: close(u, v, atol=1e-4, rtol=1e-4), got, trace)
+
+
+@pytest.mark.parametrize("case", HOOKED, ids=[c.id for c in HOOKED])
+def test_fast_path_is_gated_off_under_any_transform_hook(case: OpCase) -> None:
+    assert not reg.ETP_FAST_PATH_RULES[case.prim].applicable(case.params)
+
+
+@fast_cases
+def test_fast_path_applies_without_hooks(case: OpCase) -> None:
+    assert reg.ETP_FAST_PATH_RULES[case.prim].applicable(case.params)
