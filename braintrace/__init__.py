@@ -4,6 +4,27 @@ Mark the weights that should learn online with an ETP operator (``braintrace.mat
 ``braintrace.element_wise``, ...) and compile the model into an online learner.
 """
 
+from braintrace._compiler import (
+    CompilationRecord,
+    CompilationReport,
+    ControlFlowPolicy,
+    DiagnosticKind,
+    DiagnosticLevel,
+    ETraceGraph,
+    HiddenGroup,
+    HiddenParamOpRelation,
+    HiddenPerturbation,
+    ModuleInfo,
+    add_hidden_perturbation_from_minfo,
+    add_hidden_perturbation_in_module,
+    compile_etrace_graph,
+    extract_module_info,
+    find_hidden_groups_from_minfo,
+    find_hidden_groups_from_module,
+    find_hidden_param_op_relations_from_minfo,
+    find_hidden_param_op_relations_from_module,
+)
+from braintrace._errors import CompilationError, NotSupportedError
 from braintrace._op import ETPPrimitive, element_wise, matmul, register_primitive
 
 __version__ = "0.2.4"
@@ -16,4 +37,24 @@ __all__ = [
     "element_wise",
     "ETPPrimitive",
     "register_primitive",
+    "ControlFlowPolicy",
+    "ETraceGraph",
+    "compile_etrace_graph",
+    "HiddenGroup",
+    "find_hidden_groups_from_minfo",
+    "find_hidden_groups_from_module",
+    "HiddenParamOpRelation",
+    "find_hidden_param_op_relations_from_minfo",
+    "find_hidden_param_op_relations_from_module",
+    "ModuleInfo",
+    "extract_module_info",
+    "HiddenPerturbation",
+    "add_hidden_perturbation_from_minfo",
+    "add_hidden_perturbation_in_module",
+    "CompilationRecord",
+    "CompilationReport",
+    "DiagnosticKind",
+    "DiagnosticLevel",
+    "NotSupportedError",
+    "CompilationError",
 ]

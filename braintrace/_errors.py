@@ -8,7 +8,13 @@ names the argument, shows the value and says what to do.
 
 from __future__ import annotations
 
-__all__ = ["OperandShapeError", "OperandTypeError"]
+__all__ = [
+    "OperandShapeError",
+    "OperandTypeError",
+    "ModelTypeError",
+    "NotSupportedError",
+    "CompilationError",
+]
 
 
 class OperandShapeError(ValueError, TypeError):
@@ -17,3 +23,23 @@ class OperandShapeError(ValueError, TypeError):
 
 class OperandTypeError(TypeError, AttributeError):
     """An operand of an ETP operator is not an array (or a ``brainunit.Quantity``)."""
+
+
+class NotSupportedError(Exception):
+    """The model uses a feature the eligibility-trace compiler does not support.
+
+    Raised, for example, when a ``ParamState`` is written inside the model step, or when the
+    hidden states of one recurrently coupled group have different shapes.
+    """
+
+
+class CompilationError(Exception):
+    """A model cannot be turned into an online learner (e.g. no weight reaches a hidden state)."""
+
+
+for _cls in (NotSupportedError, CompilationError):
+    _cls.__module__ = "braintrace"
+
+
+class ModelTypeError(TypeError, AssertionError):
+    """The object given as a model is not a ``brainstate.nn.Module``."""

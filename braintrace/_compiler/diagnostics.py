@@ -1,0 +1,189 @@
+"""Structured compiler diagnostics: what the compiler decided, and why.
+
+Every decision that changes what learns online (a relation registered or excluded, a cond
+converted, a scan unrolled, ...) is recorded as a :class:`CompilationRecord` on the active
+:class:`DiagnosticReporter`. Warnings and errors are also raised as Python ``UserWarning``s,
+so they surface even when no reporter collects them.
+
+Examples
+--------
+>>> from braintrace._compiler.diagnostics import (
+...     DiagnosticKind, DiagnosticLevel, diagnostic_context, emit)
+>>> with diagnostic_context() as reporter:
+...     emit(DiagnosticKind.HIDDEN_GROUP_MERGED, DiagnosticLevel.INFO, 'merged h1 and h2',
+...          hidden_paths=(('h1',), ('h2',)))
+>>> len(reporter), reporter.records()[0].kind.value
+(1, 'hidden_group_merged')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Iterator
+
+__all__ = [
+    "DiagnosticLevel",
+    "DiagnosticKind",
+    "CompilationRecord",
+    "DiagnosticReporter",
+    "diagnostic_context",
+    "emit",
+    "get_reporter",
+]
+
+
+class DiagnosticLevel(str, Enum):
+    """Severity of a :class:`CompilationRecord`."""
+
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+class DiagnosticKind(str, Enum):
+    """What a :class:`CompilationRecord` is about; the value is the lower-case name."""
+
+    RELATION_INCLUDED = "relation_included"
+    RELATION_EXCLUDED_NO_PARAMSTATE = "relation_excluded_no_paramstate"
+    RELATION_EXCLUDED_NON_TEMPORAL = "relation_excluded_non_temporal"
+    RELATION_EXCLUDED_SHAPE_MISMATCH = "relation_excluded_shape_mismatch"
+    RELATION_EXCLUDED_WEIGHT_TO_WEIGHT = "relation_excluded_weight_to_weight"
+    RELATION_PARTIAL_PATH = "relation_partial_path"
+    TRAINABLE_INVAR_NOT_PARAMSTATE = "trainable_invar_not_paramstate"
+    COND_IF_CONVERTED = "cond_if_converted"
+    COND_CONVERSION_SKIPPED = "cond_conversion_skipped"
+    SCAN_UNROLLED = "scan_unrolled"
+    SCAN_UNROLL_SKIPPED = "scan_unroll_skipped"
+    RELATION_EXCLUDED_SLICED_WEIGHT = "relation_excluded_sliced_weight"
+    SCAN_DESCENT_APPLIED = "scan_descent_applied"
+    SCAN_DESCENT_SKIPPED = "scan_descent_skipped"
+    SCAN_DESCENT_NO_RELATIONS = "scan_descent_no_relations"
+    WEIGHT_IN_WHILE = "weight_in_while"
+    CONTROL_FLOW_OPAQUE_FWD = "control_flow_opaque_fwd"
+    CONTROL_FLOW_RECURRENT_MIXING = "control_flow_recurrent_mixing"
+    PRIMITIVE_INSIDE_NESTED_JIT = "primitive_inside_nested_jit"
+    PRIMITIVE_INSIDE_CONTROL_FLOW = "primitive_inside_control_flow"
+    MULTI_OUTPUT_PRIMITIVE_DETECTED = "multi_output_primitive_detected"
+    PYTREE_WEIGHT_LEAF_AMBIGUOUS = "pytree_weight_leaf_ambiguous"
+    #: Reserved; no pass emits it.
+    TRANSITION_TAIL_BOUNDED = "transition_tail_bounded"
+    HIDDEN_GROUP_MERGED = "hidden_group_merged"
+    STATE_MISMATCH = "state_mismatch"
+    WEIGHT_IN_CONTROL_FLOW = "weight_in_control_flow"
+
+
+@dataclass(frozen=True)
+class CompilationRecord:
+    """One compiler decision.
+
+    Attributes
+    ----------
+    kind : DiagnosticKind
+    level : DiagnosticLevel
+    message : str
+        A sentence a user can act on.
+    primitive : jax primitive, optional
+        The ETP primitive concerned.
+    weight_path : tuple, optional
+        Path of the ``ParamState`` concerned.
+    hidden_paths : tuple of tuples
+        Paths of the hidden states concerned.
+    context : dict, optional
+        Machine-readable details (e.g. ``blocking_primitives``).
+    """
+
+    kind: DiagnosticKind
+    level: DiagnosticLevel
+    message: str
+    primitive: Any = None
+    weight_path: tuple[Any, ...] | None = None
+    hidden_paths: tuple[tuple[Any, ...], ...] = ()
+    context: dict[str, Any] | None = None
+
+    def __repr__(self) -> str:
+        parts = [f"kind={self.kind.name}", f"level={self.level.name}"]
+        if self.primitive is not None:
+            parts.append(f"primitive={getattr(self.primitive, 'name', self.primitive)}")
+        if self.weight_path is not None:
+            parts.append(f"weight_path={self.weight_path}")
+        if self.hidden_paths:
+            parts.append(f"hidden_paths={self.hidden_paths}")
+        parts.append(f"message={self.message!r}")
+        if self.context:
+            parts.append(f"context={self.context}")
+        return f"CompilationRecord({', '.join(parts)})"
+
+
+CompilationRecord.__module__ = "braintrace"
+DiagnosticKind.__module__ = "braintrace"
+DiagnosticLevel.__module__ = "braintrace"
+
+
+class DiagnosticReporter:
+    """Collects the records emitted while one graph compiles."""
+
+    def __init__(self) -> None:
+        self._records: list[CompilationRecord] = []
+
+    def append(self, record: CompilationRecord) -> None:
+        self._records.append(record)
+
+    def records(self) -> tuple[CompilationRecord, ...]:
+        return tuple(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+
+_local = threading.local()
+
+
+def get_reporter() -> DiagnosticReporter | None:
+    """The reporter of the innermost active :func:`diagnostic_context` on this thread."""
+    return getattr(_local, "reporter", None)
+
+
+@contextlib.contextmanager
+def diagnostic_context() -> Iterator[DiagnosticReporter]:
+    """Collect every record emitted inside the ``with`` block (nested blocks restore)."""
+    previous = get_reporter()
+    reporter = DiagnosticReporter()
+    _local.reporter = reporter
+    try:
+        yield reporter
+    finally:
+        _local.reporter = previous
+
+
+def emit(
+    kind: DiagnosticKind,
+    level: DiagnosticLevel,
+    message: str,
+    *,
+    primitive: Any = None,
+    weight_path: tuple[Any, ...] | None = None,
+    hidden_paths: tuple[tuple[Any, ...], ...] = (),
+    context: dict[str, Any] | None = None,
+    also_warn: bool = True,
+    stacklevel: int = 3,
+) -> CompilationRecord:
+    """Record a decision; warnings and errors are also issued as ``UserWarning``."""
+    record = CompilationRecord(
+        kind=kind,
+        level=level,
+        message=message,
+        primitive=primitive,
+        weight_path=weight_path,
+        hidden_paths=tuple(hidden_paths),
+        context=context,
+    )
+    reporter = get_reporter()
+    if reporter is not None:
+        reporter.append(record)
+    if also_warn and level is not DiagnosticLevel.INFO:
+        warnings.warn(message, UserWarning, stacklevel=stacklevel)
+    return record

@@ -1,0 +1,197 @@
+"""``compile_etrace_graph``: a model step turned into an ``ETraceGraph``.
+
+The graph holds the traced step (with every intermediate the learners need hoisted as extra
+outputs), its hidden groups, the relations from ETP equations to those groups, the perturbed
+step that yields the same-step learning signal, and the record of every compiler decision.
+
+Examples
+--------
+>>> import brainstate, jax.numpy as jnp, braintrace
+>>> class Leaky(brainstate.nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.w = brainstate.ParamState(jnp.ones((3, 2)))
+...         self.h = brainstate.HiddenState(jnp.zeros(2))
+...     def update(self, x):
+...         self.h.value = 0.5 * self.h.value + braintrace.matmul(x, self.w.value)
+...         return self.h.value
+>>> graph = braintrace.compile_etrace_graph(Leaky(), jnp.ones(3))
+>>> len(graph.hidden_groups), len(graph.hidden_param_op_relations)
+(1, 1)
+>>> [r.kind.value for r in graph.explain(kind=braintrace.DiagnosticKind.RELATION_INCLUDED)]
+['relation_included']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator, NamedTuple, Sequence
+
+import brainstate
+import jax
+from jax.extend.core import Literal, Var
+
+from braintrace._compiler.control_flow_policy import ControlFlowPolicy
+from braintrace._compiler.diagnostics import CompilationRecord, DiagnosticKind, diagnostic_context
+from braintrace._compiler.hid_param_op import HiddenParamOpRelation, find_hidden_param_op_relations_from_minfo
+from braintrace._compiler.hidden_group import HiddenGroup
+from braintrace._compiler.hidden_group_discovery import find_hidden_groups_from_minfo
+from braintrace._compiler.hidden_pertubation import HiddenPerturbation, add_hidden_perturbation_from_minfo
+from braintrace._compiler.module_info import ModuleInfo, Path, extract_module_info
+
+__all__ = ["ETraceGraph", "compile_etrace_graph"]
+
+
+class ETraceGraph(NamedTuple):
+    """Everything the learners need to know about one model step.
+
+    Attributes
+    ----------
+    module_info : ModuleInfo
+        The traced step; its jaxpr also returns the hoisted intermediates.
+    hidden_groups : list of HiddenGroup
+    hid_path_to_group : dict
+    hidden_param_op_relations : tuple of HiddenParamOpRelation
+    hidden_perturb : HiddenPerturbation or None
+    diagnostics : tuple of CompilationRecord
+    """
+
+    module_info: ModuleInfo
+    hidden_groups: list[HiddenGroup]
+    hid_path_to_group: dict[Path, HiddenGroup]
+    hidden_param_op_relations: tuple[HiddenParamOpRelation, ...]
+    hidden_perturb: HiddenPerturbation | None
+    diagnostics: tuple[CompilationRecord, ...] = ()
+
+    def explain(
+        self,
+        *,
+        weight_path: Path | None = None,
+        hidden_path: Path | None = None,
+        kind: DiagnosticKind | None = None,
+    ) -> tuple[CompilationRecord, ...]:
+        """The compiler records matching every given filter (all records without filters)."""
+        return tuple(
+            r for r in self.diagnostics
+            if (weight_path is None or r.weight_path == weight_path)
+            and (hidden_path is None or hidden_path in r.hidden_paths)
+            and (kind is None or r.kind is kind)
+        )
+
+    def call_hidden_perturb(
+        self, args: Any, perturb_data: Sequence[Any], old_state_vals: Sequence[Any] | None = None
+    ) -> tuple[Any, ...]:
+        """Run the perturbed step; returns what :meth:`ModuleInfo.jaxpr_call` returns."""
+        if self.hidden_perturb is None:
+            raise ValueError("This graph was compiled with include_hidden_perturb=False.")
+        minfo = self.module_info
+        if old_state_vals is None:
+            old_state_vals = [st.value for st in minfo.compiled_model_states]
+        if not isinstance(args, tuple):
+            args = (args,)
+        flat = jax.tree.leaves((args, list(old_state_vals)))
+        outs = self.hidden_perturb.eval_jaxpr(flat, perturb_data)
+        return minfo._process(*args, jaxpr_outs=outs)
+
+    def dict(self) -> dict[str, Any]:
+        return self._asdict()
+
+    def __repr__(self) -> str:
+        return (
+            f"ETraceGraph(hidden_groups={[g.hidden_paths for g in self.hidden_groups]}, "
+            f"relations={list(self.hidden_param_op_relations)}, n_diagnostics={len(self.diagnostics)})"
+        )
+
+
+ETraceGraph.__module__ = "braintrace"
+
+_guard = threading.local()
+
+
+@contextlib.contextmanager
+def _no_recursion() -> Iterator[None]:
+    if getattr(_guard, "active", False):
+        raise NotImplementedError(
+            'Detected recursive call to "compile_graph". Do not compile a learner inside the '
+            "step of a model that is itself being compiled."
+        )
+    _guard.active = True
+    try:
+        yield
+    finally:
+        _guard.active = False
+
+
+def _hoisted_vars(minfo: ModuleInfo, groups: Sequence[HiddenGroup], relations: Sequence[HiddenParamOpRelation]) -> list[Var]:
+    """The intermediates the executors read: relation inputs, tail and transition inputs."""
+    candidates: list[Any] = []
+    for rel in relations:
+        if rel.x_var is not None:
+            candidates.append(rel.x_var)
+        for tail in rel.y_to_hidden_group_jaxprs:
+            candidates.extend([*tail.invars, *tail.constvars])
+    for group in groups:
+        if group.descent is None:
+            candidates.extend([*group.hidden_invars, *group.transition_jaxpr_constvars])
+    existing = set(v for v in minfo.jaxpr.outvars if isinstance(v, Var))
+    hoisted = dict.fromkeys(
+        v for v in candidates if isinstance(v, Var) and not isinstance(v, Literal) and v not in existing
+    )
+    return list(hoisted)
+
+
+def compile_etrace_graph(
+    model: brainstate.nn.Module,
+    *model_args: Any,
+    include_hidden_perturb: bool = True,
+    include_recurrent_mixing: bool = False,
+    control_flow: ControlFlowPolicy | None = None,
+) -> ETraceGraph:
+    """Compile one step of ``model`` into an :class:`ETraceGraph`.
+
+    Parameters
+    ----------
+    model : brainstate.nn.Module
+        The model, states initialised.
+    *model_args
+        Example inputs of one step.
+    include_hidden_perturb : bool
+        Build the perturbed step (needed by the learners).
+    include_recurrent_mixing : bool
+        Trace weight mixing into the group transitions (block-diagonal Jacobians).
+    control_flow : ControlFlowPolicy, optional
+        Treatment of control flow inside the step.
+
+    Returns
+    -------
+    ETraceGraph
+
+    Raises
+    ------
+    TypeError
+        If ``model`` is not a ``brainstate.nn.Module``.
+    NotSupportedError
+        If the step writes a ``ParamState``, or coupled hidden states differ in shape.
+    NotImplementedError
+        On a recursive compile, or control flow the policy rejects.
+    """
+    with _no_recursion(), diagnostic_context() as reporter:
+        minfo = extract_module_info(model, *model_args, control_flow=control_flow)
+        groups, hid_path_to_group = find_hidden_groups_from_minfo(
+            minfo, include_recurrent_mixing=include_recurrent_mixing
+        )
+        for i, group in enumerate(groups):
+            if group.index != i:
+                raise RuntimeError(f"Hidden group {group.index} sits at position {i}.")
+        relations = find_hidden_param_op_relations_from_minfo(minfo, hid_path_to_group)
+        minfo = minfo.add_jaxpr_outs(_hoisted_vars(minfo, groups, relations))
+        perturb = add_hidden_perturbation_from_minfo(minfo) if include_hidden_perturb else None
+    return ETraceGraph(
+        module_info=minfo,
+        hidden_groups=groups,
+        hid_path_to_group=hid_path_to_group,
+        hidden_param_op_relations=relations,
+        hidden_perturb=perturb,
+        diagnostics=reporter.records(),
+    )

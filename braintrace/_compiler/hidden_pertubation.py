@@ -1,0 +1,213 @@
+"""The hidden perturbation: reading ``∂L/∂h^t`` off additive perturbations of the step.
+
+Every hidden output ``h^t = f(...)`` is rewritten to ``ĥ = f(...)``, ``h^t = ĥ + p_h`` with a
+new jaxpr input ``p_h``. Since ``∂L/∂p_h = ∂L/∂h^t``, the VJP of the perturbed step at
+``p = 0`` gives the same-step learning signal of every hidden state, and everything downstream
+of ``h^t`` (readouts) sees the perturbed value. (The module name keeps upstream's spelling.)
+
+Examples
+--------
+>>> import brainstate, jax.numpy as jnp, braintrace
+>>> class Leaky(brainstate.nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.w = brainstate.ParamState(jnp.ones((2, 2)))
+...         self.h = brainstate.HiddenState(jnp.zeros(2))
+...     def update(self, x):
+...         self.h.value = 0.5 * self.h.value + braintrace.matmul(x, self.w.value)
+...         return self.h.value.sum()
+>>> pert = braintrace.add_hidden_perturbation_in_module(Leaky(), jnp.ones(2))
+>>> pert.perturb_hidden_paths, [p.shape for p in pert.init_perturb_data()]
+([('h',)], [(2,)])
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import brainstate
+import brainunit as u
+import jax
+import jax.numpy as jnp
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, new_jaxpr_eqn
+
+from braintrace._compiler.base import JaxprEvaluation, check_unsupported_op
+from braintrace._compiler.control_flow_policy import DEFAULT_CONTROL_FLOW_POLICY, ControlFlowPolicy
+from braintrace._compiler.diagnostics import DiagnosticKind, DiagnosticLevel, emit
+from braintrace._compiler.hidden_group import HiddenGroup
+from braintrace._compiler.jaxpr_graph import fresh_var, new_jaxpr
+from braintrace._compiler.module_info import ModuleInfo, Path, extract_module_info
+
+__all__ = [
+    "HiddenPerturbation",
+    "JaxprEvalForHiddenPerturbation",
+    "add_hidden_perturbation_from_minfo",
+    "add_hidden_perturbation_in_module",
+]
+
+_STOP_GRADIENT = jax.make_jaxpr(jax.lax.stop_gradient)(0.0).jaxpr.eqns[0].primitive
+
+
+class HiddenPerturbation(NamedTuple):
+    """The perturbed step: original inputs, then one perturbation per hidden state.
+
+    Attributes
+    ----------
+    perturb_vars : list of Var
+        The perturbation inputs, in compiled-state order of their hidden states.
+    perturb_hidden_paths : list
+        The perturbed hidden states' paths.
+    perturb_hidden_states : list
+        The perturbed hidden states.
+    perturb_jaxpr : ClosedJaxpr
+        The perturbed step.
+    """
+
+    perturb_vars: list[Var]
+    perturb_hidden_paths: list[Path]
+    perturb_hidden_states: list[brainstate.HiddenState]
+    perturb_jaxpr: ClosedJaxpr
+
+    def eval_jaxpr(self, inputs: Sequence[Any], perturb_data: Sequence[Any]) -> list[Any]:
+        """Evaluate the perturbed step on flat ``inputs`` and ``perturb_data``."""
+        jaxpr = self.perturb_jaxpr
+        return list(jax.core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *inputs, *perturb_data))
+
+    def init_perturb_data(self) -> list[jax.Array]:
+        """Zero perturbations."""
+        return [jnp.zeros(v.aval.shape, v.aval.dtype) for v in self.perturb_vars]
+
+    def perturb_data_to_hidden_group_data(
+        self, perturb_data: Sequence[Any], hidden_groups: Sequence[HiddenGroup]
+    ) -> list[jax.Array]:
+        """Per group, the member perturbations stacked on a trailing state axis."""
+        if len(perturb_data) != len(self.perturb_hidden_paths):
+            raise ValueError(
+                f"Expected {len(self.perturb_hidden_paths)} perturbations, got {len(perturb_data)}."
+            )
+        by_path = dict(zip(self.perturb_hidden_paths, perturb_data))
+        return [
+            group.concat_hidden([u.get_mantissa(by_path[p]) for p in group.hidden_paths])
+            for group in hidden_groups
+        ]
+
+    def dict(self) -> dict[str, Any]:
+        return self._asdict()
+
+
+HiddenPerturbation.__module__ = "braintrace"
+
+
+def _add_eqn(a: Any, b: Any, out: Var, like: JaxprEqn | None) -> JaxprEqn:
+    return new_jaxpr_eqn([a, b], [out], jax.lax.add_p, {}, set(),
+                         None if like is None else like.source_info, None if like is None else like.ctx)
+
+
+class JaxprEvalForHiddenPerturbation(JaxprEvaluation):
+    """Rewrites a step jaxpr into its perturbed form (see the module docstring)."""
+
+    def __init__(
+        self,
+        closed_jaxpr: ClosedJaxpr,
+        hidden_outvar_to_invar: dict[Var, Var],
+        weight_invars: Sequence[Var],
+        invar_to_hidden_path: dict[Var, Path],
+        outvar_to_hidden_path: dict[Var, Path],
+        path_to_state: dict[Path, Any],
+        control_flow: ControlFlowPolicy = DEFAULT_CONTROL_FLOW_POLICY,
+        descended_scan_eqn_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        super().__init__(weight_invars, hidden_outvar_to_invar.values(), hidden_outvar_to_invar,
+                         invar_to_hidden_path, outvar_to_hidden_path, control_flow=control_flow)
+        self.closed_jaxpr = closed_jaxpr
+        self.path_to_state = path_to_state
+        self.descended_scan_eqn_ids = descended_scan_eqn_ids
+        self.perturb: dict[Var, Var] = {
+            h: Var(jax.core.ShapedArray(h.aval.shape, h.aval.dtype)) for h in hidden_outvar_to_invar
+        }
+        self.pending = dict.fromkeys(hidden_outvar_to_invar)
+        self.eqns: list[JaxprEqn] = []
+
+    def compile(self) -> HiddenPerturbation:
+        jaxpr = self.closed_jaxpr.jaxpr
+        self._eval_jaxpr(jaxpr)
+        outvars = list(jaxpr.outvars)
+        for h in list(self.pending):
+            if h in jaxpr.invars or h in jaxpr.constvars:  # read-only: h^t = h^{t-1}
+                shifted = fresh_var(h)
+                self.eqns.append(_add_eqn(h, self.perturb[h], shifted, None))
+                outvars = [shifted if v is h else v for v in outvars]
+                del self.pending[h]
+        if self.pending:
+            paths = [self.outvar_to_hidden_path.get(h) for h in self.pending]
+            raise ValueError(
+                f"Error: we did not found your defined hidden state {paths} in the step jaxpr. "
+                f"Please report an issue with the model that triggers it."
+            )
+        perturb_vars = list(self.perturb.values())
+        new = new_jaxpr(jaxpr.constvars, [*jaxpr.invars, *perturb_vars], outvars, self.eqns,
+                        jaxpr.effects, name="perturbed_step")
+        paths = [self.outvar_to_hidden_path[h] for h in self.perturb]
+        return HiddenPerturbation(
+            perturb_vars=perturb_vars,
+            perturb_hidden_paths=paths,
+            perturb_hidden_states=[self.path_to_state[p] for p in paths],
+            perturb_jaxpr=ClosedJaxpr(new, self.closed_jaxpr.consts),
+        )
+
+    def _eval_jaxpr(self, jaxpr: Jaxpr) -> None:
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            if name in ("scan", "while", "cond"):
+                check_unsupported_op(self, eqn, name)
+            self._eval_eqn(eqn)
+
+    def _eval_eqn(self, eqn: JaxprEqn) -> None:
+        hits = [v for v in eqn.outvars if isinstance(v, Var) and v in self.pending]
+        if not hits:
+            self.eqns.append(eqn)
+            return
+        if eqn.primitive.name == "while":
+            eqn = self._detach_inputs(eqn)
+        renamed = {h: fresh_var(h) for h in hits}
+        self.eqns.append(eqn.replace(outvars=[renamed.get(v, v) for v in eqn.outvars]))
+        for h, fresh in renamed.items():
+            self.eqns.append(_add_eqn(fresh, self.perturb[h], h, eqn))
+            del self.pending[h]
+
+    def _detach_inputs(self, eqn: JaxprEqn) -> JaxprEqn:
+        """Feed a hidden-producing while through ``stop_gradient``: reverse mode cannot enter it."""
+        invars = []
+        n_detached = 0
+        for a in eqn.invars:
+            if isinstance(a, Var) and not isinstance(a, Literal):
+                detached = fresh_var(a)
+                self.eqns.append(new_jaxpr_eqn([a], [detached], _STOP_GRADIENT, {}, set(), eqn.source_info, eqn.ctx))
+                invars.append(detached)
+                n_detached += 1
+            else:
+                invars.append(a)
+        emit(DiagnosticKind.CONTROL_FLOW_OPAQUE_FWD, DiagnosticLevel.WARNING,
+             "A while_loop computes a hidden state: its inputs are detached in the perturbed step, "
+             "so parameters whose only same-step path to the loss crosses the loop get no "
+             "same-step learning signal.",
+             context={"site": "perturbation", "n_detached": n_detached})
+        return eqn.replace(invars=invars)
+
+
+def add_hidden_perturbation_from_minfo(
+    minfo: ModuleInfo, descended_scan_eqn_ids: frozenset[int] = frozenset()
+) -> HiddenPerturbation:
+    """The perturbed form of a traced step."""
+    return JaxprEvalForHiddenPerturbation(
+        minfo.closed_jaxpr, minfo.hidden_outvar_to_invar, minfo.weight_invars,
+        minfo.invar_to_hidden_path, minfo.outvar_to_hidden_path, minfo.retrieved_model_states,
+        control_flow=minfo.control_flow, descended_scan_eqn_ids=descended_scan_eqn_ids,
+    ).compile()
+
+
+def add_hidden_perturbation_in_module(
+    model: brainstate.nn.Module, *model_args: Any, **model_kwargs: Any
+) -> HiddenPerturbation:
+    """Trace one step of ``model`` and return its perturbed form."""
+    return add_hidden_perturbation_from_minfo(extract_module_info(model, *model_args, **model_kwargs))

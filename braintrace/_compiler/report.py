@@ -1,0 +1,148 @@
+"""``CompilationReport``: a readable summary of an ``ETraceGraph``.
+
+Examples
+--------
+>>> import brainstate, jax.numpy as jnp, braintrace
+>>> class Leaky(brainstate.nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.w = brainstate.ParamState(jnp.ones((3, 2)))
+...         self.h = brainstate.HiddenState(jnp.zeros(2))
+...     def update(self, x):
+...         self.h.value = 0.5 * self.h.value + braintrace.matmul(x, self.w.value)
+...         return self.h.value
+>>> report = braintrace.CompilationReport(braintrace.compile_etrace_graph(Leaky(), jnp.ones(3)))
+>>> report.counts['etrace_weights'], report.hidden_groups
+(1, [(0, [('h',)])])
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+import brainstate
+
+from braintrace._compiler.diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel
+from braintrace._compiler.graph import ETraceGraph
+from braintrace._compiler.module_info import Path
+
+__all__ = ["CompilationReport"]
+
+_EXCLUSION_KINDS = (
+    DiagnosticKind.RELATION_EXCLUDED_NO_PARAMSTATE,
+    DiagnosticKind.RELATION_EXCLUDED_NON_TEMPORAL,
+    DiagnosticKind.RELATION_EXCLUDED_SHAPE_MISMATCH,
+    DiagnosticKind.RELATION_EXCLUDED_WEIGHT_TO_WEIGHT,
+)
+
+
+class CompilationReport:
+    """A read-only view of an :class:`ETraceGraph` for people.
+
+    Parameters
+    ----------
+    graph : ETraceGraph
+    """
+
+    def __init__(self, graph: ETraceGraph) -> None:
+        self.graph = graph
+
+    @property
+    def hidden_groups(self) -> list[tuple[int, list[Path]]]:
+        """``(index, member paths)`` per group."""
+        return [(g.index, list(g.hidden_paths)) for g in self.graph.hidden_groups]
+
+    @property
+    def etrace_weights(self) -> list[tuple[Path, list[int]]]:
+        """``(path, group indices)`` per trainable key of every relation."""
+        return [
+            (path, [g.index for g in rel.hidden_groups])
+            for rel in self.graph.hidden_param_op_relations
+            for path in rel.trainable_paths.values()
+        ]
+
+    @property
+    def excluded_weights(self) -> list[tuple[Path, str | None]]:
+        """``(path, reason)`` per ``ParamState`` that learns through no relation."""
+        included = {p for rel in self.graph.hidden_param_op_relations for p in rel.trainable_paths.values()}
+        out = []
+        for path, state in self.graph.module_info.retrieved_model_states.items():
+            if isinstance(state, brainstate.ParamState) and path not in included:
+                out.append((path, self._exclusion_reason(path)))
+        return out
+
+    def _exclusion_reason(self, path: Path) -> str | None:
+        for record in self.graph.diagnostics:
+            if record.weight_path == path and record.kind in _EXCLUSION_KINDS:
+                return str(record.kind.value)
+        return None
+
+    @property
+    def dynamic_states(self) -> list[Path]:
+        """``ShortTermState`` paths that belong to no hidden group."""
+        grouped = set(self.graph.hid_path_to_group)
+        return [
+            path for path, st in self.graph.module_info.retrieved_model_states.items()
+            if isinstance(st, brainstate.ShortTermState) and path not in grouped
+        ]
+
+    @property
+    def diagnostics(self) -> tuple[CompilationRecord, ...]:
+        return tuple(self.graph.diagnostics)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        levels = [r.level for r in self.graph.diagnostics]
+        return {
+            "hidden_groups": len(self.graph.hidden_groups),
+            "etrace_weights": len(self.etrace_weights),
+            "excluded_weights": len(self.excluded_weights),
+            "warnings": levels.count(DiagnosticLevel.WARNING),
+            "errors": levels.count(DiagnosticLevel.ERROR),
+        }
+
+    def to_str(self, level: int = 1) -> str:
+        """The report as text; ``level >= 2`` adds the compiler's warnings and errors."""
+        sections = ["=" * 120]
+        lines = ["The hidden groups are:"]
+        lines += [f"   Group {i}: {paths}" for i, paths in self.hidden_groups]
+        sections.append("\n".join(lines))
+        if self.dynamic_states:
+            lines = ["The dynamic (non-hidden) states are:"]
+            lines += [f"   Dynamic state {i}: {p}" for i, p in enumerate(self.dynamic_states)]
+            sections.append("\n".join(lines))
+        relations = self.graph.hidden_param_op_relations
+        if relations:
+            lines = ["The weight parameters which are associated with the hidden states are:"]
+            for i, rel in enumerate(relations):
+                idx = [g.index for g in rel.hidden_groups]
+                where = f"group {idx[0]}" if len(idx) == 1 else f"groups {idx}"
+                lines.append(f"   Weight {i}: {rel.path}  is associated with hidden {where}")
+            sections.append("\n".join(lines))
+        if self.excluded_weights:
+            lines = ["The non-etrace weight parameters are:"]
+            for i, (path, reason) in enumerate(self.excluded_weights):
+                lines.append(f"   Weight {i}: {path}" + (f"  (excluded: {reason})" if reason else ""))
+            sections.append("\n".join(lines))
+        issues = [r for r in self.graph.diagnostics if r.level is not DiagnosticLevel.INFO]
+        if level >= 2 and issues:
+            lines = ["Compiler diagnostics (warnings / errors):"]
+            lines += [f"   [{r.level.value}] {r.kind.value}: {r.message}" for r in issues]
+            sections.append("\n".join(lines))
+        return "\n\n".join(sections)
+
+    def show(self, level: int = 1, *, file: TextIO | None = None) -> None:
+        """Print :meth:`to_str`."""
+        print(self.to_str(level), file=file if file is not None else sys.stdout)
+
+    def __repr__(self) -> str:
+        c = self.counts
+        return (
+            f"CompilationReport(hidden_groups={c['hidden_groups']}, etrace_weights={c['etrace_weights']}, "
+            f"excluded_weights={c['excluded_weights']}, warnings={c['warnings']}, errors={c['errors']})"
+        )
+
+
+CompilationReport.__module__ = "braintrace"
+
