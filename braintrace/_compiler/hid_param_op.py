@@ -53,6 +53,7 @@ from braintrace._op._registries import (
     is_etp_enable_gradient_primitive,
     is_etp_primitive,
 )
+from braintrace._op._rule_helpers import shape_of
 
 __all__ = [
     "HiddenParamOpRelation",
@@ -329,7 +330,8 @@ def _relation_of(
 ) -> HiddenParamOpRelation | None:
     prim = eqn.primitive
     xi = get_x_invar_index(prim)
-    x_var = eqn.invars[xi] if xi is not None and _is_var(eqn.invars[xi]) else None
+    x_atom = eqn.invars[xi] if xi is not None else None
+    x_var = x_atom if isinstance(x_atom, Var) and not isinstance(x_atom, Literal) else None
     y_var = eqn.outvars[get_y_outvar_index(prim)]
     if len(eqn.outvars) > 1:
         emit(DiagnosticKind.MULTI_OUTPUT_PRIMITIVE_DETECTED, DiagnosticLevel.INFO,
@@ -355,7 +357,7 @@ def _relation_of(
     kept: dict[Var, str] = {}
     for h in targets:
         h_path = outvar_to_hidden_path[h]
-        y_shape, h_shape = tuple(y_var.aval.shape), tuple(h.aval.shape)
+        y_shape, h_shape = shape_of(y_var), shape_of(h)
         try:
             jnp.broadcast_shapes(y_shape, h_shape)
         except ValueError:
@@ -418,7 +420,7 @@ def _classify(graph: _Graph, eqn: JaxprEqn, y_var: Var, h: Var) -> str:
     forward, _ = graph.reach(y_var, eqn, stop=(), restricted=False)
     fwd = set(forward)
     backward: set[Var] = set()
-    queue = deque([h])
+    queue: deque[Any] = deque([h])
     while queue:
         v = queue.popleft()
         if v in backward:

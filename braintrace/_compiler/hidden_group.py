@@ -99,7 +99,7 @@ class HiddenGroup(NamedTuple):
         Set when the group lives inside a descended scan.
     """
 
-    index: int
+    index: int  # type: ignore[assignment]  # the field name is part of the public API
     hidden_paths: list[Path]
     hidden_states: list[brainstate.HiddenState]
     hidden_invars: list[Var]

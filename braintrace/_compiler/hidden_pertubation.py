@@ -36,7 +36,9 @@ from braintrace._compiler.control_flow_policy import DEFAULT_CONTROL_FLOW_POLICY
 from braintrace._compiler.diagnostics import DiagnosticKind, DiagnosticLevel, emit
 from braintrace._compiler.hidden_group import HiddenGroup
 from braintrace._compiler.jaxpr_graph import fresh_var, new_jaxpr
+from braintrace._compatible_imports import ShapedArray
 from braintrace._compiler.module_info import ModuleInfo, Path, extract_module_info
+from braintrace._op._rule_helpers import dtype_of, shape_of
 
 __all__ = [
     "HiddenPerturbation",
@@ -75,7 +77,7 @@ class HiddenPerturbation(NamedTuple):
 
     def init_perturb_data(self) -> list[jax.Array]:
         """Zero perturbations."""
-        return [jnp.zeros(v.aval.shape, v.aval.dtype) for v in self.perturb_vars]
+        return [jnp.zeros(shape_of(v), dtype_of(v)) for v in self.perturb_vars]
 
     def perturb_data_to_hidden_group_data(
         self, perturb_data: Sequence[Any], hidden_groups: Sequence[HiddenGroup]
@@ -123,7 +125,7 @@ class JaxprEvalForHiddenPerturbation(JaxprEvaluation):
         self.path_to_state = path_to_state
         self.descended_scan_eqn_ids = descended_scan_eqn_ids
         self.perturb: dict[Var, Var] = {
-            h: Var(jax.core.ShapedArray(h.aval.shape, h.aval.dtype)) for h in hidden_outvar_to_invar
+            h: Var(ShapedArray(shape_of(h), dtype_of(h))) for h in hidden_outvar_to_invar
         }
         self.pending = dict.fromkeys(hidden_outvar_to_invar)
         self.eqns: list[JaxprEqn] = []
@@ -139,9 +141,9 @@ class JaxprEvalForHiddenPerturbation(JaxprEvaluation):
                 outvars = [shifted if v is h else v for v in outvars]
                 del self.pending[h]
         if self.pending:
-            paths = [self.outvar_to_hidden_path.get(h) for h in self.pending]
+            missing = [self.outvar_to_hidden_path.get(h) for h in self.pending]
             raise ValueError(
-                f"Error: we did not found your defined hidden state {paths} in the step jaxpr. "
+                f"Error: we did not found your defined hidden state {missing} in the step jaxpr. "
                 f"Please report an issue with the model that triggers it."
             )
         perturb_vars = list(self.perturb.values())
@@ -177,7 +179,7 @@ class JaxprEvalForHiddenPerturbation(JaxprEvaluation):
 
     def _detach_inputs(self, eqn: JaxprEqn) -> JaxprEqn:
         """Feed a hidden-producing while through ``stop_gradient``: reverse mode cannot enter it."""
-        invars = []
+        invars: list[Any] = []
         n_detached = 0
         for a in eqn.invars:
             if isinstance(a, Var) and not isinstance(a, Literal):

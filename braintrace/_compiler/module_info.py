@@ -135,10 +135,15 @@ class ModuleInfo(NamedTuple):
         return self._process(*args, jaxpr_outs=outs)
 
     def _process(self, *args: Any, jaxpr_outs: Sequence[Any]) -> tuple[Any, ...]:
+        """Split raw step outputs into ``(out, hidden_vals, other_state_vals, temps)``."""
         n_main = self.num_var_out + self.num_var_state
         treedef = self.stateful_model.get_out_treedef(*args)
         out, state_vals = jax.tree.unflatten(treedef, list(jaxpr_outs[:n_main]))
-        temps: dict[Var, Any] = dict(zip(self.jaxpr.outvars[n_main:], jaxpr_outs[n_main:]))
+        # Every variable output by the step (hoisted intermediates, and weight/state variables
+        # that pass through) can be looked up by the executors.
+        temps: dict[Any, Any] = {
+            v: val for v, val in zip(self.jaxpr.outvars, jaxpr_outs) if isinstance(v, Var) and not isinstance(v, Literal)
+        }
         for path, invar in self.hidden_path_to_invar.items():
             temps[invar] = u.get_mantissa(self.retrieved_model_states[path].value)
         hidden_vals: dict[Path, Any] = {}
@@ -184,7 +189,7 @@ def extract_module_info(
     NotSupportedError
         If the step writes a ``ParamState``.
     ValueError
-        If a state's unit changes during the step.
+        If a state's unit changes during the step (raised by brainstate when it is written).
     """
     if not isinstance(model, brainstate.nn.Module):
         raise ModelTypeError(
@@ -203,7 +208,6 @@ def extract_module_info(
                 f"Online learning treats ParamState values as fixed within a step: compute the "
                 f"changed weight into a local variable, or keep it in a ShortTermState."
             )
-    _check_state_units(stateful, compiled, path_of, model_args, model_kwargs)
     closed = inline_jit_calls(closed)
     return _build_tables(stateful, closed, retrieved, compiled, path_of, model_args, model_kwargs, policy)
 
@@ -236,21 +240,6 @@ def _reconcile_states(
     return path_of
 
 
-def _check_state_units(
-    stateful: Any, compiled: tuple[brainstate.State, ...], path_of: dict[int, Path],
-    args: tuple[Any, ...], kwargs: dict[str, Any],
-) -> None:
-    _, state_shapes = stateful.get_out_shapes(*args, **kwargs)
-    for st, out in zip(compiled, state_shapes):
-        in_units = [u.get_unit(leaf) for leaf in jax.tree.leaves(st.value, is_leaf=u.math.is_quantity)]
-        out_units = [u.get_unit(leaf) for leaf in jax.tree.leaves(out, is_leaf=u.math.is_quantity)]
-        if in_units != out_units:
-            raise ValueError(
-                f"The unit of state {path_of[id(st)]} changes during the step: {in_units} in, "
-                f"{out_units} out. Keep a state's unit fixed."
-            )
-
-
 def _build_tables(
     stateful: Any, closed: ClosedJaxpr, retrieved: dict[Path, brainstate.State],
     compiled: tuple[brainstate.State, ...], path_of: dict[int, Path],
@@ -259,15 +248,16 @@ def _build_tables(
     jaxpr = closed.jaxpr
     num_in = len(jax.tree.leaves((args, kwargs)))
     state_trees = [jax.tree.structure(st.value) for st in compiled]
-    num_state = sum(t.num_leaves for t in state_trees)
+    sizes = [len(jax.tree.leaves(st.value)) for st in compiled]
+    num_state = sum(sizes)
     num_out = len(jaxpr.outvars) - num_state
     tree_in, tree_out = [], []
     i_in, i_out = num_in, num_out
-    for tree in state_trees:
-        tree_in.append(jax.tree.unflatten(tree, jaxpr.invars[i_in:i_in + tree.num_leaves]))
-        tree_out.append(jax.tree.unflatten(tree, jaxpr.outvars[i_out:i_out + tree.num_leaves]))
-        i_in += tree.num_leaves
-        i_out += tree.num_leaves
+    for tree, size in zip(state_trees, sizes):
+        tree_in.append(jax.tree.unflatten(tree, jaxpr.invars[i_in:i_in + size]))
+        tree_out.append(jax.tree.unflatten(tree, jaxpr.outvars[i_out:i_out + size]))
+        i_in += size
+        i_out += size
 
     hid_in: dict[Path, Var] = {}
     hid_out: dict[Path, Var] = {}
