@@ -4,6 +4,18 @@ Mark the weights that should learn online with an ETP operator (``braintrace.mat
 ``braintrace.element_wise``, ...) and compile the model into an online learner.
 """
 
+from braintrace._algorithm import (
+    D_RTRL,
+    EligibilityTrace,
+    ETraceAlgorithm,
+    ETraceGraphExecutor,
+    ETraceVjpAlgorithm,
+    ETraceVjpGraphExecutor,
+    MultiStepData,
+    ParamDimVjpAlgorithm,
+    SingleStepData,
+)
+from braintrace._compile import compile
 from braintrace._compiler import (
     CompilationRecord,
     CompilationReport,
@@ -25,7 +37,15 @@ from braintrace._compiler import (
     find_hidden_param_op_relations_from_module,
 )
 from braintrace._errors import CompilationError, NotSupportedError
-from braintrace._op import ETPPrimitive, element_wise, matmul, register_primitive
+from braintrace._op import (
+    ETPPrimitive,
+    element_wise,
+    embedding,
+    grouped_matmul,
+    lora_matmul,
+    matmul,
+    register_primitive,
+)
 
 __version__ = "0.2.4"
 __version_info__ = tuple(int(part) for part in __version__.split("."))
@@ -33,10 +53,23 @@ __version_info__ = tuple(int(part) for part in __version__.split("."))
 __all__ = [
     "__version__",
     "__version_info__",
+    "ETraceAlgorithm",
+    "EligibilityTrace",
+    "ETraceVjpAlgorithm",
+    "ETraceVjpGraphExecutor",
+    "ParamDimVjpAlgorithm",
+    "D_RTRL",
+    "compile",
     "matmul",
+    "grouped_matmul",
+    "embedding",
     "element_wise",
+    "lora_matmul",
     "ETPPrimitive",
     "register_primitive",
+    "SingleStepData",
+    "MultiStepData",
+    "ETraceGraphExecutor",
     "ControlFlowPolicy",
     "ETraceGraph",
     "compile_etrace_graph",

@@ -31,6 +31,9 @@ from braintrace._op._registries import (
 )
 from braintrace._op.dense import etp_mm_p, etp_mv_p, matmul
 from braintrace._op.elemwise import element_wise, etp_elemwise_p
+from braintrace._op.embedding import embedding, etp_emb_p, etp_emb_v_p
+from braintrace._op.grouped import etp_gmm_p, etp_gmv_p, grouped_matmul
+from braintrace._op.lora import etp_lora_mm_p, etp_lora_mv_p, lora_matmul
 
 __all__ = [
     "ETPPrimitive",
@@ -58,7 +61,16 @@ __all__ = [
     "get_pp_x_repr",
     "etp_mm_p",
     "etp_mv_p",
+    "etp_gmm_p",
+    "etp_gmv_p",
+    "etp_emb_p",
+    "etp_emb_v_p",
     "etp_elemwise_p",
+    "etp_lora_mm_p",
+    "etp_lora_mv_p",
     "matmul",
+    "grouped_matmul",
+    "embedding",
     "element_wise",
+    "lora_matmul",
 ]

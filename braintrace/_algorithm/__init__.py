@@ -1,0 +1,23 @@
+"""Learning rules over the compiled ``ETraceGraph``.
+
+The graph executors (:mod:`.graph_executor`) run model steps and extract ``x``, ``df`` and
+``D``; the custom-VJP engine (:mod:`.base`) turns a call into online gradients; each learning
+rule is one module filling in the trace hooks (:mod:`.d_rtrl`, ...).
+"""
+
+from braintrace._algorithm.base import EligibilityTrace, ETraceAlgorithm, ETraceVjpAlgorithm
+from braintrace._algorithm.d_rtrl import D_RTRL, ParamDimVjpAlgorithm
+from braintrace._algorithm.graph_executor import ETraceGraphExecutor, ETraceVjpGraphExecutor
+from braintrace._algorithm.input_data import MultiStepData, SingleStepData
+
+__all__ = [
+    "ETraceAlgorithm",
+    "EligibilityTrace",
+    "ETraceVjpAlgorithm",
+    "ETraceGraphExecutor",
+    "ETraceVjpGraphExecutor",
+    "ParamDimVjpAlgorithm",
+    "D_RTRL",
+    "SingleStepData",
+    "MultiStepData",
+]

@@ -1,0 +1,330 @@
+"""Learner base classes: ``ETraceAlgorithm`` and the custom-VJP engine ``ETraceVjpAlgorithm``.
+
+A learner wraps a model. Calling it runs the model step (or a window of steps) forward and
+rolls the eligibility traces; differentiating through the call (``jax.grad`` of a loss of its
+output) gives the online gradient of every ``ParamState``:
+
+* ``vjp_method='single-step'``: the exact one-step gradient of every parameter (hidden inputs
+  held fixed), plus, for the weights of compiled relations, the history term that the
+  eligibility trace carries (how earlier steps' hidden states depended on the weight);
+* ``vjp_method='multi-step'``: the exact gradient within the window (backpropagation through
+  the window), plus the trace term of the state entering the window.
+
+A learning rule is a subclass that fills in the trace hooks (:meth:`init_etrace_state`,
+:meth:`_update_etrace_data`, :meth:`_solve_weight_gradients`, ...); the engine is shared.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import brainstate
+import brainunit as u
+import jax
+import jax.numpy as jnp
+
+from braintrace._algorithm.graph_executor import ETraceGraphExecutor, ETraceVjpGraphExecutor
+from braintrace._algorithm.input_data import has_multistep_data
+from braintrace._compiler import CompilationReport, ControlFlowPolicy, ETraceGraph
+
+__all__ = ["EligibilityTrace", "ETraceAlgorithm", "ETraceVjpAlgorithm"]
+
+Path = tuple[Any, ...]
+
+
+class EligibilityTrace(brainstate.ShortTermState):
+    """The state type eligibility traces are stored in (a ``ShortTermState``)."""
+
+
+EligibilityTrace.__module__ = "braintrace"
+
+
+class ETraceAlgorithm(brainstate.nn.Module):
+    """A model wrapped with an eligibility-trace learning rule.
+
+    Parameters
+    ----------
+    model : brainstate.nn.Module
+    graph_executor : ETraceGraphExecutor
+    name : str, optional
+    """
+
+    def __init__(self, model: brainstate.nn.Module, graph_executor: ETraceGraphExecutor, name: str | None = None) -> None:
+        super().__init__(name=name)
+        if not isinstance(model, brainstate.nn.Module):
+            raise ValueError(f"The model must be a brainstate.nn.Module, got {type(model).__name__}.")
+        if not isinstance(graph_executor, ETraceGraphExecutor):
+            raise ValueError(f"graph_executor must be an ETraceGraphExecutor, got {type(graph_executor).__name__}.")
+        self.model4compile = model
+        self.graph_executor = graph_executor
+        self.running_index = brainstate.LongTermState(jnp.asarray(0, dtype=jnp.int32))
+        self.is_compiled = False
+        self._split_cache: tuple[dict[Path, Any], dict[Path, Any], dict[Path, Any]] | None = None
+
+    # --- compilation ----------------------------------------------------------------------
+
+    @property
+    def executor(self) -> ETraceGraphExecutor:
+        return self.graph_executor
+
+    @property
+    def graph(self) -> ETraceGraph:
+        return self.graph_executor.graph
+
+    @property
+    def report(self) -> CompilationReport:
+        if not self.is_compiled:
+            raise RuntimeError("The learner is not compiled yet: call compile_graph(example_input) first.")
+        return CompilationReport(self.graph)
+
+    @property
+    def path_to_states(self) -> dict[Path, brainstate.State]:
+        return self.graph_executor.path_to_states
+
+    @property
+    def state_id_to_path(self) -> dict[int, Path]:
+        return self.graph_executor.state_id_to_path
+
+    def _split_states(self) -> tuple[dict[Path, Any], dict[Path, Any], dict[Path, Any]]:
+        if self._split_cache is None:
+            params, hidden, other = {}, {}, {}
+            for path, st in self.graph.module_info.retrieved_model_states.items():
+                if isinstance(st, brainstate.ParamState):
+                    params[path] = st
+                elif isinstance(st, brainstate.HiddenState):
+                    hidden[path] = st
+                else:
+                    other[path] = st
+            self._split_cache = (params, hidden, other)
+        return self._split_cache
+
+    @property
+    def param_states(self) -> dict[Path, brainstate.ParamState]:
+        return self._split_states()[0]
+
+    @property
+    def hidden_states(self) -> dict[Path, brainstate.HiddenState]:
+        return self._split_states()[1]
+
+    @property
+    def other_states(self) -> dict[Path, brainstate.State]:
+        return self._split_states()[2]
+
+    _supports_scan_descent = False
+
+    def compile_graph(self, *args: Any) -> None:
+        """Compile the model step for example inputs and allocate the traces (once)."""
+        probe = getattr(brainstate.transform, "in_new_state_probe", None)
+        if probe is not None and probe():
+            return
+        if self.is_compiled:
+            return
+        self._split_cache = None
+        self.graph_executor.compile_graph(*args)
+        graph = self.graph
+        descended = any(r.control_flow_context is not None for r in graph.hidden_param_op_relations) or any(
+            g.descent is not None for g in graph.hidden_groups
+        )
+        if descended and not self._supports_scan_descent:
+            raise NotImplementedError(
+                f"{type(self).__name__} cannot learn through a descended scan; use D_RTRL, or set "
+                f"ControlFlowPolicy(scan_descent='off')."
+            )
+        self.init_etrace_state(*args)
+        self.is_compiled = True
+
+    def show_graph(self, verbose: bool = True, return_msg: bool = False) -> str | None:
+        return self.graph_executor.show_graph(verbose=verbose, return_msg=return_msg)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.update(*args)
+
+    def update(self, *args: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must implement update().")
+
+    def init_etrace_state(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must implement init_etrace_state().")
+
+    def get_etrace_of(self, weight: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must implement get_etrace_of().")
+
+
+ETraceAlgorithm.__module__ = "braintrace"
+
+
+class ETraceVjpAlgorithm(ETraceAlgorithm):
+    """The custom-VJP engine shared by the learning rules (see the module docstring).
+
+    Parameters
+    ----------
+    model : brainstate.nn.Module
+    name : str, optional
+    vjp_method : {'single-step', 'multi-step'}
+    control_flow : ControlFlowPolicy, optional
+    """
+
+    _include_recurrent_mixing = False
+
+    def __init__(
+        self,
+        model: brainstate.nn.Module,
+        name: str | None = None,
+        vjp_method: str = "single-step",
+        control_flow: ControlFlowPolicy | None = None,
+    ) -> None:
+        if vjp_method not in ("single-step", "multi-step"):
+            raise ValueError(f"vjp_method must be 'single-step' or 'multi-step', got {vjp_method!r}.")
+        executor = ETraceVjpGraphExecutor(
+            model, vjp_method=vjp_method, include_recurrent_mixing=self._include_recurrent_mixing,
+            control_flow=control_flow,
+        )
+        super().__init__(model, executor, name=name)
+        self.vjp_method = vjp_method
+        fn = jax.custom_vjp(self._update_fn)
+        fn.defvjp(self._update_fn_fwd, self._update_fn_bwd)
+        self._true_update_fun = fn
+
+    @property
+    def vjp_executor(self) -> ETraceVjpGraphExecutor:
+        assert isinstance(self.graph_executor, ETraceVjpGraphExecutor)
+        return self.graph_executor
+
+    def _assert_compiled(self) -> None:
+        if not self.is_compiled:
+            raise ValueError(
+                f"{type(self).__name__} is not compiled. Please call `compile_graph()` first (or build "
+                f"the learner with braintrace.compile(model, algorithm, example_input))."
+            )
+
+    def update(self, *args: Any) -> Any:
+        """Run one call (a step, or a :class:`MultiStepData` window) and roll the traces."""
+        self._assert_compiled()
+        params, hidden, other = self._split_states()
+        weight_vals = {p: st.value for p, st in params.items()}
+        hidden_vals = {p: st.value for p, st in hidden.items()}
+        other_vals = {p: st.value for p, st in other.items()}
+        out, new_hidden, new_other, new_etrace = self._true_update_fun(
+            args, weight_vals, hidden_vals, other_vals, self._get_etrace_data(),
+            self.running_index.value, self._get_update_aux(),
+        )
+        for p, v in new_hidden.items():
+            hidden[p].value = v
+        for p, v in new_other.items():
+            other[p].value = v
+        self._assign_etrace_data(new_etrace)
+        ri = self.running_index.value + 1
+        self.running_index.value = jax.lax.stop_gradient(jnp.where(ri >= 0, ri, 0))
+        return out
+
+    # --- the custom VJP -------------------------------------------------------------------
+
+    def _update_fn(
+        self, args: Any, weight_vals: Any, hidden_vals: Any, other_vals: Any, etrace_vals: Any,
+        running_index: Any, aux: Any = None,
+    ) -> tuple[Any, Any, Any, Any]:
+        ex = self.vjp_executor
+        multi = has_multistep_data(*args)
+        stepper = self._make_etrace_stepper(weight_vals) if multi else None
+        out, new_vals, jac, final = ex.run_call(args, {**weight_vals, **hidden_vals, **other_vals}, stepper, etrace_vals)
+        new_etrace = final if stepper is not None else self._update_etrace_data(
+            running_index, etrace_vals, jac[0], jac[1], weight_vals, multi)
+        hid, oth = ex.split_hidden_other(new_vals)
+        return out, hid, oth, new_etrace
+
+    def _update_fn_fwd(
+        self, args: Any, weight_vals: Any, hidden_vals: Any, other_vals: Any, etrace_vals: Any,
+        running_index: Any, aux: Any = None,
+    ) -> tuple[Any, Any]:
+        ex = self.vjp_executor
+        multi = has_multistep_data(*args)
+        if ex.is_single_step_vjp:
+            if multi:
+                raise NotImplementedError(
+                    "The single-step VJP can only support the input data that is at a single time "
+                    "step. Use vjp_method='multi-step' for MultiStepData inputs."
+                )
+            perturb0 = self.graph.hidden_perturb.init_perturb_data()  # type: ignore[union-attr]
+
+            def step(a: Any, w: Any, h: Any, o: Any, p: Any) -> Any:
+                out, new_vals, env = ex.run_step(a, {**w, **h, **o}, p)
+                return (out, *ex.split_hidden_other(new_vals)), ex.extract_jacobians(env)
+
+            primal, vjp_fn, jac = jax.vjp(step, args, weight_vals, hidden_vals, other_vals, perturb0, has_aux=True)
+            new_etrace = self._update_etrace_data(running_index, etrace_vals, jac[0], jac[1], weight_vals, False)
+            trace_for_bwd = self._trace_for_backward(etrace_vals, new_etrace, jac, single_step=True)
+        else:
+            stepper = self._make_etrace_stepper(weight_vals) if multi else None
+
+            def window(a: Any, w: Any, h: Any, o: Any) -> Any:
+                out, new_vals, jac, final = ex.run_call(a, {**w, **h, **o}, stepper, etrace_vals)
+                return (out, *ex.split_hidden_other(new_vals)), (jac, final)
+
+            primal, vjp_fn, (jac, final) = jax.vjp(window, args, weight_vals, hidden_vals, other_vals, has_aux=True)
+            new_etrace = final if stepper is not None else self._update_etrace_data(
+                running_index, etrace_vals, jac[0], jac[1], weight_vals, multi)
+            trace_for_bwd = self._trace_for_backward(etrace_vals, new_etrace, jac, single_step=False)
+        out, hid, oth = primal
+        residuals = (vjp_fn, trace_for_bwd, weight_vals, running_index, args, aux)
+        return (out, hid, oth, new_etrace), residuals
+
+    def _update_fn_bwd(self, residuals: Any, cotangents: Any) -> tuple[Any, ...]:
+        vjp_fn, trace_for_bwd, weight_vals, running_index, args, aux = residuals
+        d_out, d_hid, d_oth, _ = cotangents
+        grads = vjp_fn((d_out, d_hid, d_oth))
+        groups = self.graph.hidden_groups
+        if self.vjp_executor.is_single_step_vjp:
+            dg_args, dg_weights, dg_hidden, dg_other, dg_perturb = grads
+            perturb = self.graph.hidden_perturb
+            assert perturb is not None
+            signal = perturb.perturb_data_to_hidden_group_data(dg_perturb, groups)
+        else:
+            dg_args, dg_weights, dg_hidden, dg_other = grads
+            signal = [
+                g.concat_hidden([u.get_mantissa(dg_hidden[p]) for p in g.hidden_paths]) for g in groups
+            ]
+        signal = self._compute_learning_signal(signal, (*args, aux))
+        dg_weights = self._solve_weight_gradients(running_index, trace_for_bwd, signal, weight_vals, {}, dg_weights)
+        return dg_args, dg_weights, dg_hidden, dg_other, None, None, None
+
+    # --- hooks ----------------------------------------------------------------------------
+
+    def _get_etrace_data(self) -> Any:
+        raise NotImplementedError
+
+    def _assign_etrace_data(self, etrace_vals: Any) -> None:
+        raise NotImplementedError
+
+    def _update_etrace_data(
+        self, running_index: Any, etrace_vals_util_t_1: Any, hid2weight_jac_single_or_multi_times: Any,
+        hid2hid_jac_single_or_multi_times: Any, weight_vals: Any, input_is_multi_step: bool,
+    ) -> Any:
+        raise NotImplementedError
+
+    def _solve_weight_gradients(
+        self, running_index: Any, etrace_h2w_at_t: Any, dl_to_hidden_groups: Sequence[Any],
+        weight_vals: dict[Path, Any], dl_to_nonetws_at_t: dict[Path, Any], dl_to_etws_at_t: dict[Path, Any],
+    ) -> dict[Path, Any]:
+        raise NotImplementedError
+
+    def _trace_for_backward(self, old_etrace: Any, new_etrace: Any, jac: Any, single_step: bool) -> Any:
+        """What the backward pass receives as the trace (default: the trace entering the call)."""
+        return old_etrace
+
+    def _make_etrace_stepper(self, weight_vals: Any) -> Any:
+        return None
+
+    def _compute_learning_signal(self, dl_to_hidden_from_autodiff: list[Any], args: Any) -> list[Any]:
+        return dl_to_hidden_from_autodiff
+
+    def _get_update_aux(self) -> Any:
+        return None
+
+
+ETraceVjpAlgorithm.__module__ = "braintrace"
+
+
+def add_to_leaf(tree: Any, leaf_index: int, value: Any) -> Any:
+    """``tree`` with ``value`` added to its ``leaf_index``-th leaf (a ``None`` tree counts as zeros)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    leaves[leaf_index] = leaves[leaf_index] + value.astype(leaves[leaf_index].dtype)
+    return jax.tree.unflatten(treedef, leaves)

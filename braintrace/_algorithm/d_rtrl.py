@@ -1,0 +1,379 @@
+"""``D_RTRL``: diagonal real-time recurrent learning, a per-parameter eligibility trace.
+
+For every relation (ETP equation ``y = op(x, W)`` driving hidden group ``h``) and trainable key,
+the trace ``ε_W ≈ ∂h^t / ∂W`` (one entry per parameter and hidden state, see the primitive's
+``init_drtrl``) is rolled forward every step:
+
+``ε^t = D^t ε^{t-1} + diag(df^t) ⊗ x^t``
+
+with ``D^t`` the per-position hidden Jacobian of the group and ``df^t`` the Jacobian of the
+``y -> h`` tail. The gradient of a loss at step ``t`` is the exact one-step gradient plus the
+history term ``⟨∂L/∂h^t, D^t ε^{t-1}⟩``.
+
+Exactness: equal to backpropagation through time, element-wise, when the true hidden Jacobian
+is the compiled per-position ``D`` (element-wise leaks, LIF neurons driven by ETP operations,
+no hidden mixing through weights) and the tail is element-wise. Otherwise it is an
+approximation that drops cross-position (weight-mixing) recurrence from the trace.
+
+Examples
+--------
+>>> import brainstate, jax, jax.numpy as jnp, braintrace
+>>> class Leaky(brainstate.nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.w = brainstate.ParamState(jnp.ones((3, 2)))
+...         self.h = brainstate.HiddenState(jnp.zeros(2))
+...     def update(self, x):
+...         self.h.value = 0.5 * self.h.value + braintrace.matmul(x, self.w.value)
+...         return self.h.value
+>>> learner = braintrace.compile(Leaky(), braintrace.D_RTRL, jnp.ones(3))
+>>> grads = brainstate.transform.grad(lambda x: learner(x).sum(), learner.param_states)(jnp.ones(3))
+>>> grads[('w',)].shape
+(3, 2)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import brainstate
+import jax
+import jax.numpy as jnp
+
+from braintrace._algorithm.base import EligibilityTrace, ETraceVjpAlgorithm, add_to_leaf
+from braintrace._algorithm.graph_executor import df_key, trace_key
+from braintrace._compiler import ControlFlowPolicy
+from braintrace._op import _registries as reg
+
+__all__ = ["ParamDimVjpAlgorithm", "D_RTRL"]
+
+Path = tuple[Any, ...]
+Trace = dict[str, jax.Array]
+
+
+def relation_weights(rel: Any, weight_vals: dict[Path, Any]) -> dict[str, jax.Array]:
+    """The current raw values (mantissas) of a relation's trainable operands."""
+    return {
+        k: jax.tree.leaves(weight_vals[rel.trainable_paths[k]])[rel.trainable_leaf_indices[k]]
+        for k in rel.trainable_paths
+    }
+
+
+def transpose_signal(signal: jax.Array, diag: jax.Array) -> jax.Array:
+    """``Dᵀ g`` per position: ``g'[..., c] = Σ_a g[..., a] D[..., a, c]``."""
+    if diag.shape[-1] == 1:
+        return signal * diag[..., 0, :]
+    return jnp.einsum("...a,...ac->...c", signal, diag)
+
+
+class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
+    """D-RTRL: the eligibility trace has the dimension of the parameters (see the module docstring).
+
+    Parameters
+    ----------
+    model : brainstate.nn.Module
+    name : str, optional
+    vjp_method : {'single-step', 'multi-step'}
+    fast_solve : bool
+        Use the primitive's closed-form kernels when it has them and no transform hook is active.
+    trace_dtype : dtype, optional
+        Storage dtype of fast-path traces (e.g. ``jnp.bfloat16``); the math stays in the
+        parameters' precision.
+    chunked_trace : bool
+        Roll multi-step windows in closed form where the kernels allow it.
+    control_flow : ControlFlowPolicy, optional
+    """
+
+    _supports_scan_descent = True
+
+    def __init__(
+        self,
+        model: brainstate.nn.Module,
+        name: str | None = None,
+        vjp_method: str = "single-step",
+        fast_solve: bool = True,
+        trace_dtype: Any = None,
+        chunked_trace: bool = True,
+        control_flow: ControlFlowPolicy | None = None,
+    ) -> None:
+        super().__init__(model, name=name, vjp_method=vjp_method, control_flow=control_flow)
+        self.fast_solve = bool(fast_solve)
+        self.trace_dtype = None if trace_dtype is None else jnp.dtype(trace_dtype)
+        self.chunked_trace = bool(chunked_trace)
+        self.etrace_bwg: dict[Any, EligibilityTrace] = {}
+
+    # --- trace storage --------------------------------------------------------------------
+
+    def _fast_path(self, rel: Any) -> reg.FastPathRules | None:
+        fp = reg.get_fast_path_rules(rel.primitive)
+        if self.fast_solve and fp is not None and fp.applicable(rel.eqn_params):
+            return fp
+        return None
+
+    def init_etrace_state(self, *args: Any, **kwargs: Any) -> None:
+        """Allocate a zero trace per (relation, hidden group)."""
+        traces: dict[Any, EligibilityTrace] = {}
+        for rel in self.graph.hidden_param_op_relations:
+            init = reg.ETP_RULES_INIT_DRTRL[rel.primitive]
+            for group in rel.hidden_groups:
+                key = trace_key(rel, group)
+                if key in traces:
+                    raise ValueError(f"The relation {rel} has been added.")
+                extra: dict[str, Any] = {}
+                if rel.primitive.name == "etp_elemwise":
+                    extra["group"] = group
+                elif rel.primitive.name == "etp_conv":
+                    extra["eqn_params"] = rel.eqn_params
+                value = init(rel.x_var, rel.y_var, rel.trainable_vars, group.num_state, **extra)
+                if not isinstance(value, dict):
+                    raise TypeError(
+                        f"init_drtrl of {rel.primitive.name} must return a dict of traces, got "
+                        f"{type(value).__name__}."
+                    )
+                if self.trace_dtype is not None and self._fast_path(rel) is not None:
+                    value = {k: v.astype(self.trace_dtype) for k, v in value.items()}
+                traces[key] = EligibilityTrace(value)
+        self.etrace_bwg = traces
+
+    def _get_etrace_data(self) -> dict[Any, Trace]:
+        return {k: st.value for k, st in self.etrace_bwg.items()}
+
+    def _assign_etrace_data(self, etrace_vals: dict[Any, Trace]) -> None:
+        for k, v in etrace_vals.items():
+            self.etrace_bwg[k].value = v
+
+    def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+        """Zero every trace and the step counter (model states are not touched).
+
+        With ``batch_size``, traces of batched primitives get that leading batch size; traces of
+        unbatched primitives keep their shape.
+        """
+        self.running_index.value = jnp.zeros_like(self.running_index.value)
+        batched = {
+            trace_key(rel, g): reg.is_batched_primitive(rel.primitive)
+            for rel in self.graph.hidden_param_op_relations for g in rel.hidden_groups
+        }
+        for key, st in self.etrace_bwg.items():
+            def zeros(v: jax.Array, resize: bool = batched.get(key, False)) -> jax.Array:
+                shape = (batch_size, *v.shape[1:]) if (batch_size is not None and resize) else v.shape
+                return jnp.zeros(shape, v.dtype)
+
+            st.value = jax.tree.map(zeros, st.value)
+
+    def get_etrace_of(self, weight: Any) -> dict[Any, Trace]:
+        """The traces of every relation that has ``weight`` (a ``ParamState`` or its path) as a key.
+
+        Raises
+        ------
+        ValueError
+            If no relation learns ``weight``.
+        """
+        path = weight if isinstance(weight, tuple) else self.state_id_to_path.get(id(weight))
+        found = {}
+        for rel in self.graph.hidden_param_op_relations:
+            keys = [k for k, p in rel.trainable_paths.items() if p == path]
+            if keys:
+                for g in rel.hidden_groups:
+                    tk = trace_key(rel, g)
+                    found[tk] = {k: self.etrace_bwg[tk].value[k] for k in keys}
+        if not found:
+            raise ValueError(f"Do not the etrace of the given weight: {weight if path is None else path}.")
+        return found
+
+    # --- one step of the trace ------------------------------------------------------------
+
+    def _step_relation(
+        self, rel: Any, group: Any, old: Trace, diag: jax.Array, x: Any, df: jax.Array, weights: Trace
+    ) -> Trace:
+        num_state = group.num_state
+        fp = self._fast_path(rel)
+        if fp is not None:
+            math_dtype = jnp.result_type(*[w.dtype for w in weights.values()], df.dtype)
+            old_m = {k: v.astype(math_dtype) for k, v in old.items()}
+            new = fp.recurrent(diag, old_m, num_state)
+            inst = fp.instant(x, df, bool(rel.eqn_params.get("has_bias", False)))
+            return {k: (new[k] + inst[k]).astype(old[k].dtype) for k in old}
+        recurrent = self._general_recurrent(rel, diag, old, num_state)
+        inst = self._general_instant(rel, x, df, weights)
+        return {k: (recurrent[k] + inst[k]).astype(old[k].dtype) for k in old}
+
+    @staticmethod
+    def _general_recurrent(rel: Any, diag: jax.Array, old: Trace, num_state: int) -> Trace:
+        dt_to_t = reg.ETP_RULES_DT_TO_T[rel.primitive]
+        rows = []
+        for a in range(num_state):
+            terms = [
+                dt_to_t(diag[..., a, c], {k: v[..., c] for k, v in old.items()}, **rel.eqn_params)
+                for c in range(num_state)
+            ]
+            rows.append({k: sum(t[k] for t in terms) for k in old})
+        return {k: jnp.stack([r[k] for r in rows], axis=-1) for k in old}
+
+    @staticmethod
+    def _general_instant(rel: Any, x: Any, df: jax.Array, weights: Trace) -> Trace:
+        rule = reg.get_instant_drtrl_rule(rel.primitive) or reg.ETP_RULES_XY_TO_DW[rel.primitive]
+
+        def one_state(d: jax.Array) -> Trace:
+            if reg.is_batched_primitive(rel.primitive):
+                return jax.vmap(lambda xb, db: rule(xb, db, weights, **rel.eqn_params))(x, d)  # type: ignore[no-any-return]
+            return rule(x, d, weights, **rel.eqn_params)  # type: ignore[no-any-return]
+
+        out: Trace = jax.vmap(one_state, in_axes=-1, out_axes=-1)(df)
+        return out
+
+    def _step_all(
+        self, etrace: dict[Any, Trace], xs: dict[int, Any], dfs: dict[Any, Any], Ds: Sequence[Any], weight_vals: Any
+    ) -> dict[Any, Trace]:
+        new = dict(etrace)
+        for rel in self.graph.hidden_param_op_relations:
+            weights = relation_weights(rel, weight_vals)
+            x = None if rel.x_var is None else xs[id(rel.x_var)]
+            for group in rel.hidden_groups:
+                key = trace_key(rel, group)
+                new[key] = self._step_relation(rel, group, etrace[key], Ds[group.index], x, dfs[df_key(rel, group)], weights)
+        return new
+
+    def _update_etrace_data(
+        self, running_index: Any, etrace_vals_util_t_1: Any, hid2weight_jac_single_or_multi_times: Any,
+        hid2hid_jac_single_or_multi_times: Any, weight_vals: Any, input_is_multi_step: bool,
+    ) -> dict[Any, Trace]:
+        xs, dfs = hid2weight_jac_single_or_multi_times
+        Ds = hid2hid_jac_single_or_multi_times
+        if not input_is_multi_step:
+            return self._step_all(etrace_vals_util_t_1, xs, dfs, Ds, weight_vals)
+        return self._roll_window(etrace_vals_util_t_1, xs, dfs, Ds, weight_vals)
+
+    def _roll_window(self, etrace: dict[Any, Trace], xs: Any, dfs: Any, Ds: Any, weight_vals: Any) -> dict[Any, Trace]:
+        """Roll the trace over a window of stacked Jacobians (closed form where possible)."""
+        chunkable, rest = self._chunk_split()
+        new = dict(etrace)
+        if self.chunked_trace and chunkable:
+            new.update(self._chunk_roll(etrace, xs, dfs, Ds, chunkable))
+        else:
+            rest = rest + chunkable
+
+        if rest:
+            keys = [trace_key(r, g) for r in rest for g in r.hidden_groups]
+
+            def body(carry: dict[Any, Trace], jac: Any) -> tuple[dict[Any, Trace], None]:
+                (x_t, df_t, D_t) = jac
+                stepped = self._step_all({**etrace, **carry}, x_t, df_t, D_t, weight_vals)
+                return {k: stepped[k] for k in keys}, None
+
+            rolled, _ = jax.lax.scan(body, {k: etrace[k] for k in keys}, (xs, dfs, Ds))
+            new.update(rolled)
+        return new
+
+    def _chunk_split(self) -> tuple[list[Any], list[Any]]:
+        chunkable, rest = [], []
+        for rel in self.graph.hidden_param_op_relations:
+            fp = self._fast_path(rel)
+            ok = fp is not None and fp.chunk is not None and rel.control_flow_context is None
+            (chunkable if ok else rest).append(rel)
+        return chunkable, rest
+
+    def _chunk_roll(self, etrace: dict[Any, Trace], xs: Any, dfs: Any, Ds: Any, relations: list[Any]) -> dict[Any, Trace]:
+        suffix: dict[int, tuple[jax.Array, jax.Array]] = {}
+        out = {}
+        for rel in relations:
+            fp = self._fast_path(rel)
+            assert fp is not None and fp.chunk is not None
+            x_seq = None if rel.x_var is None else xs[id(rel.x_var)]
+            for group in rel.hidden_groups:
+                if group.index not in suffix:
+                    suffix[group.index] = suffix_products(Ds[group.index])
+                p_seq, m_full = suffix[group.index]
+                key = trace_key(rel, group)
+                old = etrace[key]
+                math_dtype = dfs[df_key(rel, group)].dtype
+                old_m = {k: v.astype(math_dtype) for k, v in old.items()}
+                new = fp.chunk(x_seq, dfs[df_key(rel, group)], p_seq, m_full, old_m, group.num_state)
+                out[key] = {k: new[k].astype(old[k].dtype) for k in old}
+        return out
+
+    def _make_etrace_stepper(self, weight_vals: Any) -> Any:
+        if self.chunked_trace:
+            return None
+
+        def stepper(carry: dict[Any, Trace], jac: Any) -> tuple[dict[Any, Trace], None]:
+            xs, dfs, Ds = jac
+            return self._step_all(carry, xs, dfs, Ds, weight_vals), None
+
+        return stepper
+
+    # --- the gradient ---------------------------------------------------------------------
+
+    def _trace_for_backward(self, old_etrace: Any, new_etrace: Any, jac: Any, single_step: bool) -> Any:
+        # Single step: the one-step autodiff gradient already holds the instantaneous term, so
+        # the trace contributes its history ⟨g, D ε^{t-1}⟩ = ⟨Dᵀ g, ε^{t-1}⟩; keep D for that.
+        if single_step:
+            return old_etrace, jac[1]
+        return old_etrace, None
+
+    def _solve_weight_gradients(
+        self, running_index: Any, etrace_h2w_at_t: Any, dl_to_hidden_groups: Sequence[Any],
+        weight_vals: dict[Path, Any], dl_to_nonetws_at_t: dict[Path, Any], dl_to_etws_at_t: dict[Path, Any],
+    ) -> dict[Path, Any]:
+        etrace, Ds = etrace_h2w_at_t
+        grads = dict(dl_to_etws_at_t)
+        for rel in self.graph.hidden_param_op_relations:
+            weights = relation_weights(rel, weight_vals)
+            for group in rel.hidden_groups:
+                signal = dl_to_hidden_groups[group.index]
+                if Ds is not None:
+                    signal = transpose_signal(signal, Ds[group.index])
+                per_key = self._solve_relation(rel, signal, etrace[trace_key(rel, group)], weights)
+                for k, g in per_key.items():
+                    path, leaf = rel.trainable_paths[k], rel.trainable_leaf_indices[k]
+                    target = jax.tree.leaves(weight_vals[path])[leaf]
+                    extra = g.ndim - target.ndim
+                    if extra > 0:
+                        g = g.sum(axis=tuple(range(extra)))
+                    grads[path] = add_to_leaf(grads[path], leaf, g)
+        return grads
+
+    def _solve_relation(self, rel: Any, signal: jax.Array, trace: Trace, weights: Trace) -> Trace:
+        fp = self._fast_path(rel)
+        batched = reg.is_batched_primitive(rel.primitive)
+        if fp is not None:
+            up = {k: v.astype(jnp.promote_types(v.dtype, signal.dtype)) for k, v in trace.items()}
+            result: Trace = fp.solve(signal, up, fold_batch=batched)
+            return result
+        solve_rule = reg.get_solve_drtrl_rule(rel.primitive)
+        dt_to_t = reg.ETP_RULES_DT_TO_T[rel.primitive]
+
+        def solve(g: jax.Array, tr: Trace) -> Trace:
+            parts = []
+            for a in range(g.shape[-1]):
+                sl = {k: v[..., a] for k, v in tr.items()}
+                if solve_rule is not None:
+                    parts.append(solve_rule(g[..., a], sl, weights, **rel.eqn_params))
+                else:
+                    parts.append(dt_to_t(g[..., a], sl, **rel.eqn_params))
+            return {k: sum(p[k] for p in parts) for k in tr}
+
+        if batched:
+            return {k: v.sum(axis=0) for k, v in jax.vmap(solve)(signal, trace).items()}
+        return solve(signal, trace)
+
+
+def suffix_products(Ds: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``P_s = D_{T-1}…D_{s+1}`` (``P_{T-1} = I``) and ``M = D_{T-1}…D_0`` for stacked ``D``.
+
+    ``Ds`` is ``(T, ..., S, S)``; an associative scan keeps the temporal order and needs no
+    division (exact for zero decays).
+    """
+    num_state = Ds.shape[-1]
+    eye = jnp.broadcast_to(jnp.eye(num_state, dtype=Ds.dtype), Ds.shape[1:])
+    # shifted[s] = D_{s+1} (identity past the end); suffix products of it give P_s.
+    shifted = jnp.concatenate([Ds[1:], eye[None]], axis=0)
+    if num_state == 1:
+        prods = jax.lax.cumprod(shifted, axis=0, reverse=True)
+    else:
+        prods = jax.lax.associative_scan(lambda a, b: a @ b, shifted, reverse=True)
+    full = prods[0] @ Ds[0] if num_state > 1 else prods[0] * Ds[0]
+    return prods, full
+
+
+class D_RTRL(ParamDimVjpAlgorithm):
+    """D-RTRL under its canonical name (identical to :class:`ParamDimVjpAlgorithm`)."""

@@ -1,0 +1,301 @@
+"""Graph executors: run a compiled model step and extract what eligibility traces need.
+
+From one model step the executor reads, for every relation, the input ``x`` of its ETP
+equation and ``df`` (the Jacobian of the ``y -> h`` tail applied to ``ones_like(y)``), and for
+every hidden group the per-position hidden Jacobian ``D``. With :class:`MultiStepData` input it
+runs the steps in one ``lax.scan``, stacking those values (or rolling a trace inside the scan).
+
+Examples
+--------
+>>> import brainstate, jax.numpy as jnp, braintrace
+>>> class Leaky(brainstate.nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.w = brainstate.ParamState(jnp.ones((3, 2)))
+...         self.h = brainstate.HiddenState(jnp.zeros(2))
+...     def update(self, x):
+...         self.h.value = 0.5 * self.h.value + braintrace.matmul(x, self.w.value)
+...         return self.h.value
+>>> executor = braintrace.ETraceGraphExecutor(Leaky())
+>>> executor.compile_graph(jnp.ones(3))
+>>> out, hidden, others, (xs, dfs), Ds, _ = executor.solve_h2w_h2h_jacobian(jnp.ones(3))
+>>> Ds[0][..., 0, 0]
+Array([0.5, 0.5], dtype=float32)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import brainstate
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Literal, Var
+
+from braintrace._algorithm.input_data import (
+    get_single_step_data,
+    merge_data,
+    sequence_length,
+    split_input_data_types,
+)
+from braintrace._compiler import (
+    CompilationReport,
+    ControlFlowPolicy,
+    ETraceGraph,
+    compile_etrace_graph,
+)
+from braintrace._compiler.control_flow_policy import resolve_policy
+
+__all__ = ["ETraceGraphExecutor", "ETraceVjpGraphExecutor", "StepJacobians", "df_key", "trace_key"]
+
+Path = tuple[Any, ...]
+#: ``(xs, dfs)`` and the list of per-group ``D``.
+StepJacobians = tuple[tuple[dict[int, Any], dict[Any, Any]], list[Any]]
+
+
+def df_key(relation: Any, group: Any) -> tuple[int, str]:
+    """The key of a relation's ``df`` for one of its groups."""
+    return (id(relation.y_var), f"hidden_group_{group.index}")
+
+
+def trace_key(relation: Any, group: Any) -> tuple[int, int]:
+    """The key of a relation's D-RTRL trace for one of its groups."""
+    return (id(relation.y_var), group.index)
+
+
+class ETraceGraphExecutor:
+    """Owns a model and its compiled :class:`ETraceGraph`; runs steps and extracts Jacobians.
+
+    Parameters
+    ----------
+    model : brainstate.nn.Module
+    include_recurrent_mixing : bool
+        Compile hidden groups with weight mixing traced into the transitions.
+    control_flow : ControlFlowPolicy, optional
+    """
+
+    def __init__(
+        self,
+        model: brainstate.nn.Module,
+        include_recurrent_mixing: bool = False,
+        control_flow: ControlFlowPolicy | None = None,
+    ) -> None:
+        if not isinstance(model, brainstate.nn.Module):
+            raise TypeError(f"The model must be a brainstate.nn.Module, got {type(model).__name__}.")
+        self.model = model
+        self.include_recurrent_mixing = include_recurrent_mixing
+        self.control_flow = resolve_policy(control_flow)
+        self._graph: ETraceGraph | None = None
+        self._state_id_to_path: dict[int, Path] | None = None
+        self._out_treedef: Any = None
+
+    # --- compilation ----------------------------------------------------------------------
+
+    @property
+    def graph(self) -> ETraceGraph:
+        if self._graph is None:
+            raise ValueError('The eligibility-trace graph is not compiled yet: call ".compile_graph()" first.')
+        return self._graph
+
+    @property
+    def states(self) -> dict[Path, brainstate.State]:
+        return self.graph.module_info.retrieved_model_states
+
+    path_to_states = states
+
+    @property
+    def state_id_to_path(self) -> dict[int, Path]:
+        if self._state_id_to_path is None:
+            self._state_id_to_path = {id(st): p for p, st in self.states.items()}
+        return self._state_id_to_path
+
+    def _compile_kwargs(self) -> dict[str, Any]:
+        return {}
+
+    def compile_graph(self, *args: Any) -> None:
+        """Compile the model step for example inputs (multi-step inputs contribute their first step)."""
+        args = get_single_step_data(*args)
+        self._graph = compile_etrace_graph(
+            self.model, *args, include_recurrent_mixing=self.include_recurrent_mixing,
+            control_flow=self.control_flow, **self._compile_kwargs(),
+        )
+        self._state_id_to_path = None
+        self._out_treedef = self._graph.module_info.stateful_model.get_out_treedef(*args)
+
+    def show_graph(self, verbose: bool = True, return_msg: bool = False) -> str | None:
+        """The compilation report (level 1); printed when ``verbose``."""
+        msg = CompilationReport(self.graph).to_str(1)
+        if verbose:
+            print(msg)
+        return msg if return_msg else None
+
+    # --- one step -------------------------------------------------------------------------
+
+    def _flat_inputs(self, args: Sequence[Any], state_vals: dict[Path, Any]) -> list[Any]:
+        minfo = self.graph.module_info
+        values = [state_vals[minfo.state_id_to_path[id(st)]] for st in minfo.compiled_model_states]
+        return list(jax.tree.leaves((tuple(args), values)))
+
+    def run_step(
+        self,
+        args: Sequence[Any],
+        state_vals: dict[Path, Any],
+        perturb: Sequence[Any] | None = None,
+    ) -> tuple[Any, dict[Path, Any], dict[Var, Any]]:
+        """One step: ``(out, new state values by path, env)``; ``env`` maps step vars to values.
+
+        With ``perturb`` the perturbed step runs (hidden outputs shifted by ``perturb``).
+        """
+        graph = self.graph
+        minfo = graph.module_info
+        flat = self._flat_inputs(args, state_vals)
+        if perturb is None:
+            jaxpr, consts = minfo.jaxpr, minfo.closed_jaxpr.consts
+            outs = jax.core.eval_jaxpr(jaxpr, consts, *flat)
+            invars = list(jaxpr.invars)
+        else:
+            assert graph.hidden_perturb is not None, "compiled without the hidden perturbation"
+            closed = graph.hidden_perturb.perturb_jaxpr
+            jaxpr, consts = closed.jaxpr, closed.consts
+            outs = jax.core.eval_jaxpr(jaxpr, consts, *flat, *perturb)
+            invars = list(jaxpr.invars)[: len(flat)]
+        env: dict[Var, Any] = dict(zip(invars, flat))
+        env.update((v, o) for v, o in zip(jaxpr.outvars, outs) if isinstance(v, Var) and not isinstance(v, Literal))
+        n_main = minfo.num_var_out + minfo.num_var_state
+        out, new_states = jax.tree.unflatten(self._out_treedef, list(outs[:n_main]))
+        new_vals = {
+            minfo.state_id_to_path[id(st)]: val for st, val in zip(minfo.compiled_model_states, new_states)
+        }
+        return out, new_vals, env
+
+    def extract_jacobians(self, env: dict[Var, Any]) -> StepJacobians:
+        """``((xs, dfs), Ds)`` of one step from its variable values (all ``stop_gradient``-ed)."""
+        graph = self.graph
+        xs: dict[int, Any] = {}
+        dfs: dict[Any, Any] = {}
+        for rel in graph.hidden_param_op_relations:
+            if rel.x_var is not None:
+                xs[id(rel.x_var)] = env[rel.x_var]
+            y = env[rel.y_var]
+            for i, group in enumerate(rel.hidden_groups):
+                tail = rel.y_to_hidden_group_jaxprs[i]
+                consts = [env[v] for v in tail.constvars]
+
+                def fn(y: Any, tail: Any = tail, consts: Any = consts, group: Any = group) -> Any:
+                    return group.concat_hidden(jax.core.eval_jaxpr(tail, consts, y))
+
+                dfs[df_key(rel, group)] = jax.jvp(fn, (y,), (jnp.ones_like(y),))[1]
+        Ds = [
+            group.diagonal_jacobian(
+                [env[v] for v in group.hidden_invars], [env[v] for v in group.transition_jaxpr_constvars]
+            )
+            for group in graph.hidden_groups
+        ]
+        return jax.lax.stop_gradient(((xs, dfs), Ds))
+
+    # --- whole calls ----------------------------------------------------------------------
+
+    def solve_h2w_h2h_jacobian(
+        self,
+        *args: Any,
+        state_vals: dict[Path, Any] | None = None,
+        etrace_stepper: Callable[[Any, Any], tuple[Any, None]] | None = None,
+        init_etrace: Any = None,
+    ) -> tuple[Any, dict[Path, Any], dict[Path, Any], Any, Any, Any]:
+        """Run the call (one step, or a scan over :class:`MultiStepData`) and extract Jacobians.
+
+        Returns
+        -------
+        (out, hidden_vals, other_vals, hid2weight_jac, hid2hid_jac, final_etrace)
+            For multi-step input the Jacobians carry a leading time axis; with an
+            ``etrace_stepper`` they are ``None`` and ``final_etrace`` is the rolled trace.
+        """
+        if state_vals is None:
+            state_vals = {p: st.value for p, st in self.states.items()}
+        out, new_vals, jac, final = self.run_call(args, state_vals, etrace_stepper, init_etrace)
+        hidden, other = self.split_hidden_other(new_vals)
+        h2w, h2h = (None, None) if jac is None else jac
+        return out, hidden, other, h2w, h2h, final
+
+    def split_hidden_other(self, vals: dict[Path, Any]) -> tuple[dict[Path, Any], dict[Path, Any]]:
+        hidden, other = {}, {}
+        for path, val in vals.items():
+            st = self.states[path]
+            if isinstance(st, brainstate.HiddenState):
+                hidden[path] = val
+            elif not isinstance(st, brainstate.ParamState):
+                other[path] = val
+        return hidden, other
+
+    def run_call(
+        self,
+        args: Sequence[Any],
+        state_vals: dict[Path, Any],
+        etrace_stepper: Callable[[Any, Any], tuple[Any, None]] | None = None,
+        init_etrace: Any = None,
+    ) -> tuple[Any, dict[Path, Any], StepJacobians | None, Any]:
+        """``(out, new state values, jacobians or None, rolled trace or None)`` for one call."""
+        single, multi, treedef = split_input_data_types(*args)
+        if not multi:
+            step_args = merge_data(treedef, single)
+            out, new_vals, env = self.run_step(step_args, state_vals)
+            return out, new_vals, self.extract_jacobians(env), None
+        length = sequence_length(multi)
+        params = {p: v for p, v in state_vals.items() if isinstance(self.states[p], brainstate.ParamState)}
+        carried = {p: v for p, v in state_vals.items() if p not in params}
+
+        def body(carry: Any, xs_t: Any) -> Any:
+            vals, trace = carry
+            step_args = merge_data(treedef, single, xs_t)
+            out, new_vals, env = self.run_step(step_args, {**params, **vals})
+            jac = self.extract_jacobians(env)
+            new_carry = {p: new_vals[p] for p in vals}
+            if etrace_stepper is not None:
+                trace, _ = etrace_stepper(trace, (*jac[0], jac[1]))
+                return (new_carry, trace), (out, None)
+            return (new_carry, trace), (out, jac)
+
+        (final_vals, final_trace), (outs, jacs) = jax.lax.scan(body, (carried, init_etrace), multi, length=length)
+        return outs, {**params, **final_vals}, jacs, final_trace
+
+
+class ETraceVjpGraphExecutor(ETraceGraphExecutor):
+    """An executor for learners built on a custom VJP (single-step or multi-step windows).
+
+    Parameters
+    ----------
+    model : brainstate.nn.Module
+    vjp_method : {'single-step', 'multi-step'}
+        ``'single-step'``: every call is one step and the learning signal is ``∂L/∂h^t`` (read
+        off the hidden perturbation). ``'multi-step'``: a call may cover a window of steps,
+        differentiated exactly inside the window.
+    include_recurrent_mixing : bool
+    control_flow : ControlFlowPolicy, optional
+    """
+
+    def __init__(
+        self,
+        model: brainstate.nn.Module,
+        vjp_method: str = "single-step",
+        include_recurrent_mixing: bool = False,
+        control_flow: ControlFlowPolicy | None = None,
+    ) -> None:
+        if vjp_method not in ("single-step", "multi-step"):
+            raise ValueError(f"vjp_method must be 'single-step' or 'multi-step', got {vjp_method!r}.")
+        super().__init__(model, include_recurrent_mixing=include_recurrent_mixing, control_flow=control_flow)
+        self.vjp_method = vjp_method
+
+    @property
+    def is_single_step_vjp(self) -> bool:
+        return self.vjp_method == "single-step"
+
+    @property
+    def is_multi_step_vjp(self) -> bool:
+        return self.vjp_method == "multi-step"
+
+    def _compile_kwargs(self) -> dict[str, Any]:
+        return {"include_hidden_perturb": self.is_single_step_vjp}
+
+
+ETraceGraphExecutor.__module__ = "braintrace"
+ETraceVjpGraphExecutor.__module__ = "braintrace"

@@ -1,0 +1,112 @@
+"""Markers for the time structure of a learner's input: ``SingleStepData`` and ``MultiStepData``.
+
+A bare array (or pytree) is the input of one time step. ``MultiStepData(x)`` marks an input
+whose leaves carry a leading time axis ``T``: the learner then runs ``T`` steps in one call
+(a ``lax.scan``), reusing single-step inputs at every step.
+
+Examples
+--------
+>>> import jax.numpy as jnp, braintrace
+>>> from braintrace._algorithm.input_data import get_single_step_data, has_multistep_data
+>>> xs = braintrace.MultiStepData(jnp.zeros((5, 3)))
+>>> has_multistep_data(xs, jnp.ones(2)), get_single_step_data(xs)[0].shape
+(True, (3,))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+__all__ = [
+    "SingleStepData",
+    "MultiStepData",
+    "has_multistep_data",
+    "get_single_step_data",
+    "split_input_data_types",
+    "merge_data",
+    "sequence_length",
+]
+
+
+class ETraceInputData:
+    """Base of the input markers; ``data`` is the wrapped pytree."""
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.data!r})"
+
+
+class SingleStepData(ETraceInputData):
+    """The input of one time step (the default for unmarked inputs)."""
+
+
+class MultiStepData(ETraceInputData):
+    """Inputs of several time steps: every leaf has a leading time axis ``T``."""
+
+
+def _register(cls: type[ETraceInputData]) -> None:
+    jax.tree_util.register_pytree_node(cls, lambda d: ((d.data,), None), lambda _, children: cls(children[0]))
+    cls.__module__ = "braintrace"
+
+
+_register(SingleStepData)
+_register(MultiStepData)
+
+
+def _is_marker(x: Any) -> bool:
+    return isinstance(x, ETraceInputData)
+
+
+def has_multistep_data(*args: Any) -> bool:
+    """Whether any argument contains a :class:`MultiStepData` marker."""
+    return any(isinstance(leaf, MultiStepData) for leaf in jax.tree.leaves(args, is_leaf=_is_marker))
+
+
+def get_single_step_data(*args: Any) -> tuple[Any, ...]:
+    """The arguments of the first step: markers unwrapped, multi-step leaves taken at ``t = 0``."""
+    def first(x: Any) -> Any:
+        if isinstance(x, MultiStepData):
+            return jax.tree.map(lambda a: a[0], x.data)
+        if isinstance(x, SingleStepData):
+            return x.data
+        return x
+
+    return tuple(jax.tree.map(first, args, is_leaf=_is_marker))
+
+
+def split_input_data_types(*args: Any) -> tuple[dict[int, Any], dict[int, Any], Any]:
+    """``(single {i: data}, multi {i: data}, treedef)`` over the marker-level leaves of ``args``."""
+    leaves, treedef = jax.tree.flatten(args, is_leaf=_is_marker)
+    single, multi = {}, {}
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, MultiStepData):
+            multi[i] = leaf.data
+        else:
+            single[i] = leaf.data if isinstance(leaf, SingleStepData) else leaf
+    return single, multi, treedef
+
+
+def merge_data(tree_def: Any, *parts: dict[int, Any]) -> tuple[Any, ...]:
+    """Rebuild the arguments from :func:`split_input_data_types` parts (markers removed)."""
+    merged: dict[int, Any] = {}
+    for part in parts:
+        merged.update(part)
+    missing = [i for i in range(tree_def.num_leaves) if i not in merged]
+    if missing:
+        raise ValueError(f"merge_data: input leaves {missing} are missing.")
+    return tuple(jax.tree.unflatten(tree_def, [merged[i] for i in range(tree_def.num_leaves)]))
+
+
+def sequence_length(multi: dict[int, Any]) -> int:
+    """The shared leading length ``T`` of every multi-step leaf."""
+    lengths = {a.shape[0] for data in multi.values() for a in jax.tree.leaves(data)}
+    if len(lengths) != 1:
+        raise ValueError(
+            f"The sequence size should be the same for every MultiStepData input, got lengths "
+            f"{sorted(lengths)}."
+        )
+    return lengths.pop()

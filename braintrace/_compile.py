@@ -1,0 +1,140 @@
+"""``braintrace.compile``: a model and a learning rule in, a compiled online learner out.
+
+Examples
+--------
+>>> import brainstate, jax.numpy as jnp, braintrace
+>>> class Leaky(brainstate.nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.w = brainstate.ParamState(jnp.ones((3, 2)))
+...     def init_state(self, batch_size=None, **kwargs):
+...         self.h = brainstate.HiddenState(jnp.zeros((batch_size or 1, 2)))
+...     def update(self, x):
+...         self.h.value = 0.5 * self.h.value + braintrace.matmul(x, self.w.value)
+...         return self.h.value
+>>> learner = braintrace.compile(Leaky(), 'd_rtrl', jnp.ones((4, 3)), batch_size=4)
+>>> learner(jnp.ones((4, 3))).shape
+(4, 2)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import brainstate
+import jax
+
+from braintrace._algorithm import D_RTRL, ETraceAlgorithm
+from braintrace._errors import CompilationError
+
+__all__ = ["compile", "ALGORITHM_NAMES"]
+
+#: Case-insensitive names accepted by :func:`compile`.
+ALGORITHM_NAMES: dict[str, type[ETraceAlgorithm]] = {
+    "d_rtrl": D_RTRL,
+}
+
+
+def _resolve(algorithm: Any) -> type[ETraceAlgorithm]:
+    if isinstance(algorithm, type):
+        if issubclass(algorithm, ETraceAlgorithm):
+            return algorithm
+        raise TypeError(f"compile: algorithm {algorithm.__name__} is not a braintrace.ETraceAlgorithm subclass.")
+    if isinstance(algorithm, str):
+        key = algorithm.strip().lower()
+        if key in ALGORITHM_NAMES:
+            return ALGORITHM_NAMES[key]
+        raise ValueError(
+            f"compile: unknown algorithm {algorithm!r}; valid names are {sorted(ALGORITHM_NAMES)}, or "
+            f"pass an ETraceAlgorithm subclass."
+        )
+    raise TypeError(
+        f"compile: algorithm must be an ETraceAlgorithm subclass or its name, got {type(algorithm).__name__}."
+    )
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None) -> Iterator[None]:
+    if seed is None:
+        yield
+    else:
+        with brainstate.random.seed_context(seed):
+            yield
+
+
+def compile(
+    model: brainstate.nn.Module,
+    algorithm: Any,
+    *example_inputs: Any,
+    batch_size: int | None = None,
+    seed: int | None = None,
+    verbose: int = 0,
+    vmap: bool = False,
+    **options: Any,
+) -> Any:
+    """Initialise ``model``'s states, wrap it in ``algorithm`` and compile its eligibility-trace graph.
+
+    Parameters
+    ----------
+    model : brainstate.nn.Module
+        The model; ``init_state(batch_size=...)`` is called on it (and its children).
+    algorithm : ETraceAlgorithm subclass or str
+        The learning rule, or its case-insensitive name (see :data:`ALGORITHM_NAMES`).
+    *example_inputs
+        Inputs of one step (with the batch on axis 0 when batched).
+    batch_size : int, optional
+        Batch size the states are initialised with.
+    seed : int, optional
+        Seed for state initialisation (the global random state is restored afterwards).
+    verbose : {0, 1, 2}
+        Print the compilation report at this level.
+    vmap : bool
+        Build per-sample states and return ``brainstate.nn.Vmap(learner, vmap_states='new')``;
+        requires ``batch_size``.
+    **options
+        Forwarded to the algorithm's constructor (e.g. ``decay_or_rank`` for ``pp_prop``).
+
+    Returns
+    -------
+    ETraceAlgorithm or brainstate.nn.Vmap
+
+    Raises
+    ------
+    TypeError, ValueError
+        For a bad ``algorithm``, no example input, a ``verbose`` outside ``{0, 1, 2}``, or
+        ``vmap=True`` without ``batch_size``.
+    CompilationError
+        When no weight of the model is routed through an ETP operation to a hidden state.
+    """
+    cls = _resolve(algorithm)
+    if not example_inputs:
+        raise ValueError(
+            'compile: give an example input of one step, e.g. braintrace.compile(model, "D_RTRL", x0).'
+        )
+    if verbose not in (0, 1, 2):
+        raise ValueError(f"compile: verbose must be 0, 1 or 2, got {verbose!r}.")
+    if vmap and batch_size is None:
+        raise ValueError("compile: vmap=True needs the batch_size to build per-sample states.")
+    if vmap:
+        learner = cls(model, **options)
+        unbatched = jax.tree.map(lambda a: a[0], example_inputs)
+        with _seeded(seed), brainstate.transform.vmap_new_states(state_tag="new", axis_size=batch_size):
+            brainstate.nn.init_all_states(model)
+            learner.compile_graph(*unbatched)
+        result: Any = brainstate.nn.Vmap(learner, vmap_states="new")
+    else:
+        with _seeded(seed):
+            brainstate.nn.init_all_states(model, batch_size=batch_size)
+        learner = cls(model, **options)
+        learner.compile_graph(*example_inputs)
+        result = learner
+    if len(learner.graph.hidden_param_op_relations) == 0:
+        raise CompilationError(
+            "No trainable weights are routed through ETP ops to a hidden state, so nothing can learn "
+            "online. Use braintrace.matmul / element_wise / conv ... for the weights that drive hidden "
+            "states; compile(..., verbose=2) shows why each weight was excluded."
+        )
+    if verbose:
+        learner.report.show(level=verbose)
+    return result
