@@ -226,8 +226,11 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         multi = has_multistep_data(*args)
         stepper = self._make_etrace_stepper(weight_vals) if multi else None
         out, new_vals, jac, final = ex.run_call(args, {**weight_vals, **hidden_vals, **other_vals}, stepper, etrace_vals)
-        new_etrace = final if stepper is not None else self._update_etrace_data(
-            running_index, etrace_vals, jac[0], jac[1], weight_vals, multi)
+        if stepper is not None:
+            new_etrace = final
+        else:
+            assert jac is not None, "the executor returns Jacobians when no stepper rolls the trace"
+            new_etrace = self._update_etrace_data(running_index, etrace_vals, jac[0], jac[1], weight_vals, multi)
         hid, oth = ex.split_hidden_other(new_vals)
         return out, hid, oth, new_etrace
 

@@ -215,8 +215,8 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
 
         def one_state(d: jax.Array) -> Trace:
             if reg.is_batched_primitive(rel.primitive):
-                return jax.vmap(lambda xb, db: rule(xb, db, weights, **rel.eqn_params))(x, d)  # type: ignore[no-any-return]
-            return rule(x, d, weights, **rel.eqn_params)  # type: ignore[no-any-return]
+                return jax.vmap(lambda xb, db: rule(xb, db, weights, **rel.eqn_params))(x, d)
+            return rule(x, d, weights, **rel.eqn_params)
 
         out: Trace = jax.vmap(one_state, in_axes=-1, out_axes=-1)(df)
         return out
@@ -265,7 +265,8 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
         return new
 
     def _chunk_split(self) -> tuple[list[Any], list[Any]]:
-        chunkable, rest = [], []
+        chunkable: list[Any] = []
+        rest: list[Any] = []
         for rel in self.graph.hidden_param_op_relations:
             fp = self._fast_path(rel)
             ok = fp is not None and fp.chunk is not None and rel.control_flow_context is None
