@@ -31,6 +31,7 @@ import brainunit as u
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
+from braintrace._compiler.canonicalize import canonicalize_control_flow
 from braintrace._compiler.control_flow_policy import (
     DEFAULT_CONTROL_FLOW_POLICY,
     ControlFlowPolicy,
@@ -209,7 +210,12 @@ def extract_module_info(
                 f"changed weight into a local variable, or keep it in a ShortTermState."
             )
     closed = inline_jit_calls(closed)
-    return _build_tables(stateful, closed, retrieved, compiled, path_of, model_args, model_kwargs, policy)
+    minfo = _build_tables(stateful, closed, retrieved, compiled, path_of, model_args, model_kwargs, policy)
+    canonical = canonicalize_control_flow(
+        minfo.closed_jaxpr, weight_invars=minfo.weight_invars, hidden_invars=minfo.hidden_path_to_invar.values(),
+        hidden_outvars=minfo.hidden_path_to_outvar.values(), policy=policy,
+    )
+    return minfo._replace(closed_jaxpr=canonical)
 
 
 def _reconcile_states(
