@@ -217,7 +217,7 @@ def _xs_from_weight(eqn: JaxprEqn, producers: dict[Var, JaxprEqn], weights: set[
     p = eqn.params
     xs = [a for a in eqn.invars[p["num_consts"] + p["num_carry"]:] if _is_var(a)]
     seen: set[Var] = set()
-    stack = list(xs)
+    stack: list[Any] = list(xs)
     while stack:
         v = stack.pop()
         if v in seen:
