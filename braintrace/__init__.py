@@ -6,14 +6,17 @@ Mark the weights that should learn online with an ETP operator (``braintrace.mat
 
 from braintrace._algorithm import (
     D_RTRL,
+    ES_D_RTRL,
     EligibilityTrace,
     ETraceAlgorithm,
     ETraceGraphExecutor,
     ETraceVjpAlgorithm,
     ETraceVjpGraphExecutor,
+    IODimVjpAlgorithm,
     MultiStepData,
     ParamDimVjpAlgorithm,
     SingleStepData,
+    pp_prop,
 )
 from braintrace._compile import compile
 from braintrace._compiler import (
@@ -39,6 +42,7 @@ from braintrace._compiler import (
 from braintrace._errors import CompilationError, NotSupportedError
 from braintrace._op import (
     ETPPrimitive,
+    einsum,
     element_wise,
     embedding,
     grouped_matmul,
@@ -59,10 +63,14 @@ __all__ = [
     "ETraceVjpGraphExecutor",
     "ParamDimVjpAlgorithm",
     "D_RTRL",
+    "IODimVjpAlgorithm",
+    "pp_prop",
+    "ES_D_RTRL",
     "compile",
     "matmul",
     "grouped_matmul",
     "embedding",
+    "einsum",
     "element_wise",
     "lora_matmul",
     "ETPPrimitive",

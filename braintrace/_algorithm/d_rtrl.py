@@ -34,6 +34,7 @@ Examples
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Sequence
 
 import brainstate
@@ -45,7 +46,7 @@ from braintrace._algorithm.graph_executor import df_key, trace_key
 from braintrace._compiler import ControlFlowPolicy
 from braintrace._op import _registries as reg
 
-__all__ = ["ParamDimVjpAlgorithm", "D_RTRL"]
+__all__ = ["ParamDimVjpAlgorithm", "D_RTRL", "init_rule_kwargs", "relation_weights"]
 
 Path = tuple[Any, ...]
 Trace = dict[str, jax.Array]
@@ -57,6 +58,17 @@ def relation_weights(rel: Any, weight_vals: dict[Path, Any]) -> dict[str, jax.Ar
         k: jax.tree.leaves(weight_vals[rel.trainable_paths[k]])[rel.trainable_leaf_indices[k]]
         for k in rel.trainable_paths
     }
+
+
+def init_rule_kwargs(rule: Any, **available: Any) -> dict[str, Any]:
+    """The optional context (``group=``, ``eqn_params=``) an init rule declares it accepts."""
+    try:
+        params = inspect.signature(rule).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return dict(available)
+    return {k: v for k, v in available.items() if k in params}
 
 
 def transpose_signal(signal: jax.Array, diag: jax.Array) -> jax.Array:
@@ -119,11 +131,7 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
                 key = trace_key(rel, group)
                 if key in traces:
                     raise ValueError(f"The relation {rel} has been added.")
-                extra: dict[str, Any] = {}
-                if rel.primitive.name == "etp_elemwise":
-                    extra["group"] = group
-                elif rel.primitive.name == "etp_conv":
-                    extra["eqn_params"] = rel.eqn_params
+                extra = init_rule_kwargs(init, group=group, eqn_params=rel.eqn_params)
                 value = init(rel.x_var, rel.y_var, rel.trainable_vars, group.num_state, **extra)
                 if not isinstance(value, dict):
                     raise TypeError(

@@ -30,6 +30,7 @@ from braintrace._op._registries import (
     is_etp_primitive,
 )
 from braintrace._op.dense import etp_mm_p, etp_mv_p, matmul
+from braintrace._op.einsum import einsum, etp_einsum_p
 from braintrace._op.elemwise import element_wise, etp_elemwise_p
 from braintrace._op.embedding import embedding, etp_emb_p, etp_emb_v_p
 from braintrace._op.grouped import etp_gmm_p, etp_gmv_p, grouped_matmul
@@ -65,12 +66,14 @@ __all__ = [
     "etp_gmv_p",
     "etp_emb_p",
     "etp_emb_v_p",
+    "etp_einsum_p",
     "etp_elemwise_p",
     "etp_lora_mm_p",
     "etp_lora_mv_p",
     "matmul",
     "grouped_matmul",
     "embedding",
+    "einsum",
     "element_wise",
     "lora_matmul",
 ]

@@ -87,7 +87,7 @@ def rand(key: int, shape: tuple[int, ...], dtype: Any = jnp.float32) -> Array:
 
 def jac(fn: Callable[[Any, dict[str, Array]], Array], x: Any, weights: dict[str, Array]) -> dict[str, Array]:
     """``{key: ∂y/∂key}`` with shape ``(*y, *key)``."""
-    return jax.jacrev(lambda ws: fn(x, ws))(weights)  # type: ignore[no-any-return]
+    return jax.jacrev(lambda ws: fn(x, ws))(weights)
 
 
 def close(a: Any, b: Any, atol: float = 1e-5, rtol: float = 1e-5) -> None:
