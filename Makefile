@@ -2,24 +2,34 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
 
-.PHONY: test typecheck venv clean
+.PHONY: test typecheck demo bench clean
 
-venv: $(STAMP)
-
-$(STAMP): pyproject.toml requirements.txt
+$(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test]"
-	touch $(STAMP)
+	touch $@
 
-test: $(STAMP)
+$(VENV)/.test: $(VENV)/.base pyproject.toml requirements.txt
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $@
+
+$(VENV)/.demo: $(VENV)/.base pyproject.toml requirements.txt
+	$(PY) -m pip install --quiet -e ".[demo]"
+	touch $@
+
+test: $(VENV)/.test
 	$(PY) -m pytest -n 2 -q --durations=20
 	$(MAKE) typecheck
 
-typecheck: $(STAMP)
+typecheck: $(VENV)/.test
 	$(PY) -m mypy
+
+demo: $(VENV)/.demo
+	$(PY) examples/online_learning_demo.py
+
+bench: $(VENV)/.test
+	$(PY) -m benchmarks
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache
