@@ -49,6 +49,7 @@ from braintrace._op import (
     lora_matmul,
     matmul,
     register_primitive,
+    sparse_matmul,
 )
 
 __version__ = "0.2.4"
@@ -72,6 +73,7 @@ __all__ = [
     "embedding",
     "einsum",
     "element_wise",
+    "sparse_matmul",
     "lora_matmul",
     "ETPPrimitive",
     "register_primitive",

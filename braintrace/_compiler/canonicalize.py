@@ -340,6 +340,14 @@ def _run(closed: ClosedJaxpr, ctx: _Context, conds: bool, scans: bool) -> Closed
     raise RuntimeError(f"Control-flow canonicalisation did not settle within {_MAX_SWEEPS} sweeps.")
 
 
+def _canonicalize(
+    closed_jaxpr: ClosedJaxpr, weight_invars: Iterable[Var], hidden_invars: Iterable[Var],
+    hidden_outvars: Iterable[Var], policy: ControlFlowPolicy, conds: bool, scans: bool,
+) -> ClosedJaxpr:
+    ctx = _Context(weight_invars, hidden_invars, hidden_outvars, policy, set())
+    return _run(closed_jaxpr, ctx, conds=conds, scans=scans)
+
+
 def canonicalize_control_flow(
     closed_jaxpr: ClosedJaxpr,
     *,
@@ -348,32 +356,26 @@ def canonicalize_control_flow(
     hidden_outvars: Iterable[Var],
     policy: ControlFlowPolicy = DEFAULT_CONTROL_FLOW_POLICY,
 ) -> ClosedJaxpr:
-    """If-convert relevant conds and unroll relevant short scans until nothing changes."""
-    ctx = _Context(weight_invars, hidden_invars, hidden_outvars, policy, set())
-    return _run(closed_jaxpr, ctx, conds=True, scans=True)
+    """If-convert relevant conds and unroll relevant short scans until nothing changes.
+
+    Returns ``closed_jaxpr`` itself when nothing is rewritten.
+    """
+    return _canonicalize(closed_jaxpr, weight_invars, hidden_invars, hidden_outvars, policy, True, True)
 
 
-def if_convert_conds(
-    closed_jaxpr: ClosedJaxpr,
-    *,
-    weight_invars: Iterable[Var],
-    hidden_invars: Iterable[Var],
-    hidden_outvars: Iterable[Var],
-    policy: ControlFlowPolicy = DEFAULT_CONTROL_FLOW_POLICY,
-) -> ClosedJaxpr:
-    """Only the cond part of :func:`canonicalize_control_flow`."""
-    ctx = _Context(weight_invars, hidden_invars, hidden_outvars, policy, set())
-    return _run(closed_jaxpr, ctx, conds=True, scans=False)
+def if_convert_conds(closed_jaxpr: ClosedJaxpr, **kwargs: Any) -> ClosedJaxpr:
+    """Only the cond part of :func:`canonicalize_control_flow` (same keyword-only arguments)."""
+    return _canonicalize(closed_jaxpr, **_keywords(kwargs), conds=True, scans=False)
 
 
-def unroll_inner_scans(
-    closed_jaxpr: ClosedJaxpr,
-    *,
-    weight_invars: Iterable[Var],
-    hidden_invars: Iterable[Var],
-    hidden_outvars: Iterable[Var],
-    policy: ControlFlowPolicy = DEFAULT_CONTROL_FLOW_POLICY,
-) -> ClosedJaxpr:
-    """Only the scan part of :func:`canonicalize_control_flow`."""
-    ctx = _Context(weight_invars, hidden_invars, hidden_outvars, policy, set())
-    return _run(closed_jaxpr, ctx, conds=False, scans=True)
+def unroll_inner_scans(closed_jaxpr: ClosedJaxpr, **kwargs: Any) -> ClosedJaxpr:
+    """Only the scan part of :func:`canonicalize_control_flow` (same keyword-only arguments)."""
+    return _canonicalize(closed_jaxpr, **_keywords(kwargs), conds=False, scans=True)
+
+
+def _keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
+    allowed = {"weight_invars", "hidden_invars", "hidden_outvars", "policy"}
+    unknown = set(kwargs) - allowed
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments {sorted(unknown)}; expected {sorted(allowed)}.")
+    return {"policy": DEFAULT_CONTROL_FLOW_POLICY, **kwargs}

@@ -35,6 +35,7 @@ from braintrace._op.elemwise import element_wise, etp_elemwise_p
 from braintrace._op.embedding import embedding, etp_emb_p, etp_emb_v_p
 from braintrace._op.grouped import etp_gmm_p, etp_gmv_p, grouped_matmul
 from braintrace._op.lora import etp_lora_mm_p, etp_lora_mv_p, lora_matmul
+from braintrace._op.sparse import etp_sp_mm_p, etp_sp_mv_p, sparse_matmul
 
 __all__ = [
     "ETPPrimitive",
@@ -68,6 +69,8 @@ __all__ = [
     "etp_emb_v_p",
     "etp_einsum_p",
     "etp_elemwise_p",
+    "etp_sp_mm_p",
+    "etp_sp_mv_p",
     "etp_lora_mm_p",
     "etp_lora_mv_p",
     "matmul",
@@ -75,5 +78,6 @@ __all__ = [
     "embedding",
     "einsum",
     "element_wise",
+    "sparse_matmul",
     "lora_matmul",
 ]

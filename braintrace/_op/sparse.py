@@ -1,0 +1,380 @@
+"""Sparse ETP matmul: ``sparse_matmul`` and its primitives ``etp_sp_mm`` (batched) / ``etp_sp_mv``.
+
+``y = x @ M(f_W(data)) (+ f_b(b))`` with ``x: (B, I)`` or ``(I,)`` and ``M`` a ``brainevent``
+sparse structure of shape ``(I, O)`` (``brainevent.CSR``, ``CSC``, ``FixedNumPerPre``, ...)
+whose stored values are replaced by the trainable ``data`` (``(P,)`` for ``P`` non-zeros in
+CSR/CSC; in general shaped like the structure's own ``data``). Only the structure's sparsity
+pattern is used: its stored values, dtype and unit are ignored.
+
+Trace geometry. Non-zero ``p`` sits at ``(row(p), col(p))`` and reaches only output
+``col(p)``, so the D-RTRL trace keeps one entry per non-zero: ``ε[..., p, s] =
+∂h[..., col(p), s] / ∂data[p]``. Propagating through a hidden Jacobian slice ``hd`` (shaped
+like ``y``) gathers the output axis: ``ε[..., p] · hd[..., col(p)]``, which is the structure's
+own ``dt2t_transposed`` protocol. The instantaneous term is ``x[..., row(p)] · df[...,
+col(p)]`` pulled back through ``f_W``.
+
+Kernels. On CPU brainevent's default kernels for sparse products are numba kernels, and
+numba is an optional dependency of brainevent: on an install without it, every CSR product
+raises ``KernelCompilationError``. When numba is absent, the structure does not name a
+backend and no global brainevent backend is set, the products here run on brainevent's
+pure-JAX kernels (``backend='jax_raw'``, chosen per call on a copy of the structure; the
+user's structure and brainevent's global configuration are left untouched).
+
+Examples
+--------
+>>> import jax.numpy as jnp, brainevent, braintrace
+>>> csr = brainevent.CSR.fromdense(jnp.array([[1., 0., 2.], [0., 3., 0.]]))
+>>> braintrace.sparse_matmul(jnp.ones(2), csr.data, sparse_mat=csr)
+Array([1., 3., 2.], dtype=float32)
+>>> braintrace.sparse_matmul(jnp.ones((4, 2)), csr.data, sparse_mat=csr).shape
+(4, 3)
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from typing import Any
+
+import brainevent
+import brainunit as u
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Var
+
+from braintrace._errors import OperandShapeError
+from braintrace._op._operands import (
+    bias_mantissa,
+    check_bias_shape,
+    check_hook,
+    check_rank,
+    split_units,
+    with_unit,
+)
+from braintrace._op._primitive import register_primitive
+from braintrace._op._registries import register_batched_counterpart
+from braintrace._op._rule_helpers import (
+    apply_hook,
+    bias_trainable_invars,
+    drtrl_dtype,
+    pullback,
+    shape_of,
+    zeros_pp,
+)
+from braintrace._typing import Array, ArrayLike, WeightFn
+
+__all__ = ["etp_sp_mm_p", "etp_sp_mv_p", "sparse_matmul"]
+
+#: Whether brainevent's default CPU kernels (numba) can be built in this environment.
+_NUMBA_AVAILABLE = importlib.util.find_spec("numba") is not None
+#: brainevent's pure-JAX kernels: registered on every platform for CSR, CSC and fixed-number
+#: connectivity, differentiable and vmappable through brainevent's own rules.
+_PURE_JAX_BACKEND = "jax_raw"
+_UNITLESS = u.get_unit(1.0)
+
+
+class _HashableSparseMat:
+    """Holds a sparse structure as a static primitive parameter, hashed by identity.
+
+    ``brainevent`` structures define ``__eq__`` without ``__hash__``, so they cannot be
+    equation parameters themselves. ``sparse_matmul`` wraps its structure freshly per call.
+    """
+
+    __slots__ = ("mat",)
+
+    def __init__(self, mat: Any) -> None:
+        self.mat = mat
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __repr__(self) -> str:
+        return f"_HashableSparseMat({type(self.mat).__name__}, shape={tuple(self.mat.shape)})"
+
+
+def _needs_pure_jax_kernels(mat: Any) -> bool:
+    """Whether brainevent would pick its numba CPU kernels for ``mat`` while numba is missing.
+
+    An explicit choice is always respected: a backend named on the structure, or a global
+    ``brainevent.config.set_backend('cpu', ...)``. Just-in-time connectivity has numba
+    kernels only, so there is nothing to switch to.
+    """
+    if _NUMBA_AVAILABLE or isinstance(mat, brainevent.JITCMatrix):
+        return False
+    if getattr(mat, "backend", _PURE_JAX_BACKEND) is not None:
+        return False
+    return jax.default_backend() == "cpu" and brainevent.config.get_backend("cpu") is None
+
+
+def _structure(sparse_mat: Any) -> Any:
+    """The structure a rule or the impl computes with: unwrapped, with usable kernels."""
+    mat = sparse_mat.mat if isinstance(sparse_mat, _HashableSparseMat) else sparse_mat
+    if _needs_pure_jax_kernels(mat):
+        mat = copy.copy(mat)  # a per-call kernel choice, not a change to the user's object
+        mat.backend = _PURE_JAX_BACKEND
+    return mat
+
+
+def _nnz_shape(mat: Any) -> tuple[int, ...]:
+    return tuple(np.shape(mat.data))
+
+
+def _etp_sp_matmul_impl(
+    x: Array,
+    weight: Array,
+    bias: Array | None = None,
+    *,
+    sparse_mat: Any,
+    has_bias: bool = False,
+    weight_fn: WeightFn | None = None,
+    bias_fn: WeightFn | None = None,
+) -> Array:
+    mat = _structure(sparse_mat)
+    y: Array = x @ mat.with_data(apply_hook(weight_fn, weight))
+    if has_bias:
+        assert bias is not None, "has_bias=True binds a bias operand"
+        y = y + apply_hook(bias_fn, bias)
+    return y
+
+
+etp_sp_mm_p = register_primitive(
+    "etp_sp_mm",
+    _etp_sp_matmul_impl,
+    batched=True,
+    trainable_invars_fn=bias_trainable_invars,
+    x_invar_index=0,
+)
+etp_sp_mv_p = register_primitive(
+    "etp_sp_mv",
+    _etp_sp_matmul_impl,
+    batched=False,
+    trainable_invars_fn=bias_trainable_invars,
+    x_invar_index=0,
+)
+register_batched_counterpart(etp_sp_mv_p, etp_sp_mm_p)
+
+
+# --- ETP rules --------------------------------------------------------------------------
+
+
+def _gather_columns(mat: Any, hidden_dim: Array, trace: Array) -> Array:
+    """``trace[..., p] · hidden_dim[..., col(p)]`` through the structure's protocol.
+
+    The protocol takes one ``(O,)`` vector and one nnz-shaped array, so any leading axes
+    (the batch of ``etp_sp_mm``) are broadcast, flattened and mapped over.
+    """
+    protocol = getattr(mat, "dt2t_transposed", None)
+    if protocol is None:  # brainevent before dt2t_transposed: the same map under its old name
+        protocol = mat.yw_to_w_transposed
+    nnz = _nnz_shape(mat)
+    dtype = jnp.result_type(hidden_dim, trace)
+    lead = np.broadcast_shapes(hidden_dim.shape[:-1], trace.shape[: trace.ndim - len(nnz)])
+    hd = jnp.broadcast_to(hidden_dim.astype(dtype), (*lead, hidden_dim.shape[-1]))
+    eps = jnp.broadcast_to(trace.astype(dtype), (*lead, *nnz))
+    if not lead:
+        return jnp.asarray(protocol(hd, eps))
+    flat = jax.vmap(protocol)(hd.reshape(-1, hd.shape[-1]), eps.reshape(-1, *nnz))
+    return jnp.reshape(flat, (*lead, *nnz))
+
+
+def _sp_mm_dt_to_t(
+    hidden_dim: Array, trace: dict[str, Array], *, sparse_mat: Any, **params: Any
+) -> dict[str, Array]:
+    """``ε_w[..., p] · hd[..., col(p)]`` and ``ε_b[..., o] · hd[..., o]``; hooks play no part."""
+    mat = _structure(sparse_mat)
+    out = {"weight": _gather_columns(mat, hidden_dim, trace["weight"])}
+    if "bias" in trace:
+        out["bias"] = trace["bias"] * hidden_dim
+    return out
+
+
+# The unbatched rule is the same gather: the output axis is the last one of hd either way.
+_sp_mv_dt_to_t = _sp_mm_dt_to_t
+
+
+def _sp_xy_to_dw(
+    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: Any
+) -> dict[str, Array]:
+    """Pull ``hidden_dim`` back to the raw parameters in one VJP through ``with_data``.
+
+    ``∂/∂data[p] = f_W'(data)[p] · Σ x[..., row(p)] · hd[..., col(p)]``, ``∂/∂b = f_b'ᵀ(Σ hd)``.
+    """
+    return pullback(_etp_sp_matmul_impl, x, hidden_dim, weights, params)
+
+
+def _sp_mm_init_drtrl(
+    x_var: Var, y_var: Var, weight_vars: dict[str, Var], num_hidden_state: int
+) -> dict[str, Array]:
+    batch = shape_of(x_var)[0]
+    dtype = drtrl_dtype(x_var, y_var, weight_vars)
+    out = {"weight": jnp.zeros((batch, *shape_of(weight_vars["weight"]), num_hidden_state), dtype)}
+    if "bias" in weight_vars:
+        out["bias"] = jnp.zeros((batch, shape_of(y_var)[-1], num_hidden_state), dtype)
+    return out
+
+
+def _sp_mv_init_drtrl(
+    x_var: Var, y_var: Var, weight_vars: dict[str, Var], num_hidden_state: int
+) -> dict[str, Array]:
+    dtype = drtrl_dtype(x_var, y_var, weight_vars)
+    out = {"weight": jnp.zeros((*shape_of(weight_vars["weight"]), num_hidden_state), dtype)}
+    if "bias" in weight_vars:
+        out["bias"] = jnp.zeros((shape_of(y_var)[-1], num_hidden_state), dtype)
+    return out
+
+
+for _p, _dt_to_t, _init in (
+    (etp_sp_mm_p, _sp_mm_dt_to_t, _sp_mm_init_drtrl),
+    (etp_sp_mv_p, _sp_mv_dt_to_t, _sp_mv_init_drtrl),
+):
+    _p.register_etp_rules(
+        dt_to_t=_dt_to_t, xy_to_dw=_sp_xy_to_dw, init_drtrl=_init, init_pp=zeros_pp
+    )
+
+
+# --- user function ------------------------------------------------------------------------
+
+
+def _check_structure(sparse_mat: Any, op: str) -> None:
+    if isinstance(sparse_mat, brainevent.JITCMatrix):
+        raise TypeError(
+            f"{op}: sparse_mat is procedurally generated connectivity "
+            f"('{type(sparse_mat).__name__}'), which stores no value per connection to train; "
+            f"materialise it first with sparse_mat.tocsr()."
+        )
+    if isinstance(sparse_mat, brainevent.DataRepresentation):
+        return
+    kind = f"{type(sparse_mat).__module__}.{type(sparse_mat).__qualname__}"
+    hint = " Build one with brainevent, e.g. brainevent.CSR.fromdense(dense_weight)."
+    if isinstance(sparse_mat, u.sparse.SparseMatrix):
+        hint = (
+            " brainunit sparse matrices lack the protocol; convert one with "
+            "brainevent.CSR((m.data, m.indices, m.indptr), shape=m.shape)."
+        )
+    raise TypeError(
+        f"{op}: sparse_mat must be a brainevent.DataRepresentation providing the with_data, "
+        f"yw_to_w_transposed and yw_to_w online-learning protocol methods, got '{kind}'.{hint}"
+    )
+
+
+def _with_data_template(mat: Any, dtype: Any, op: str) -> Any:
+    """``mat``, or a copy of its pattern whose stored values ``with_data`` can replace.
+
+    ``with_data`` requires the new values to match the stored ones in dtype and unit; the
+    primitive binds unitless values of the weight's dtype.
+    """
+    data = mat.data
+    if u.get_unit(data) == _UNITLESS and jnp.dtype(u.get_mantissa(data).dtype) == dtype:
+        return mat
+    if not callable(getattr(mat, "apply", None)):
+        raise TypeError(
+            f"{op}: sparse_mat stores {u.get_mantissa(data).dtype} values in unit "
+            f"{u.get_unit(data)}, while weight is {dtype} without unit after unit splitting; "
+            f"build the structure with unitless values of the weight's dtype."
+        )
+    return mat.apply(lambda d: np.zeros(np.shape(d), dtype))
+
+
+def sparse_matmul(
+    x: ArrayLike,
+    weight: ArrayLike,
+    *,
+    sparse_mat: Any,
+    bias: ArrayLike | None = None,
+    weight_fn: WeightFn | None = None,
+    bias_fn: WeightFn | None = None,
+) -> Any:
+    """Sparse ``x @ M(weight) (+ bias)`` whose non-zero values learn online with eligibility traces.
+
+    ``sparse_mat`` fixes which connections exist; ``weight`` holds their values (the
+    trainable parameter). Each value reaches exactly one output, so the eligibility trace
+    costs one entry per connection rather than one per dense weight.
+
+    Parameters
+    ----------
+    x : array or Quantity
+        Input, ``(batch, in)`` (binds ``etp_sp_mm``) or ``(in,)`` (binds ``etp_sp_mv``).
+    weight : array or Quantity
+        The non-zero values, shaped like ``sparse_mat.data``: ``(nnz,)`` for CSR/CSC, in the
+        structure's storage order.
+    sparse_mat : brainevent.DataRepresentation
+        The ``(in, out)`` connectivity, e.g. ``brainevent.CSR.fromdense(mask)``. Only its
+        sparsity pattern is used; its stored values are replaced by ``weight``.
+    bias : array or Quantity, optional
+        Bias, ``(out,)``, in the unit of ``x·weight``.
+    weight_fn, bias_fn : callable, optional
+        Shape-preserving transforms applied to the stored parameters inside the primitive.
+        Traces and gradients stay with respect to the raw stored parameters. The D-RTRL
+        trace keeps one entry per connection, so ``weight_fn`` must act element-wise.
+
+    Returns
+    -------
+    array or Quantity
+        ``(batch, out)`` or ``(out,)``, in the unit of ``x·weight``.
+
+    Raises
+    ------
+    TypeError
+        If ``sparse_mat`` is not a ``brainevent.DataRepresentation`` (or is procedurally
+        generated connectivity, which stores no values), an operand is not an array,
+        ``weight`` is not floating point, or a hook is not callable.
+    ValueError
+        If ``x`` is not rank 1 or 2, or the shapes of ``x``, ``weight``, ``bias`` and
+        ``sparse_mat`` do not fit.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp, brainevent, braintrace
+    >>> csr = brainevent.CSR.fromdense(jnp.array([[1., 0., 2.], [0., 3., 0.]]))
+    >>> braintrace.sparse_matmul(jnp.array([1., 2.]), csr.data, sparse_mat=csr,
+    ...                          bias=jnp.ones(3), weight_fn=lambda w: 2 * w)
+    Array([ 3., 13.,  5.], dtype=float32)
+    """
+    op = "braintrace.sparse_matmul"
+    _check_structure(sparse_mat, op)
+    x_m, x_unit = split_units(x, "x", op)
+    w_m, w_unit = split_units(weight, "weight", op)
+    check_rank(x_m, "x", op, (1, 2), hint="Fold extra leading axes into the batch axis.")
+    _check_shapes(x_m, w_m, sparse_mat, op)
+    check_hook(weight_fn, "weight_fn", op)
+    check_hook(bias_fn, "bias_fn", op)
+    unit = x_unit * w_unit
+    operands = [x_m, w_m]
+    if bias is not None:
+        b_m = bias_mantissa(bias, unit, op)
+        check_bias_shape(b_m, (*x_m.shape[:-1], sparse_mat.shape[1]), op)
+        operands.append(b_m)
+    structure = _HashableSparseMat(_with_data_template(sparse_mat, w_m.dtype, op))
+    prim = etp_sp_mm_p if x_m.ndim == 2 else etp_sp_mv_p
+    y = prim.bind(
+        *operands,
+        sparse_mat=structure,
+        has_bias=bias is not None,
+        weight_fn=weight_fn,
+        bias_fn=bias_fn,
+    )
+    return with_unit(y, unit)
+
+
+def _check_shapes(x: Array, weight: Array, mat: Any, op: str) -> None:
+    n_in, n_out = tuple(mat.shape)
+    nnz = _nnz_shape(mat)
+    if tuple(weight.shape) != nnz:
+        raise OperandShapeError(
+            f"{op}: weight of shape {tuple(weight.shape)} must hold one value per stored entry "
+            f"of sparse_mat, shape {nnz}; pass e.g. sparse_mat.data or an array of that shape."
+        )
+    if not jnp.issubdtype(weight.dtype, jnp.floating):
+        raise TypeError(
+            f"{op}: weight must be a floating-point array of non-zero values, got dtype "
+            f"{weight.dtype}."
+        )
+    if x.shape[-1] != n_in:
+        raise OperandShapeError(
+            f"{op}: the last axis of x {tuple(x.shape)} must equal the input size {n_in} of "
+            f"sparse_mat, shape {(n_in, n_out)} laid out as (in, out)."
+        )
