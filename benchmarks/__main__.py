@@ -1,0 +1,207 @@
+"""Run the learner benchmarks: ``python -m benchmarks [--quick] [--models lif256 ...]``.
+
+For each model and each method it times one jitted training step over a batch of sequences
+(states reset per batch) and reads XLA's compiled temporary memory at two sequence lengths.
+It prints ratios measured in this run:
+
+* ``vs BPTT``: the method's step time over the BPTT step time;
+* ``vs floor`` (D_RTRL single-step): step time over the trace's memory-traffic floor,
+  ``2 x trace bytes x T / bandwidth``, with the bandwidth of a jitted ``a*x+b`` measured here;
+* ``mem T1000/T100``: compiled temporary memory at T=1000 over T=100.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import brainstate
+import jax
+import jax.numpy as jnp
+
+import braintrace
+from benchmarks.models import GRU, LIF, LeakyRNN
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    model: type
+    hidden: int
+    n_in: int = 16
+    n_out: int = 4
+
+
+SETTINGS = {
+    "leaky64": Setting("leaky64", LeakyRNN, 64),
+    "gru256": Setting("gru256", GRU, 256),
+    "lif256": Setting("lif256", LIF, 256),
+    "lif1024": Setting("lif1024", LIF, 1024),
+}
+METHODS = ("BPTT", "D_RTRL single", "D_RTRL multi(10)", "pp_prop single", "pp_prop multi(10)")
+
+
+def _loss(out: jax.Array, target: jax.Array) -> jax.Array:
+    return jnp.mean((out - target) ** 2)
+
+
+def bptt_step(setting: Setting, batch: int) -> Callable[[jax.Array, jax.Array], Any]:
+    model = setting.model(setting.n_in, setting.hidden, setting.n_out)
+    brainstate.nn.init_all_states(model, batch_size=batch)
+    params = model.states(brainstate.ParamState)
+
+    def loss_fn(xs: jax.Array, ys: jax.Array) -> jax.Array:
+        brainstate.nn.init_all_states(model, batch_size=batch)
+        outs = brainstate.transform.for_loop(model, xs)
+        return _loss(outs, ys)
+
+    @brainstate.transform.jit
+    def step(xs: jax.Array, ys: jax.Array) -> Any:
+        grads = brainstate.transform.grad(loss_fn, params)(xs, ys)
+        for p, g in grads.items():
+            params[p].value = params[p].value - 1e-3 * g
+        return jax.tree.leaves(grads)[0]
+
+    return step
+
+
+def online_step(setting: Setting, batch: int, algorithm: str, window: int, **options: Any) -> tuple[Any, Any]:
+    model = setting.model(setting.n_in, setting.hidden, setting.n_out)
+    vjp = "single-step" if window == 1 else "multi-step"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        learner = braintrace.compile(
+            model, algorithm, jnp.zeros((batch, setting.n_in)), batch_size=batch, vjp_method=vjp, **options)
+    params = learner.param_states
+
+    def one(carry: Any, xy: tuple[jax.Array, jax.Array]) -> tuple[Any, None]:
+        x, y = xy
+        data = x if window == 1 else braintrace.MultiStepData(x)
+        grads = brainstate.transform.grad(lambda: _loss(learner(data), y), params)()
+        return jax.tree.map(jnp.add, carry, grads), None
+
+    @brainstate.transform.jit
+    def step(xs: jax.Array, ys: jax.Array) -> Any:
+        brainstate.nn.init_all_states(model, batch_size=batch)
+        learner.reset_state()
+        if window > 1:
+            t = xs.shape[0]
+            xs = xs.reshape(t // window, window, *xs.shape[1:])
+            ys = ys.reshape(t // window, window, *ys.shape[1:])
+        zeros = {p: jnp.zeros_like(st.value) for p, st in params.items()}
+        grads, _ = brainstate.transform.scan(one, zeros, (xs, ys))
+        for p, g in grads.items():
+            params[p].value = params[p].value - 1e-3 * g
+        return jax.tree.leaves(grads)[0]
+
+    return step, learner
+
+
+def trace_bytes(learner: Any) -> int:
+    traces = getattr(learner, "etrace_bwg", {})
+    return sum(leaf.size * leaf.dtype.itemsize for st in traces.values() for leaf in jax.tree.leaves(st.value))
+
+
+def time_step(step: Any, xs: jax.Array, ys: jax.Array, repeats: int) -> float:
+    jax.block_until_ready(step(xs, ys))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(step(xs, ys))
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def temp_memory(step: Any, xs: jax.Array, ys: jax.Array) -> float:
+    try:
+        return float(step.lower(xs, ys).compile().memory_analysis().temp_size_in_bytes)
+    except Exception:  # not every backend reports memory
+        return float("nan")
+
+
+def bandwidth(n_bytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Bytes per second of a jitted ``a*x+b`` over ``n_bytes`` of float32 (read + write)."""
+    x = jnp.ones(n_bytes // 4, jnp.float32)
+    f = jax.jit(lambda x: 1.0001 * x + 0.5)
+    jax.block_until_ready(f(x))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(f(x))
+        samples.append(time.perf_counter() - start)
+    return 2 * n_bytes / statistics.median(samples)
+
+
+def run(setting: Setting, batch: int, steps: int, long_steps: int, repeats: int, bw: float) -> dict[str, Any]:
+    key = jax.random.PRNGKey(0)
+    data = lambda t: (jax.random.normal(key, (t, batch, setting.n_in)),  # noqa: E731
+                      jax.random.normal(key, (t, batch, setting.n_out)))
+    xs, ys = data(steps)
+    xl, yl = data(long_steps)
+    builders: dict[str, Callable[[], tuple[Any, Any]]] = {
+        "BPTT": lambda: (bptt_step(setting, batch), None),
+        "D_RTRL single": lambda: online_step(setting, batch, "d_rtrl", 1),
+        "D_RTRL multi(10)": lambda: online_step(setting, batch, "d_rtrl", 10),
+        "pp_prop single": lambda: online_step(setting, batch, "pp_prop", 1, decay_or_rank=0.9),
+        "pp_prop multi(10)": lambda: online_step(setting, batch, "pp_prop", 10, decay_or_rank=0.9),
+    }
+    rows: dict[str, Any] = {}
+    for name, build in builders.items():
+        if name.startswith("pp_prop") and "pp_prop" not in braintrace.__all__:
+            continue
+        step, learner = build()
+        rows[name] = {
+            "seconds": time_step(step, xs, ys, repeats),
+            "mem_short": temp_memory(step, xs, ys),
+            "mem_long": temp_memory(step, xl, yl),
+            "trace_bytes": trace_bytes(learner) if learner is not None else 0,
+        }
+    bptt = rows["BPTT"]["seconds"]
+    for name, r in rows.items():
+        r["vs_bptt"] = r["seconds"] / bptt
+        r["mem_growth"] = r["mem_long"] / r["mem_short"] if r["mem_short"] else float("nan")
+    single = rows["D_RTRL single"]
+    floor = 2 * single["trace_bytes"] * steps / bw
+    single["vs_floor"] = single["seconds"] / floor if floor else float("nan")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description="Online learners vs BPTT, as ratios measured in one run.")
+    parser.add_argument("--models", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--long-steps", type=int, default=1000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.batch, args.steps, args.long_steps, args.repeats = 4, 20, 40, 1
+        args.models = [m for m in args.models if m != "lif1024"]
+    bw = bandwidth(16 * 2**20 if args.quick else 256 * 2**20)
+    print(f"device: {jax.devices()[0].device_kind}; streaming bandwidth {bw / 1e9:.1f} GB/s")
+    print(f"batch {args.batch}, T={args.steps} (memory also at T={args.long_steps})\n")
+    results: dict[str, Any] = {"bandwidth_bytes_per_s": bw, "models": {}}
+    for name in args.models:
+        rows = run(SETTINGS[name], args.batch, args.steps, args.long_steps, args.repeats, bw)
+        results["models"][name] = rows
+        print(f"{name}")
+        print(f"  {'method':<18}{'vs BPTT':>9}{'vs floor':>10}{'mem T' + str(args.long_steps) + '/T' + str(args.steps):>18}")
+        for method, r in rows.items():
+            floor = f"{r['vs_floor']:.2f}" if "vs_floor" in r else "-"
+            print(f"  {method:<18}{r['vs_bptt']:9.2f}{floor:>10}{r['mem_growth']:18.2f}")
+        print()
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()

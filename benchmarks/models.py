@@ -1,0 +1,93 @@
+"""The benchmark models: a leaky RNN, a GRU with a readout, and a recurrent LIF network."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import brainstate
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import braintrace
+
+
+def _normal(key: int, shape: tuple[int, ...], scale: float) -> jax.Array:
+    return scale * jax.random.normal(jax.random.PRNGKey(key), shape)
+
+
+class _Recurrent(brainstate.nn.Module):
+    def __init__(self, n_in: int, n_hidden: int, n_out: int) -> None:
+        super().__init__()
+        self.n_in, self.n_hidden, self.n_out = n_in, n_hidden, n_out
+        self.w_out = brainstate.ParamState(_normal(9, (n_hidden, n_out), 1 / np.sqrt(n_hidden)))
+
+    def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+        shape = (self.n_hidden,) if batch_size is None else (batch_size, self.n_hidden)
+        self.h = brainstate.HiddenState(jnp.zeros(shape))
+
+
+class LeakyRNN(_Recurrent):
+    """``h = σ(τ) h + tanh(x W_in + h W_rec)`` with a plain readout."""
+
+    def __init__(self, n_in: int, n_hidden: int, n_out: int) -> None:
+        super().__init__(n_in, n_hidden, n_out)
+        self.tau = brainstate.ParamState(jnp.ones(n_hidden))
+        self.w_in = brainstate.ParamState(_normal(1, (n_in, n_hidden), 1 / np.sqrt(n_in)))
+        self.w_rec = brainstate.ParamState(_normal(2, (n_hidden, n_hidden), 0.5 / np.sqrt(n_hidden)))
+
+    def update(self, x: jax.Array) -> jax.Array:
+        leak = braintrace.element_wise(self.tau.value, weight_fn=jax.nn.sigmoid)
+        drive = braintrace.matmul(x, self.w_in.value) + braintrace.matmul(self.h.value, self.w_rec.value)
+        self.h.value = leak * self.h.value + jnp.tanh(drive)
+        return self.h.value @ self.w_out.value
+
+
+class GRU(_Recurrent):
+    """A GRU cell (three ETP linears on ``[x, h]``) with a plain readout."""
+
+    def __init__(self, n_in: int, n_hidden: int, n_out: int) -> None:
+        super().__init__(n_in, n_hidden, n_out)
+        scale = 1 / np.sqrt(n_in + n_hidden)
+        self.wz = brainstate.ParamState(_normal(3, (n_in + n_hidden, n_hidden), scale))
+        self.wr = brainstate.ParamState(_normal(4, (n_in + n_hidden, n_hidden), scale))
+        self.wh = brainstate.ParamState(_normal(5, (n_in + n_hidden, n_hidden), scale))
+
+    def update(self, x: jax.Array) -> jax.Array:
+        h = self.h.value
+        xh = jnp.concatenate([x, h], axis=-1)
+        z = jax.nn.sigmoid(braintrace.matmul(xh, self.wz.value))
+        r = jax.nn.sigmoid(braintrace.matmul(xh, self.wr.value))
+        cand = jnp.tanh(braintrace.matmul(jnp.concatenate([x, r * h], axis=-1), self.wh.value))
+        self.h.value = (1 - z) * h + z * cand
+        return self.h.value @ self.w_out.value
+
+
+@jax.custom_jvp
+def spike(v: jax.Array) -> jax.Array:
+    """Heaviside with a sigmoid-derivative surrogate gradient."""
+    return (v > 0).astype(v.dtype)
+
+
+@spike.defjvp
+def _spike_jvp(primals: Any, tangents: Any) -> Any:
+    (v,), (dv,) = primals, tangents
+    s = jax.nn.sigmoid(4 * v)
+    return spike(v), 4 * s * (1 - s) * dv
+
+
+class LIF(_Recurrent):
+    """Recurrent LIF: trainable element-wise leak and one dense ETP matmul on ``[x, spikes]``."""
+
+    def __init__(self, n_in: int, n_hidden: int, n_out: int) -> None:
+        super().__init__(n_in, n_hidden, n_out)
+        self.tau = brainstate.ParamState(jnp.full((n_hidden,), 2.0))
+        self.w = brainstate.ParamState(_normal(6, (n_in + n_hidden, n_hidden), 1 / np.sqrt(n_in + n_hidden)))
+
+    def update(self, x: jax.Array) -> jax.Array:
+        v = self.h.value
+        s = spike(v - 1.0)
+        leak = braintrace.element_wise(self.tau.value, weight_fn=jax.nn.sigmoid)
+        current = braintrace.matmul(jnp.concatenate([x, s], axis=-1), self.w.value)
+        self.h.value = leak * v * (1 - s) + current
+        return s @ self.w_out.value
