@@ -6,9 +6,12 @@ through :func:`check_unsupported_op` first, everything else straight to ``_eval_
 
 Examples
 --------
+>>> import jax
 >>> from braintrace._compiler.base import find_matched_vars
->>> find_matched_vars([1, 2, 3], {2: None, 3: None})
-[2, 3]
+>>> jaxpr = jax.make_jaxpr(lambda a, b, c: a + b + c)(1.0, 2.0, 3.0).jaxpr
+>>> a, b, c = jaxpr.invars
+>>> find_matched_vars(jaxpr.invars, {c: None, a: None}) == [a, c]
+True
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ Examples
 >>> from braintrace._compiler.diagnostics import (
 ...     DiagnosticKind, DiagnosticLevel, diagnostic_context, emit)
 >>> with diagnostic_context() as reporter:
-...     emit(DiagnosticKind.HIDDEN_GROUP_MERGED, DiagnosticLevel.INFO, 'merged h1 and h2',
-...          hidden_paths=(('h1',), ('h2',)))
+...     record = emit(DiagnosticKind.HIDDEN_GROUP_MERGED, DiagnosticLevel.INFO, 'merged h1 and h2',
+...                   hidden_paths=(('h1',), ('h2',)))
 >>> len(reporter), reporter.records()[0].kind.value
 (1, 'hidden_group_merged')
 """

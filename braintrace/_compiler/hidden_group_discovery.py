@@ -22,8 +22,8 @@ Examples
 ...         self.v.value = 0.5 * self.v.value - self.a.value + braintrace.matmul(x, self.w.value)
 ...         return self.v.value
 >>> groups, _ = braintrace.find_hidden_groups_from_module(Cell(), jnp.ones(2))
->>> [g.hidden_paths for g in groups]
-[[('v',), ('a',)]]
+>>> [g.hidden_paths for g in groups]  # compiled-state order: a is read first
+[[('a',), ('v',)]]
 """
 
 from __future__ import annotations

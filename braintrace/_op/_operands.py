@@ -10,7 +10,7 @@ Examples
 >>> from braintrace._op._operands import split_units, with_unit
 >>> mantissa, unit = split_units(jnp.ones(2) * u.mV, 'x', 'doc_op')
 >>> with_unit(mantissa, unit)
-ArrayImpl([1., 1.], dtype=float32) * mvolt
+Quantity([1. 1.], "mV")
 """
 
 from __future__ import annotations
