@@ -1,0 +1,15 @@
+"""The README's example runs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_example_runs() -> None:
+    (code,) = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    namespace: dict = {}
+    exec(compile(code, str(README), "exec"), namespace)
+    assert {k: v.shape for k, v in namespace["grads"].items()} == {("tau",): (8,), ("w",): (3, 8)}
