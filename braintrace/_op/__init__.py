@@ -29,6 +29,7 @@ from braintrace._op._registries import (
     is_etp_enable_gradient_primitive,
     is_etp_primitive,
 )
+from braintrace._op.conv import _etp_conv_impl, conv, etp_conv_p
 from braintrace._op.dense import etp_mm_p, etp_mv_p, matmul
 from braintrace._op.einsum import einsum, etp_einsum_p
 from braintrace._op.elemwise import element_wise, etp_elemwise_p
@@ -69,6 +70,7 @@ __all__ = [
     "etp_emb_v_p",
     "etp_einsum_p",
     "etp_elemwise_p",
+    "etp_conv_p",
     "etp_sp_mm_p",
     "etp_sp_mv_p",
     "etp_lora_mm_p",
@@ -78,6 +80,7 @@ __all__ = [
     "embedding",
     "einsum",
     "element_wise",
+    "conv",
     "sparse_matmul",
     "lora_matmul",
 ]

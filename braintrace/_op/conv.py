@@ -1,0 +1,717 @@
+"""Convolution with an online-learned kernel: ``conv`` and its primitive ``etp_conv`` (batched).
+
+``y = conv_general_dilated(x, f_K(K)) (+ f_b(b))`` for 1-, 2- or 3-D (any N-D) convolutions,
+in the default ``NC…/OI…/NC…`` layout, string layouts such as ``('NHWC', 'HWIO', 'NHWC')``,
+or a ``jax.lax.ConvDimensionNumbers``. The batch axis leads ``x`` and ``y``.
+
+Trace geometry. A kernel entry ``K[o, i, u]`` reaches output channel ``o`` at every output
+position ``s``, through a different input patch each time, so the D-RTRL trace keeps one
+kernel per output position: ``ε_K[b, s, κ] = ∂h[b, s, o(κ)] / ∂K[κ]`` with ``o(κ)`` the
+entry's own output channel, shaped ``(B, *spatial_out, *K.shape, S)``; the bias trace is
+``ε_b[b, *y[1:], S]``. Propagating through a hidden Jacobian slice ``hd`` multiplies each
+position's kernel by ``hd[b, s, o]`` along the kernel's out axis. The instantaneous term is
+the input patch at ``s`` times ``df[b, s, o]``, pulled back through ``kernel_fn``; the solve
+contracts the learning signal with the trace over positions.
+
+Transforms. ``kernel_fn`` / ``bias_fn`` enter the trace (per-position VJPs). This is exact
+when ``kernel_fn`` keeps output channels apart (element-wise or per-filter transforms) and
+``bias_fn`` is element-wise; D-RTRL refuses other transforms at trace initialisation, while
+``xy_to_dw`` (IO-dim algorithms) is an exact VJP for any transform.
+
+Examples
+--------
+>>> import jax.numpy as jnp
+>>> from braintrace._op.conv import conv
+>>> x, k = jnp.ones((2, 3, 5)), jnp.ones((4, 3, 3))
+>>> conv(x, k, jnp.full((4,), 0.5), padding='VALID')[0, 0]
+Array([9.5, 9.5, 9.5], dtype=float32)
+>>> conv(jnp.ones((1, 6, 6, 2)), jnp.ones((3, 3, 2, 4)), strides=2,
+...      dimension_numbers=('NHWC', 'HWIO', 'NHWC')).shape
+(1, 3, 3, 4)
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import Var
+
+from braintrace._errors import OperandShapeError
+from braintrace._op._operands import bias_mantissa, check_hook, split_units, with_unit
+from braintrace._op._primitive import register_primitive
+from braintrace._op._rule_helpers import (
+    apply_hook,
+    bias_trainable_invars,
+    drtrl_dtype,
+    dtype_of,
+    pullback,
+    shape_of,
+    zeros_pp,
+)
+from braintrace._typing import Array, ArrayLike, Params, WeightFn
+
+__all__ = ["etp_conv_p", "conv"]
+
+_HIGHEST = lax.Precision.HIGHEST
+
+
+# --- layout helpers -----------------------------------------------------------------------
+
+
+def _conv_layout(params: Mapping[str, Any]) -> tuple[int, int, int, int]:
+    """``(n_spatial, channel_axis, batch_axis, kernel_out_axis)`` of an equation's output.
+
+    ``channel_axis`` and ``batch_axis`` index the (batched) output ``y``; ``kernel_out_axis``
+    indexes the kernel. ``n_spatial`` is ``len(strides)``.
+    """
+    n_spatial = len(params["strides"])
+    dn = params.get("dimension_numbers")
+    if dn is None:
+        return n_spatial, 1, 0, 0
+    if isinstance(dn, lax.ConvDimensionNumbers):
+        return n_spatial, dn.out_spec[1], dn.out_spec[0], dn.rhs_spec[0]
+    _, rhs, out = dn
+    return n_spatial, out.index("C"), out.index("N"), rhs.index("O")
+
+
+def _dimension_numbers(
+    x_shape: Sequence[int], k_shape: Sequence[int], params: Mapping[str, Any]
+) -> lax.ConvDimensionNumbers:
+    return lax.conv_dimension_numbers(
+        tuple(x_shape), tuple(k_shape), params.get("dimension_numbers")
+    )
+
+
+def _channel_last(hidden: Array, params: Mapping[str, Any]) -> Array:
+    """A ``y``-shaped array (batched, or one sample) with the output channel moved last."""
+    n_spatial, channel, _, _ = _conv_layout(params)
+    if hidden.ndim == n_spatial + 2:
+        return jnp.moveaxis(hidden, channel, -1)
+    if hidden.ndim == n_spatial + 1:  # one sample: the leading batch axis is gone
+        return jnp.moveaxis(hidden, channel - 1, -1)
+    raise ValueError(
+        f"etp_conv: expected an output-shaped array of rank {n_spatial + 2} (or {n_spatial + 1} "
+        f"for one sample), got shape {tuple(hidden.shape)}."
+    )
+
+
+def _align_to_kernel(channel_last: Array, kernel_ndim: int, kernel_out: int) -> Array:
+    """``(..., C_out)`` -> ``(..., 1, …, C_out, …, 1)`` with ``C_out`` on the kernel's out axis."""
+    tail = [1] * kernel_ndim
+    tail[kernel_out] = channel_last.shape[-1]
+    return channel_last.reshape(*channel_last.shape[:-1], *tail)
+
+
+def _bias_on_output(bias: Array, y_ndim: int, channel_axis: int) -> Array:
+    """A rank-1 bias runs along the output-channel axis; other ranks broadcast as they are."""
+    if bias.ndim != 1:
+        return bias
+    shape = [1] * y_ndim
+    shape[channel_axis] = bias.shape[0]
+    return bias.reshape(shape)
+
+
+def _sum_to_bias(per_position: Array, bias_shape: tuple[int, ...], channel_axis: int) -> Array:
+    """Sum a batched ``y``-shaped array over the axes the bias broadcasts along."""
+    ndim = per_position.ndim
+    if len(bias_shape) == 1:
+        on_output = [1] * ndim
+        on_output[channel_axis] = bias_shape[0]
+    else:
+        on_output = [1] * (ndim - len(bias_shape)) + list(bias_shape)
+    axes = tuple(a for a in range(ndim) if on_output[a] == 1)
+    return per_position.sum(axis=axes, keepdims=True).reshape(bias_shape)
+
+
+# --- primitive ----------------------------------------------------------------------------
+
+
+def _etp_conv_impl(
+    x: Array,
+    kernel: Array,
+    bias: Array | None = None,
+    *,
+    has_bias: bool = False,
+    strides: tuple[int, ...] = (1,),
+    padding: str | tuple[tuple[int, int], ...] = "SAME",
+    lhs_dilation: tuple[int, ...] | None = None,
+    rhs_dilation: tuple[int, ...] | None = None,
+    feature_group_count: int = 1,
+    batch_group_count: int = 1,
+    dimension_numbers: Any = None,
+    kernel_fn: WeightFn | None = None,
+    bias_fn: WeightFn | None = None,
+) -> Array:
+    # One sample (rank of the kernel minus one) is convolved as a batch of one, so that the
+    # per-sample contexts of the ETP rules can differentiate the impl directly.
+    single = x.ndim == kernel.ndim - 1
+    if single:
+        x = x[None]
+    k = apply_hook(kernel_fn, kernel)
+    dtype = jnp.result_type(x, k)
+    y = lax.conv_general_dilated(
+        x.astype(dtype),
+        k.astype(dtype),
+        window_strides=strides,
+        padding=padding,
+        lhs_dilation=lhs_dilation,
+        rhs_dilation=rhs_dilation,
+        dimension_numbers=dimension_numbers,
+        feature_group_count=feature_group_count,
+        batch_group_count=batch_group_count,
+    )
+    if has_bias:
+        assert bias is not None, "has_bias=True binds a bias operand"
+        layout = dict(strides=strides, dimension_numbers=dimension_numbers)
+        y = y + _bias_on_output(apply_hook(bias_fn, bias), y.ndim, _conv_layout(layout)[1])
+    return y[0] if single else y
+
+
+etp_conv_p = register_primitive(
+    "etp_conv",
+    _etp_conv_impl,
+    batched=True,
+    trainable_invars_fn=bias_trainable_invars,
+    x_invar_index=0,
+)
+
+
+# --- ETP rules --------------------------------------------------------------------------
+
+#: Every static parameter of ``etp_conv`` and its default.
+_DEFAULT_PARAMS: Params = dict(
+    has_bias=False, strides=(1,), padding="SAME", lhs_dilation=None, rhs_dilation=None,
+    feature_group_count=1, batch_group_count=1, dimension_numbers=None, kernel_fn=None,
+    bias_fn=None,
+)
+_RuleBody = Callable[[Array, Any, dict[str, Array], Params], dict[str, Array]]
+
+
+def _compiled(body: _RuleBody) -> _RuleBody:
+    """``body(a, b, weights, params)`` under one ``jax.jit`` keyed on the static params.
+
+    Eager callers then compile each rule once per shape rather than once per operation;
+    inside an outer trace the inner ``jit`` is simply inlined.
+    """
+
+    @partial(jax.jit, static_argnums=3)
+    def run(a: Array, b: Any, weights: dict[str, Array], frozen: tuple[tuple[str, Any], ...]) -> Any:
+        return body(a, b, weights, dict(frozen))
+
+    def call(a: Array, b: Any, weights: dict[str, Array], params: Params) -> dict[str, Array]:
+        frozen = tuple((k, params.get(k, d)) for k, d in _DEFAULT_PARAMS.items())
+        return run(a, b, weights, frozen)
+
+    return call
+
+
+def _conv_dt_to_t(hidden_dim: Array, trace: dict[str, Array], **params: Any) -> dict[str, Array]:
+    """``ε_K[b, s, …, o, …] · hd[b, s, o]`` and ``ε_b · hd``; hooks play no part."""
+    n_spatial, _, _, kernel_out = _conv_layout(params)
+    factor = _align_to_kernel(_channel_last(hidden_dim, params), n_spatial + 2, kernel_out)
+    out = {"weight": trace["weight"] * factor}
+    if "bias" in trace:
+        out["bias"] = trace["bias"] * hidden_dim
+    return out
+
+
+def _conv_xy_to_dw(
+    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: Any
+) -> dict[str, Array]:
+    """The exact VJP of the convolution w.r.t. the raw kernel and bias, parameter-shaped.
+
+    Batch and positions are reduced inside the VJP (the bias gradient is summed to the bias's
+    own shape); a single sample ``x`` is treated as a batch of one.
+    """
+    return _xy_to_dw_compiled(x, hidden_dim, weights, params)
+
+
+_xy_to_dw_compiled = _compiled(partial(pullback, _etp_conv_impl))
+
+
+def _conv_init_drtrl(
+    x_var: Var,
+    y_var: Var,
+    weight_vars: dict[str, Var],
+    num_hidden_state: int,
+    *,
+    eqn_params: Params,
+) -> dict[str, Array]:
+    """Per-output-position traces: ``weight (B, *spatial_out, *K.shape, S)``, ``bias (B, *y[1:], S)``.
+
+    Raises
+    ------
+    NotImplementedError
+        For ``batch_group_count != 1``, or a transform the per-position trace cannot carry
+        exactly; both suggest the IO-dim algorithm ``pp_prop``.
+    """
+    _check_drtrl_support(eqn_params, weight_vars)
+    y_shape = shape_of(y_var)
+    _, channel, batch_axis, _ = _conv_layout(eqn_params)
+    spatial_out = tuple(n for a, n in enumerate(y_shape) if a not in (batch_axis, channel))
+    batch = shape_of(x_var)[0]
+    dtype = drtrl_dtype(x_var, y_var, weight_vars)
+    k_shape = shape_of(weight_vars["weight"])
+    out = {"weight": jnp.zeros((batch, *spatial_out, *k_shape, num_hidden_state), dtype)}
+    if "bias" in weight_vars:
+        out["bias"] = jnp.zeros((batch, *y_shape[1:], num_hidden_state), dtype)
+    return out
+
+
+def _conv_init_pp(
+    x_var: Var,
+    y_var: Var,
+    weight_vars: dict[str, Var],
+    num_hidden_state: int,
+    *,
+    eqn_params: Params | None = None,
+) -> Array:
+    return zeros_pp(x_var, y_var, weight_vars, num_hidden_state)
+
+
+def _check_drtrl_support(params: Params, weight_vars: dict[str, Var]) -> None:
+    batch_groups = params.get("batch_group_count", 1)
+    if batch_groups != 1:
+        raise NotImplementedError(
+            f"etp_conv: D-RTRL per-position traces do not support grouped convolution over the "
+            f"batch (batch_group_count={batch_groups}): its output batch is not "
+            f"the input batch. Train this layer with the IO-dim algorithm pp_prop instead."
+        )
+    kernel_fn, bias_fn = params.get("kernel_fn"), params.get("bias_fn")
+    k_var = weight_vars["weight"]
+    if kernel_fn is not None and _mixes_blocks(kernel_fn, k_var, _conv_layout(params)[3]):
+        raise NotImplementedError(
+            f"etp_conv: D-RTRL keeps one trace entry per kernel element and output channel, so "
+            f"kernel_fn must act on each output channel's filter separately (element-wise or "
+            f"per-filter); {kernel_fn!r} mixes output channels. Train this layer with the IO-dim "
+            f"algorithm pp_prop, or move the transform out of kernel_fn."
+        )
+    if bias_fn is not None and "bias" in weight_vars and _mixes_blocks(
+        bias_fn, weight_vars["bias"], None
+    ):
+        raise NotImplementedError(
+            f"etp_conv: D-RTRL keeps one trace entry per bias element and position, so bias_fn "
+            f"must be element-wise; {bias_fn!r} couples bias entries. Train this layer with the "
+            f"IO-dim algorithm pp_prop, or move the transform out of bias_fn."
+        )
+
+
+def _mixes_blocks(hook: WeightFn, var: Var, block_axis: int | None) -> bool:
+    """Whether ``hook``'s Jacobian, probed at a fixed point, couples distinct blocks.
+
+    Blocks are the slices along ``block_axis`` (single entries when ``None``). A Jacobian
+    ``J`` is block-diagonal iff ``Jᵀ(r ⊙ v) = r ⊙ Jᵀv`` for ``r`` constant on each block; one
+    random ``r``, ``v`` decides it almost surely. Inconclusive probes (non-finite values,
+    non-float parameters) count as not mixing.
+    """
+    shape, dtype = shape_of(var), dtype_of(var)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return False
+    dtype = jnp.promote_types(dtype, jnp.float32)  # low-precision rounding is not coupling
+    r_shape = shape if block_axis is None else tuple(
+        n if a == block_axis else 1 for a, n in enumerate(shape)
+    )
+    rng = np.random.default_rng(0)
+    point = rng.uniform(0.5, 1.5, shape).astype(dtype)
+    v = rng.standard_normal(shape).astype(dtype)
+    r = rng.uniform(0.5, 1.5, r_shape).astype(dtype)
+    # Evaluated now even when the caller is being traced (the probe is a constant).
+    with jax.ensure_compile_time_eval():
+        lhs, rhs = (np.asarray(a) for a in _probe_pullbacks(hook, point, r, v))
+    if not (np.all(np.isfinite(lhs)) and np.all(np.isfinite(rhs))):
+        return False
+    scale = max(float(np.abs(lhs).max(initial=0.0)), float(np.abs(rhs).max(initial=0.0)))
+    return bool(np.abs(lhs - rhs).max(initial=0.0) > 1e-4 * scale + 1e-30)
+
+
+@partial(jax.jit, static_argnums=0)
+def _probe_pullbacks(hook: WeightFn, point: Array, r: Array, v: Array) -> tuple[Array, Array]:
+    """``(Jᵀ(r ⊙ v), r ⊙ Jᵀv)`` for the Jacobian ``J`` of ``hook`` at ``point``."""
+    out, vjp = jax.vjp(hook, point)
+    return vjp((r * v).astype(out.dtype))[0], r * vjp(v.astype(out.dtype))[0]
+
+
+def _conv_extract_patches(
+    x: Array, kernel_shape: Sequence[int], params: Mapping[str, Any] | None = None, **kwargs: Any
+) -> Array:
+    """The input patch behind every output position: ``(B, *s, C_in, *k_spatial)``.
+
+    ``s`` are the output's non-batch, non-channel axes in output order; ``k_spatial`` are the
+    kernel's spatial axes in kernel order, so ``Σ_{c,u} patches[b, s, c, u] · K[o, c, u]``
+    (kernel entries laid out the same way) is the convolution at ``(b, s, o)`` for an
+    ungrouped convolution. Static parameters come as a mapping or as keywords.
+    """
+    p = {**(params or {}), **kwargs}
+    dn = _dimension_numbers(x.shape, kernel_shape, p)
+    rhs_oi = (dn.rhs_spec[0], dn.rhs_spec[1])
+    filter_shape = tuple(n for a, n in enumerate(kernel_shape) if a not in rhs_oi)
+    packed = lax.conv_general_dilated_patches(
+        x,
+        filter_shape,
+        window_strides=p["strides"],
+        padding=p.get("padding", "SAME"),
+        lhs_dilation=p.get("lhs_dilation"),
+        rhs_dilation=p.get("rhs_dilation"),
+        dimension_numbers=dn,
+        precision=_HIGHEST,  # the patch kernel is a 0/1 gather: keep it exact on every backend
+    )
+    # The packed channel is c·Π(filter) + flat(u), channel-major.
+    packed = jnp.moveaxis(packed, dn.out_spec[1], -1)
+    return packed.reshape(*packed.shape[:-1], x.shape[dn.lhs_spec[1]], *filter_shape)
+
+
+def _kernel_slabs(x: Array, hidden: Array, kernel: Array, params: Mapping[str, Any]) -> Array:
+    """``patch[b, s, g·C_g + c, u] · hd[b, s, o]`` laid out as ``(B, *s, *K.shape)``."""
+    dn = _dimension_numbers(x.shape, kernel.shape, params)
+    groups = params.get("feature_group_count", 1)
+    patches = _conv_extract_patches(x.astype(jnp.result_type(x, kernel)), kernel.shape, params)
+    hd = _channel_last(hidden, params)
+    lead = hd.shape[:-1]
+    n_lead, n_u = len(lead), patches.ndim - len(lead) - 1
+    c_out, c_in = hd.shape[-1], patches.shape[n_lead]
+    # Output channel o belongs to group o // (C_out/G) and sees input channels of that group.
+    p = patches.reshape(*lead, groups, 1, c_in // groups, *patches.shape[n_lead + 1 :])
+    h = hd.reshape(*lead, groups, c_out // groups, *([1] * (n_u + 1)))
+    slab = (p * h).reshape(*lead, c_out, c_in // groups, *patches.shape[n_lead + 1 :])
+    # Trailing axes are (o, c, *u); the kernel's are laid out by its rhs spec.
+    o_axis, i_axis = dn.rhs_spec[0], dn.rhs_spec[1]
+    spatial = iter(range(2, kernel.ndim))
+    source = [0 if a == o_axis else 1 if a == i_axis else next(spatial) for a in range(kernel.ndim)]
+    return jnp.transpose(slab, (*range(n_lead), *(n_lead + s for s in source)))
+
+
+def _conv_instant_drtrl(
+    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: Any
+) -> dict[str, Array]:
+    """The instantaneous per-position trace term: patch ⊗ ``hd``, pulled back through the hooks.
+
+    ``x`` is one sample (``n_spatial + 1`` axes) or a batch; ``hidden_dim`` matches ``y``.
+    Kernel: each position's kernel-shaped slab goes through ``VJP_{kernel_fn}(K)``. Bias:
+    ``hd`` times ``bias_fn'(b)`` placed on the output (``bias_fn`` is element-wise here, see
+    :func:`_conv_init_drtrl`).
+    """
+    return _instant_compiled(x, hidden_dim, weights, params)
+
+
+def _instant_body(
+    x: Array, hidden_dim: Array, weights: dict[str, Array], params: Params
+) -> dict[str, Array]:
+    kernel = weights["weight"]
+    single = x.ndim == kernel.ndim - 1
+    if single:
+        x, hidden_dim = x[None], hidden_dim[None]
+    slabs = _kernel_slabs(x, hidden_dim, kernel, params)
+    kernel_fn = params.get("kernel_fn")
+    if kernel_fn is not None:
+        k_out, vjp = jax.vjp(kernel_fn, kernel)
+        flat = slabs.reshape(-1, *kernel.shape).astype(k_out.dtype)
+        slabs = jax.vmap(lambda c: vjp(c)[0])(flat).reshape(*slabs.shape[: -kernel.ndim], *kernel.shape)
+    out = {"weight": slabs}
+    if "bias" in weights:
+        out["bias"] = _bias_instant(hidden_dim, weights["bias"], params)
+    return {k: v[0] for k, v in out.items()} if single else out
+
+
+_instant_compiled = _compiled(_instant_body)
+
+
+def _bias_instant(hidden: Array, bias: Array, params: Mapping[str, Any]) -> Array:
+    bias_fn = params.get("bias_fn")
+    if bias_fn is None:
+        slope = jnp.ones_like(bias)
+    else:
+        b_out, vjp = jax.vjp(bias_fn, bias)
+        slope = vjp(jnp.ones_like(b_out))[0]
+    on_output = _bias_on_output(slope, hidden.ndim, _conv_layout(params)[1])
+    return hidden * on_output
+
+
+def _conv_solve_drtrl(
+    dg_hidden: Array, trace: dict[str, Array], weights: dict[str, Array], **params: Any
+) -> dict[str, Array]:
+    """``∇K[…, o, …] = Σ_s g[s, o] ε_K[s, …, o, …]``, ``∇b = Σ_s g[s] ε_b[s]`` summed to ``b``.
+
+    Works on one sample (the D-RTRL solve context) or a batch (also summed). The transforms
+    are already in the trace and are not applied again.
+    """
+    return _solve_compiled(dg_hidden, trace, weights, params)
+
+
+def _solve_body(
+    dg_hidden: Array, trace: dict[str, Array], weights: dict[str, Array], params: Params
+) -> dict[str, Array]:
+    n_spatial, channel, _, kernel_out = _conv_layout(params)
+    trace = dict(trace)
+    if dg_hidden.ndim == n_spatial + 1:
+        dg_hidden = dg_hidden[None]
+        trace = {k: v[None] for k, v in trace.items()}
+    factor = _align_to_kernel(_channel_last(dg_hidden, params), n_spatial + 2, kernel_out)
+    out = {"weight": (trace["weight"] * factor).sum(axis=tuple(range(n_spatial + 1)))}
+    if "bias" in trace:
+        out["bias"] = _sum_to_bias(dg_hidden * trace["bias"], weights["bias"].shape, channel)
+    return out
+
+
+_solve_compiled = _compiled(_solve_body)
+
+
+etp_conv_p.register_etp_rules(
+    dt_to_t=_conv_dt_to_t,
+    xy_to_dw=_conv_xy_to_dw,
+    init_drtrl=_conv_init_drtrl,
+    init_pp=_conv_init_pp,
+    instant_drtrl=_conv_instant_drtrl,
+    solve_drtrl=_conv_solve_drtrl,
+)
+
+
+# --- user function ------------------------------------------------------------------------
+
+
+def conv(
+    x: ArrayLike,
+    kernel: ArrayLike,
+    bias: ArrayLike | None = None,
+    *,
+    strides: int | Sequence[int] = (1,),
+    padding: str | Sequence[tuple[int, int]] = "SAME",
+    lhs_dilation: int | Sequence[int] | None = None,
+    rhs_dilation: int | Sequence[int] | None = None,
+    feature_group_count: int = 1,
+    batch_group_count: int = 1,
+    dimension_numbers: Any = None,
+    kernel_fn: WeightFn | None = None,
+    bias_fn: WeightFn | None = None,
+) -> Any:
+    """N-D convolution whose kernel (and bias) learn online with eligibility traces.
+
+    Use it in place of ``jax.lax.conv_general_dilated`` for a kernel that should take part
+    in online learning.
+
+    Parameters
+    ----------
+    x : array or Quantity
+        Input with a leading batch axis, e.g. ``(batch, in_channels, width)`` in the default
+        layout; the same rank as ``kernel``.
+    kernel : array or Quantity
+        Kernel, e.g. ``(out_channels, in_channels / feature_group_count, k_width)``.
+    bias : array or Quantity, optional
+        ``(out_channels,)`` (added along the output-channel axis of the layout) or any shape
+        that broadcasts onto one sample of the output; in the unit of ``x·kernel``.
+    strides : int or sequence of int
+        Window strides, one per spatial axis; a single value applies to every axis.
+    padding : str or sequence of (low, high)
+        ``'SAME'``, ``'SAME_LOWER'``, ``'VALID'`` or one pair per spatial axis.
+    lhs_dilation, rhs_dilation : int or sequence of int, optional
+        Input (transposed convolution) and kernel (atrous) dilation, as ``strides``.
+    feature_group_count, batch_group_count : int
+        Grouped convolution, as in ``jax.lax.conv_general_dilated``.
+    dimension_numbers : None, (str, str, str) or jax.lax.ConvDimensionNumbers
+        Layout, e.g. ``('NHWC', 'HWIO', 'NHWC')``; ``None`` is ``NC…/OI…/NC…``. The batch
+        axis must lead the input and the output.
+    kernel_fn, bias_fn : callable, optional
+        Shape-preserving transforms applied inside the primitive. Traces and gradients stay
+        with respect to the raw stored parameters.
+
+    Returns
+    -------
+    array or Quantity
+        The output in the layout's output spec, in the unit of ``x·kernel``.
+
+    Raises
+    ------
+    TypeError
+        If an operand is not an array, a hook is not callable, or an argument has the wrong
+        type.
+    ValueError
+        For mismatched ranks, spatial arguments of the wrong length, an unknown padding, a
+        layout without a leading batch axis, a hook that changes shapes, or shapes that do
+        not form a convolution (channels) or do not take the bias.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp
+    >>> from braintrace._op.conv import conv
+    >>> conv(jnp.ones((1, 1, 4, 4)), jnp.ones((2, 1, 3, 3)), padding='VALID',
+    ...      kernel_fn=lambda k: 0.5 * k)[0, :, 0, 0]
+    Array([4.5, 4.5], dtype=float32)
+    """
+    op = "braintrace.conv"
+    x_m, x_unit = split_units(x, "x", op)
+    k_m, k_unit = split_units(kernel, "kernel", op)
+    check_hook(kernel_fn, "kernel_fn", op)
+    check_hook(bias_fn, "bias_fn", op)
+    n_spatial = _check_ranks(x_m, k_m, op)
+    params: Params = dict(
+        strides=_per_axis(strides, "strides", n_spatial, op),
+        padding=_padding(padding, n_spatial, op),
+        lhs_dilation=_per_axis(lhs_dilation, "lhs_dilation", n_spatial, op, optional=True),
+        rhs_dilation=_per_axis(rhs_dilation, "rhs_dilation", n_spatial, op, optional=True),
+        feature_group_count=_group_count(feature_group_count, "feature_group_count", op),
+        batch_group_count=_group_count(batch_group_count, "batch_group_count", op),
+        dimension_numbers=_layout(dimension_numbers, x_m.shape, k_m.shape, op),
+        kernel_fn=kernel_fn,
+        bias_fn=bias_fn,
+    )
+    _check_hook_shape(kernel_fn, k_m, "kernel_fn", op)
+    y_shape = _output_shape(x_m, k_m, params, op)
+    unit = x_unit * k_unit
+    operands = [x_m, k_m]
+    if bias is not None:
+        b_m = bias_mantissa(bias, unit, op)
+        _check_hook_shape(bias_fn, b_m, "bias_fn", op)
+        _check_bias(b_m, y_shape, _conv_layout(params)[1], op)
+        operands.append(b_m)
+    y = etp_conv_p.bind(*operands, has_bias=bias is not None, **params)
+    return with_unit(y, unit)
+
+
+def _check_ranks(x: Array, kernel: Array, op: str) -> int:
+    if kernel.ndim < 3:
+        raise ValueError(
+            f"{op}: kernel must have rank 3 or more (out, in and at least one spatial axis), "
+            f"got shape {tuple(kernel.shape)}."
+        )
+    if x.ndim != kernel.ndim:
+        hint = " Add a leading batch axis, e.g. x[None]." if x.ndim == kernel.ndim - 1 else ""
+        raise ValueError(
+            f"{op}: x must have the rank of kernel (batch, channel and {kernel.ndim - 2} spatial "
+            f"axes), got x shape {tuple(x.shape)} and kernel shape {tuple(kernel.shape)}.{hint}"
+        )
+    return kernel.ndim - 2
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _per_axis(
+    value: Any, arg: str, n_spatial: int, op: str, optional: bool = False
+) -> tuple[int, ...] | None:
+    """One positive int per spatial axis; a single value is repeated over every axis."""
+    if value is None and optional:
+        return None
+    if _is_int(value):
+        value = (value,)
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(
+            f"{op}: {arg} must be an int or a sequence of {n_spatial} ints, got "
+            f"{type(value).__name__}: {value!r}."
+        )
+    if not all(_is_int(v) and v >= 1 for v in value):
+        raise ValueError(f"{op}: {arg} must hold positive ints, got {value!r}.")
+    if len(value) == 1:
+        value = tuple(value) * n_spatial
+    if len(value) != n_spatial:
+        raise ValueError(
+            f"{op}: {arg} must have one entry per spatial axis ({n_spatial} for this kernel) or "
+            f"a single entry for all of them, got {tuple(value)!r}."
+        )
+    return tuple(int(v) for v in value)
+
+
+def _padding(value: Any, n_spatial: int, op: str) -> str | tuple[tuple[int, int], ...]:
+    """A padding name unchanged, or pairs as a (hashable) tuple of tuples."""
+    if isinstance(value, str):
+        if value.upper() not in ("SAME", "SAME_LOWER", "VALID"):
+            raise ValueError(
+                f"{op}: padding must be 'SAME', 'SAME_LOWER', 'VALID' or one (low, high) pair "
+                f"per spatial axis, got {value!r}."
+            )
+        return value
+    pairs = tuple(tuple(p) if isinstance(p, Sequence) else p for p in value) if isinstance(
+        value, Sequence
+    ) else None
+    if pairs is None or len(pairs) != n_spatial or not all(
+        isinstance(p, tuple) and len(p) == 2 and all(_is_int(v) for v in p) for p in pairs
+    ):
+        raise ValueError(
+            f"{op}: padding must be 'SAME', 'SAME_LOWER', 'VALID' or {n_spatial} (low, high) "
+            f"int pairs (one per spatial axis), got {value!r}."
+        )
+    return tuple((int(lo), int(hi)) for lo, hi in pairs)
+
+
+def _group_count(value: Any, arg: str, op: str) -> int:
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"{op}: {arg} must be a positive int, got {value!r}.")
+    return int(value)
+
+
+def _layout(value: Any, x_shape: tuple[int, ...], k_shape: tuple[int, ...], op: str) -> Any:
+    """Validate ``dimension_numbers``; lists become tuples (static params must hash)."""
+    if value is None:
+        return None
+    if isinstance(value, lax.ConvDimensionNumbers):
+        value = lax.ConvDimensionNumbers(*(tuple(int(a) for a in spec) for spec in value))
+        if any(sorted(spec) != list(range(len(x_shape))) for spec in value):
+            raise ValueError(
+                f"{op}: each spec of dimension_numbers must be a permutation of the "
+                f"{len(x_shape)} axes of x, got {value!r}."
+            )
+    elif isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value):
+        value = tuple(value)
+    else:
+        raise TypeError(
+            f"{op}: dimension_numbers must be None, a (lhs, rhs, out) triple of strings such as "
+            f"('NHWC', 'HWIO', 'NHWC'), or a jax.lax.ConvDimensionNumbers, got {value!r}."
+        )
+    try:
+        dn = lax.conv_dimension_numbers(x_shape, k_shape, value)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{op}: invalid dimension_numbers {value!r}: {err}") from err
+    if dn.lhs_spec[0] != 0 or dn.out_spec[0] != 0:
+        raise ValueError(
+            f"{op}: the batch axis must lead the input and the output (etp_conv is a batched "
+            f"primitive), got dimension_numbers {value!r}; transpose x and the result instead."
+        )
+    return value
+
+
+def _check_hook_shape(hook: WeightFn | None, value: Array, arg: str, op: str) -> None:
+    if hook is None:
+        return
+    out = jax.eval_shape(hook, jax.ShapeDtypeStruct(value.shape, value.dtype))
+    if getattr(out, "shape", None) != tuple(value.shape):
+        raise ValueError(
+            f"{op}: {arg} must preserve the parameter's shape {tuple(value.shape)}, but it "
+            f"returns {getattr(out, 'shape', type(out).__name__)}."
+        )
+
+
+def _output_shape(x: Array, kernel: Array, params: Params, op: str) -> tuple[int, ...]:
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, kernel)]
+    try:
+        out = jax.eval_shape(partial(_etp_conv_impl, has_bias=False, **params), *structs)
+    except (TypeError, ValueError) as err:
+        raise OperandShapeError(
+            f"{op}: x of shape {tuple(x.shape)} and kernel of shape {tuple(kernel.shape)} do not "
+            f"form a convolution with dimension_numbers={params['dimension_numbers']!r}, "
+            f"feature_group_count={params['feature_group_count']}, batch_group_count="
+            f"{params['batch_group_count']}: {err}"
+        ) from err
+    return tuple(out.shape)
+
+
+def _check_bias(bias: Array, y_shape: tuple[int, ...], channel: int, op: str) -> None:
+    """The bias must broadcast onto one sample of the output without changing its shape."""
+    if bias.ndim == 1:
+        ok = bias.shape[0] in (1, y_shape[channel])
+    else:
+        padded = (1,) * (len(y_shape) - bias.ndim) + tuple(bias.shape)
+        ok = bias.ndim <= len(y_shape) and padded[0] == 1 and all(
+            b in (1, n) for b, n in zip(padded[1:], y_shape[1:])
+        )
+    if not ok:
+        raise OperandShapeError(
+            f"{op}: bias of shape {tuple(bias.shape)} does not fit the output of shape "
+            f"{y_shape}; pass ({y_shape[channel]},) for one bias per output channel (axis "
+            f"{channel}), or a shape that broadcasts onto one sample {y_shape[1:]}."
+        )
