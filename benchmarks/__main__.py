@@ -56,7 +56,7 @@ def bptt_step(setting: Setting, batch: int) -> Callable[[jax.Array, jax.Array], 
     params = model.states(brainstate.ParamState)
 
     def loss_fn(xs: jax.Array, ys: jax.Array) -> jax.Array:
-        brainstate.nn.init_all_states(model, batch_size=batch)
+        brainstate.nn.reset_all_states(model)
         outs = brainstate.transform.for_loop(model, xs)
         return _loss(outs, ys)
 
@@ -87,7 +87,7 @@ def online_step(setting: Setting, batch: int, algorithm: str, window: int, **opt
 
     @brainstate.transform.jit
     def step(xs: jax.Array, ys: jax.Array) -> Any:
-        brainstate.nn.init_all_states(model, batch_size=batch)
+        brainstate.nn.reset_all_states(model)
         learner.reset_state()
         if window > 1:
             t = xs.shape[0]

@@ -26,13 +26,17 @@ class _Recurrent(brainstate.nn.Module):
         shape = (self.n_hidden,) if batch_size is None else (batch_size, self.n_hidden)
         self.h = brainstate.HiddenState(jnp.zeros(shape))
 
+    def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+        # Reset in place: a compiled learner holds these very state objects.
+        self.h.value = jnp.zeros_like(self.h.value)
+
 
 class LeakyRNN(_Recurrent):
     """``h = σ(τ) h + tanh(x W_in + h W_rec)`` with a plain readout."""
 
     def __init__(self, n_in: int, n_hidden: int, n_out: int) -> None:
         super().__init__(n_in, n_hidden, n_out)
-        self.tau = brainstate.ParamState(jnp.ones(n_hidden))
+        self.tau = brainstate.ParamState(jnp.ones(n_hidden, dtype=jnp.float32))
         self.w_in = brainstate.ParamState(_normal(1, (n_in, n_hidden), 1 / np.sqrt(n_in)))
         self.w_rec = brainstate.ParamState(_normal(2, (n_hidden, n_hidden), 0.5 / np.sqrt(n_hidden)))
 
@@ -81,7 +85,7 @@ class LIF(_Recurrent):
 
     def __init__(self, n_in: int, n_hidden: int, n_out: int) -> None:
         super().__init__(n_in, n_hidden, n_out)
-        self.tau = brainstate.ParamState(jnp.full((n_hidden,), 2.0))
+        self.tau = brainstate.ParamState(jnp.full((n_hidden,), 2.0, dtype=jnp.float32))
         self.w = brainstate.ParamState(_normal(6, (n_in + n_hidden, n_hidden), 1 / np.sqrt(n_in + n_hidden)))
 
     def update(self, x: jax.Array) -> jax.Array:

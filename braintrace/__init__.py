@@ -4,9 +4,20 @@ Mark the weights that should learn online with an ETP operator (``braintrace.mat
 ``braintrace.element_wise``, ...) and compile the model into an online learner.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from braintrace._algorithm import (
     D_RTRL,
     ES_D_RTRL,
+    OSTTP,
+    OTPE,
+    OTTT,
+    EProp,
+    FixedRandomFeedback,
+    KappaFilter,
+    OSTLFeedforward,
+    OSTLRecurrent,
+    PresynapticTrace,
     EligibilityTrace,
     ETraceAlgorithm,
     ETraceGraphExecutor,
@@ -40,8 +51,10 @@ from braintrace._compiler import (
     find_hidden_param_op_relations_from_module,
 )
 from braintrace._errors import CompilationError, NotSupportedError
+from braintrace._grad_exponential import GradExpon
 from braintrace._op import (
     ETPPrimitive,
+    conv,
     einsum,
     element_wise,
     embedding,
@@ -51,6 +64,22 @@ from braintrace._op import (
     register_primitive,
     sparse_matmul,
 )
+from braintrace import nn
+
+if TYPE_CHECKING:
+    from braintrace._legacy import (
+        ConvOp,
+        ElemWiseOp,
+        ElemWiseParam,
+        ETraceOp,
+        ETraceParam,
+        FakeElemWiseParam,
+        FakeETraceParam,
+        LoraOp,
+        MatMulOp,
+        NonTempParam,
+        SpMatMulOp,
+    )
 
 __version__ = "0.2.4"
 __version_info__ = tuple(int(part) for part in __version__.split("."))
@@ -64,15 +93,16 @@ __all__ = [
     "ETraceVjpGraphExecutor",
     "ParamDimVjpAlgorithm",
     "D_RTRL",
-    "IODimVjpAlgorithm",
     "pp_prop",
     "ES_D_RTRL",
+    "IODimVjpAlgorithm",
     "compile",
     "matmul",
     "grouped_matmul",
     "embedding",
     "einsum",
     "element_wise",
+    "conv",
     "sparse_matmul",
     "lora_matmul",
     "ETPPrimitive",
@@ -98,6 +128,44 @@ __all__ = [
     "CompilationReport",
     "DiagnosticKind",
     "DiagnosticLevel",
+    "GradExpon",
+    "EProp",
+    "OSTLRecurrent",
+    "OSTLFeedforward",
+    "OTPE",
+    "OTTT",
+    "OSTTP",
+    "FixedRandomFeedback",
+    "KappaFilter",
+    "PresynapticTrace",
     "NotSupportedError",
     "CompilationError",
+    "nn",
 ]
+
+# deprecated v0.1 names, served lazily by __getattr__ with a one-time DeprecationWarning
+_LEGACY_NAMES = (
+    "MatMulOp",
+    "ElemWiseOp",
+    "ConvOp",
+    "SpMatMulOp",
+    "LoraOp",
+    "ETraceOp",
+    "ETraceParam",
+    "ElemWiseParam",
+    "NonTempParam",
+    "FakeETraceParam",
+    "FakeElemWiseParam",
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LEGACY_NAMES:
+        from braintrace._legacy._deprecation import legacy_attribute
+
+        return legacy_attribute(name, stacklevel=2)
+    raise AttributeError(f"module 'braintrace' has no attribute '{name}'")
+
+
+def __dir__() -> list[str]:
+    return sorted([*__all__, *_LEGACY_NAMES])

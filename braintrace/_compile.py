@@ -25,7 +25,17 @@ from typing import Any, Iterator
 import brainstate
 import jax
 
-from braintrace._algorithm import D_RTRL, ETraceAlgorithm
+from braintrace._algorithm import (
+    D_RTRL,
+    OSTTP,
+    OTPE,
+    OTTT,
+    EProp,
+    ETraceAlgorithm,
+    OSTLFeedforward,
+    OSTLRecurrent,
+    pp_prop,
+)
 from braintrace._errors import CompilationError
 
 __all__ = ["compile", "ALGORITHM_NAMES"]
@@ -33,6 +43,16 @@ __all__ = ["compile", "ALGORITHM_NAMES"]
 #: Case-insensitive names accepted by :func:`compile`.
 ALGORITHM_NAMES: dict[str, type[ETraceAlgorithm]] = {
     "d_rtrl": D_RTRL,
+    "pp_prop": pp_prop,
+    "es_d_rtrl": pp_prop,
+    "esd_rtrl": pp_prop,
+    "eprop": EProp,
+    "e_prop": EProp,
+    "ostl_recurrent": OSTLRecurrent,
+    "ostl_feedforward": OSTLFeedforward,
+    "otpe": OTPE,
+    "ottt": OTTT,
+    "osttp": OSTTP,
 }
 
 
@@ -119,9 +139,14 @@ def compile(
     if vmap:
         learner = cls(model, **options)
         unbatched = jax.tree.map(lambda a: a[0], example_inputs)
-        with _seeded(seed), brainstate.transform.vmap_new_states(state_tag="new", axis_size=batch_size):
+
+        def init_per_sample() -> None:
+            # Runs twice (a discovery probe, then the mapped pass); compile_graph skips the probe.
             brainstate.nn.init_all_states(model)
             learner.compile_graph(*unbatched)
+
+        with _seeded(seed):
+            brainstate.transform.vmap_new_states(init_per_sample, state_tag="new", axis_size=batch_size)()
         result: Any = brainstate.nn.Vmap(learner, vmap_states="new")
     else:
         with _seeded(seed):

@@ -37,7 +37,7 @@ class LeakyRNN(brainstate.nn.Module):
         super().__init__()
         k = jax.random.split(jax.random.PRNGKey(seed), 3)
         self.n_hidden = n_hidden
-        self.tau = brainstate.ParamState(jnp.full((n_hidden,), 1.0))
+        self.tau = brainstate.ParamState(jnp.full((n_hidden,), 1.0, dtype=jnp.float32))
         self.w_in = brainstate.ParamState(jax.random.normal(k[0], (n_in, n_hidden)) / np.sqrt(n_in))
         self.w_rec = brainstate.ParamState(0.5 * jax.random.normal(k[1], (n_hidden, n_hidden)) / np.sqrt(n_hidden))
         self.w_out = brainstate.ParamState(jax.random.normal(k[2], (n_hidden, n_out)) / np.sqrt(n_hidden))
@@ -45,6 +45,10 @@ class LeakyRNN(brainstate.nn.Module):
     def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
         shape = (self.n_hidden,) if batch_size is None else (batch_size, self.n_hidden)
         self.h = brainstate.HiddenState(jnp.zeros(shape))
+
+    def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+        # Reset in place: a compiled learner holds these very state objects.
+        self.h.value = jnp.zeros_like(self.h.value)
 
     def update(self, x: jax.Array) -> jax.Array:
         leak = braintrace.element_wise(self.tau.value, weight_fn=jax.nn.sigmoid)
@@ -88,7 +92,7 @@ def bptt_trainer(model: LeakyRNN, batch: int, lr: float) -> Callable[[jax.Array,
     params = model.states(brainstate.ParamState)
 
     def loss_fn(xs: jax.Array, ys: jax.Array) -> tuple[jax.Array, Any]:
-        brainstate.nn.init_all_states(model, batch_size=batch)
+        brainstate.nn.reset_all_states(model)
         outs = brainstate.transform.for_loop(model, xs)
         losses, accs = jax.vmap(step_loss)(outs, ys)
         return losses.mean(), (losses.mean(), accs.mean())
@@ -122,7 +126,7 @@ def online_trainer(model: LeakyRNN, algorithm: Any, batch: int, lr: float, x0: j
 
     @brainstate.transform.jit
     def train(xs: jax.Array, ys: jax.Array) -> tuple[Any, Any]:
-        brainstate.nn.init_all_states(model, batch_size=batch)
+        brainstate.nn.reset_all_states(model)
         learner.reset_state()
         zeros = {p: jnp.zeros_like(st.value) for p, st in params.items()}
         grads, (losses, accs) = brainstate.transform.scan(one_step, zeros, (xs, ys))

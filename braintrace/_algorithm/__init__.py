@@ -9,6 +9,13 @@ from braintrace._algorithm.base import EligibilityTrace, ETraceAlgorithm, ETrace
 from braintrace._algorithm.d_rtrl import D_RTRL, ParamDimVjpAlgorithm
 from braintrace._algorithm.graph_executor import ETraceGraphExecutor, ETraceVjpGraphExecutor
 from braintrace._algorithm.input_data import MultiStepData, SingleStepData
+from braintrace._algorithm.pp_prop import ES_D_RTRL, IODimVjpAlgorithm, pp_prop
+from braintrace._algorithm.eprop import EProp
+from braintrace._algorithm.ostl import OSTLFeedforward, OSTLRecurrent
+from braintrace._algorithm.osttp import OSTTP
+from braintrace._algorithm.otpe import OTPE
+from braintrace._algorithm.ottt import OTTT
+from braintrace._algorithm.snn_helpers import FixedRandomFeedback, KappaFilter, PresynapticTrace
 
 __all__ = [
     "ETraceAlgorithm",
@@ -18,6 +25,18 @@ __all__ = [
     "ETraceVjpGraphExecutor",
     "ParamDimVjpAlgorithm",
     "D_RTRL",
+    "IODimVjpAlgorithm",
+    "pp_prop",
+    "ES_D_RTRL",
+    "EProp",
+    "OSTLRecurrent",
+    "OSTLFeedforward",
+    "OTPE",
+    "OTTT",
+    "OSTTP",
+    "FixedRandomFeedback",
+    "KappaFilter",
+    "PresynapticTrace",
     "SingleStepData",
     "MultiStepData",
 ]

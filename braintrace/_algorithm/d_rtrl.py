@@ -10,6 +10,12 @@ with ``D^t`` the per-position hidden Jacobian of the group and ``df^t`` the Jaco
 ``y -> h`` tail. The gradient of a loss at step ``t`` is the exact one-step gradient plus the
 history term ``⟨∂L/∂h^t, D^t ε^{t-1}⟩``.
 
+Control flow: a relation inside a descended scan (an inner loop longer than
+``ControlFlowPolicy.scan_unroll_limit``) folds its trace over the ``L`` substeps of every step,
+``ε ← D_τ ε + x_τ ⊗ df_τ``, and its single-step history goes through the substep product
+``D_L…D_1``. A tail that crosses a hidden-producing ``while_loop`` (detached in the perturbed
+step) gets its same-step credit through that loop from the trace.
+
 Exactness: equal to backpropagation through time, element-wise, when the true hidden Jacobian
 is the compiled per-position ``D`` (element-wise leaks, LIF neurons driven by ETP operations,
 no hidden mixing through weights) and the tail is element-wise. Otherwise it is an
@@ -42,7 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from braintrace._algorithm.base import EligibilityTrace, ETraceVjpAlgorithm, add_to_leaf
-from braintrace._algorithm.graph_executor import df_key, trace_key
+from braintrace._algorithm.graph_executor import detached_df_key, df_key, history_jacobian_key, trace_key
 from braintrace._compiler import ControlFlowPolicy
 from braintrace._op import _registries as reg
 
@@ -185,7 +191,12 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
                     tk = trace_key(rel, g)
                     found[tk] = {k: self.etrace_bwg[tk].value[k] for k in keys}
         if not found:
-            raise ValueError(f"Do not the etrace of the given weight: {weight if path is None else path}.")
+            shown = f"a {type(weight).__name__} that is not a state of this model" if path is None else path
+            raise ValueError(
+                f"get_etrace_of: there is no etrace of the given weight ({shown}). Only the weights "
+                f"of compiled relations (ETP operations that drive hidden states) have traces; "
+                f"learner.report lists them."
+            )
         return found
 
     # --- one step of the trace ------------------------------------------------------------
@@ -236,10 +247,57 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
         for rel in self.graph.hidden_param_op_relations:
             weights = relation_weights(rel, weight_vals)
             x = None if rel.x_var is None else xs[id(rel.x_var)]
+            step = self._fold_substeps if rel.control_flow_context is not None else self._step_relation
             for group in rel.hidden_groups:
                 key = trace_key(rel, group)
-                new[key] = self._step_relation(rel, group, etrace[key], Ds[group.index], x, dfs[df_key(rel, group)], weights)
+                new[key] = step(rel, group, etrace[key], Ds[group.index], x, dfs[df_key(rel, group)], weights)
         return new
+
+    def _fold_substeps(
+        self, rel: Any, group: Any, old: Trace, diag_seq: jax.Array, x_seq: Any, df_seq: jax.Array, weights: Trace
+    ) -> Trace:
+        """One step of a relation inside a descended scan: the trace folded over its ``L`` substeps.
+
+        ``ε ← D_τ ε + x_τ ⊗ df_τ`` for ``τ = 1..L``, with the stacked per-substep values.
+        """
+
+        def substep(eps: Trace, values: Any) -> tuple[Trace, None]:
+            diag, x, df = values
+            return self._step_relation(rel, group, eps, diag, x, df, weights), None
+
+        new, _ = jax.lax.scan(substep, old, (diag_seq, x_seq, df_seq))
+        return new
+
+    def _through_while(self, h2w: Any) -> dict[Any, tuple[Any, jax.Array]]:
+        """``(x, df through while)`` per trace key whose tail crosses a detached ``while_loop``.
+
+        The perturbed step cuts reverse mode at such loops, so the one-step gradient lacks the
+        same-step credit ``⟨g, x ⊗ df⟩`` of that part of the tail; the backward adds it.
+        """
+        xs, dfs = h2w
+        found = {}
+        for rel in self.graph.hidden_param_op_relations:
+            for group in rel.hidden_groups:
+                key = detached_df_key(rel, group)
+                if key in dfs:
+                    x = None if rel.x_var is None else xs[id(rel.x_var)]
+                    found[trace_key(rel, group)] = (x, dfs[key])
+        return found
+
+    def _history_jacobians(self, Ds: Sequence[Any], h2w: dict[Any, Any]) -> list[Any]:
+        """Per group, the ``∂h^t/∂h^{t-1}`` the single-step history term contracts the signal with.
+
+        ``D``; for a descended group the substep product ``D_L…D_1``; for a group whose members
+        read each other's new values within the step, the partial Jacobian with those reads held
+        fixed (the perturbation signal already carries those in-step paths).
+        """
+        out = []
+        for group, D in zip(self.graph.hidden_groups, Ds):
+            if group.descent is not None:
+                out.append(substep_product(D))
+            else:
+                out.append(h2w.get(history_jacobian_key(group), D))
+        return out
 
     def _update_etrace_data(
         self, running_index: Any, etrace_vals_util_t_1: Any, hid2weight_jac_single_or_multi_times: Any,
@@ -315,23 +373,34 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
     def _trace_for_backward(self, old_etrace: Any, new_etrace: Any, jac: Any, single_step: bool) -> Any:
         # Single step: the one-step autodiff gradient already holds the instantaneous term, so
         # the trace contributes its history ⟨g, D ε^{t-1}⟩ = ⟨Dᵀ g, ε^{t-1}⟩; keep D for that.
+        # A descended group's step spans its substeps; the one-step gradient covers them all, so
+        # the history goes through their product.
         if single_step:
-            return old_etrace, jac[1]
+            return old_etrace, self._history_jacobians(jac[1], jac[0][1]), self._through_while(jac[0])
         return old_etrace, None
 
     def _solve_weight_gradients(
         self, running_index: Any, etrace_h2w_at_t: Any, dl_to_hidden_groups: Sequence[Any],
         weight_vals: dict[Path, Any], dl_to_nonetws_at_t: dict[Path, Any], dl_to_etws_at_t: dict[Path, Any],
     ) -> dict[Path, Any]:
-        etrace, Ds = etrace_h2w_at_t
+        etrace, Ds = etrace_h2w_at_t[:2]
+        through_while = etrace_h2w_at_t[2] if len(etrace_h2w_at_t) > 2 else {}
         grads = dict(dl_to_etws_at_t)
         for rel in self.graph.hidden_param_op_relations:
             weights = relation_weights(rel, weight_vals)
             for group in rel.hidden_groups:
+                key = trace_key(rel, group)
                 signal = dl_to_hidden_groups[group.index]
                 if Ds is not None:
                     signal = transpose_signal(signal, Ds[group.index])
-                per_key = self._solve_relation(rel, signal, etrace[trace_key(rel, group)], weights)
+                per_key = self._solve_relation(rel, signal, etrace[key], weights)
+                if key in through_while:
+                    x, df = through_while[key]
+                    zero = {k: jnp.zeros_like(v) for k, v in etrace[key].items()}
+                    no_history = jnp.zeros((*df.shape, df.shape[-1]), df.dtype)
+                    inst = self._step_relation(rel, group, zero, no_history, x, df, weights)
+                    extra = self._solve_relation(rel, dl_to_hidden_groups[group.index], inst, weights)
+                    per_key = {k: per_key[k] + extra[k] for k in per_key}
                 for k, g in per_key.items():
                     path, leaf = rel.trainable_paths[k], rel.trainable_leaf_indices[k]
                     target = jax.tree.leaves(weight_vals[path])[leaf]
@@ -382,6 +451,18 @@ def suffix_products(Ds: jax.Array) -> tuple[jax.Array, jax.Array]:
         prods = jax.lax.associative_scan(lambda a, b: a @ b, shifted, reverse=True)
     full = prods[0] @ Ds[0] if num_state > 1 else prods[0] * Ds[0]
     return prods, full
+
+
+def substep_product(Ds: jax.Array) -> jax.Array:
+    """``D_{L-1}…D_0`` of stacked per-position Jacobians ``(L, ..., S, S)``: ``(..., S, S)``."""
+    if Ds.shape[-1] == 1:
+        return jnp.prod(Ds, axis=0)
+
+    def fold(acc: jax.Array, D: jax.Array) -> tuple[jax.Array, None]:
+        return D @ acc, None
+
+    eye = jnp.broadcast_to(jnp.eye(Ds.shape[-1], dtype=Ds.dtype), Ds.shape[1:])
+    return jax.lax.scan(fold, eye, Ds)[0]
 
 
 class D_RTRL(ParamDimVjpAlgorithm):

@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import brainstate
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Literal, Var
+from jax.extend.core import DropVar, Literal, Var
 
 from braintrace._algorithm.input_data import (
     get_single_step_data,
@@ -45,8 +45,12 @@ from braintrace._compiler import (
     compile_etrace_graph,
 )
 from braintrace._compiler.control_flow_policy import resolve_policy
+from braintrace._compiler.jaxpr_graph import contains_eqn
 
-__all__ = ["ETraceGraphExecutor", "ETraceVjpGraphExecutor", "StepJacobians", "df_key", "trace_key"]
+__all__ = [
+    "ETraceGraphExecutor", "ETraceVjpGraphExecutor", "StepJacobians", "df_key", "detached_df_key", "trace_key",
+    "history_jacobian_key",
+]
 
 Path = tuple[Any, ...]
 #: ``(xs, dfs)`` and the list of per-group ``D``.
@@ -56,6 +60,14 @@ StepJacobians = tuple[tuple[dict[int, Any], dict[Any, Any]], list[Any]]
 def df_key(relation: Any, group: Any) -> tuple[int, str]:
     """The key of a relation's ``df`` for one of its groups."""
     return (id(relation.y_var), f"hidden_group_{group.index}")
+
+
+def history_jacobian_key(group: Any) -> tuple[int, str]:
+    """The key, among a step's ``dfs``, of a group's partial hidden Jacobian (see
+    :meth:`HiddenGroup.history_jacobian`); present only for groups whose members read each
+    other's new values within the step. (Negative first entry: never an ``id``; keys of one
+    dict must stay mutually comparable for pytree flattening.)"""
+    return (-1 - group.index, "history_jacobian")
 
 
 def trace_key(relation: Any, group: Any) -> tuple[int, int]:
@@ -88,6 +100,7 @@ class ETraceGraphExecutor:
         self._graph: ETraceGraph | None = None
         self._state_id_to_path: dict[int, Path] | None = None
         self._out_treedef: Any = None
+        self._compiled_signature: tuple[Any, tuple[tuple[int, ...], ...]] | None = None
 
     # --- compilation ----------------------------------------------------------------------
 
@@ -121,6 +134,24 @@ class ETraceGraphExecutor:
         )
         self._state_id_to_path = None
         self._out_treedef = self._graph.module_info.stateful_model.get_out_treedef(*args)
+        self._compiled_signature = _arg_signature(args)
+
+    def _check_call_args(self, args: Sequence[Any]) -> None:
+        """Raise a ``ValueError`` unless one step of ``args`` has the compiled structure and shapes.
+
+        The compiled step is shape-specialised: another batch size, a missing argument or a
+        different layout would otherwise fail deep inside the evaluation of the step.
+        """
+        if self._compiled_signature is None:
+            return
+        got = _arg_signature(get_single_step_data(*args))
+        if got != self._compiled_signature:
+            raise ValueError(
+                f"The learner was compiled for step inputs with shapes {_describe(self._compiled_signature)}, "
+                f"but this call's step inputs have shapes {_describe(got)}. Call it with inputs of the "
+                f"compiled structure and shapes (MultiStepData adds a leading time axis); a new batch "
+                f"size or input layout needs a new braintrace.compile(...)."
+            )
 
     def show_graph(self, verbose: bool = True, return_msg: bool = False) -> str | None:
         """The compilation report (level 1); printed when ``verbose``."""
@@ -174,6 +205,9 @@ class ETraceGraphExecutor:
         xs: dict[int, Any] = {}
         dfs: dict[Any, Any] = {}
         for rel in graph.hidden_param_op_relations:
+            if rel.control_flow_context is not None:
+                _extract_descended_relation(rel, env, xs, dfs)
+                continue
             if rel.x_var is not None:
                 xs[id(rel.x_var)] = env[rel.x_var]
             y = env[rel.y_var]
@@ -185,12 +219,19 @@ class ETraceGraphExecutor:
                     return group.concat_hidden(jax.core.eval_jaxpr(tail, consts, y))
 
                 dfs[df_key(rel, group)] = jax.jvp(fn, (y,), (jnp.ones_like(y),))[1]
+                if contains_eqn(tail, lambda e: e.primitive.name == "while"):
+                    dfs[detached_df_key(rel, group)] = dfs[df_key(rel, group)] - _df_around_whiles(
+                        tail, consts, y, group)
         Ds = [
-            group.diagonal_jacobian(
+            _descended_group_jacobian(group, env) if group.descent is not None else group.diagonal_jacobian(
                 [env[v] for v in group.hidden_invars], [env[v] for v in group.transition_jaxpr_constvars]
             )
             for group in graph.hidden_groups
         ]
+        for group in graph.hidden_groups:
+            if group.descent is None and group.reads_new_members():
+                dfs[history_jacobian_key(group)] = group.history_jacobian(
+                    [env[v] for v in group.hidden_invars], [env[v] for v in group.transition_jaxpr_constvars])
         return jax.lax.stop_gradient(((xs, dfs), Ds))
 
     # --- whole calls ----------------------------------------------------------------------
@@ -235,6 +276,7 @@ class ETraceGraphExecutor:
         init_etrace: Any = None,
     ) -> tuple[Any, dict[Path, Any], StepJacobians | None, Any]:
         """``(out, new state values, jacobians or None, rolled trace or None)`` for one call."""
+        self._check_call_args(args)
         single, multi, treedef = split_input_data_types(*args)
         if not multi:
             step_args = merge_data(treedef, single)
@@ -257,6 +299,84 @@ class ETraceGraphExecutor:
 
         (final_vals, final_trace), (outs, jacs) = jax.lax.scan(body, (carried, init_etrace), multi, length=length)
         return outs, {**params, **final_vals}, jacs, final_trace
+
+
+def _arg_signature(args: Sequence[Any]) -> tuple[Any, tuple[tuple[int, ...], ...]]:
+    leaves, treedef = jax.tree.flatten(tuple(args))
+    return treedef, tuple(tuple(jnp.shape(leaf)) for leaf in leaves)
+
+
+def _describe(signature: tuple[Any, tuple[tuple[int, ...], ...]]) -> str:
+    treedef, shapes = signature
+    return str(jax.tree.unflatten(treedef, [f"<{s}>" for s in shapes])).replace("'", "")
+
+
+def detached_df_key(relation: Any, group: Any) -> tuple[int, str, str]:
+    """The key of the part of a relation's ``df`` that crosses a ``while_loop`` (see below)."""
+    return (*df_key(relation, group), "through_while")
+
+
+def _eval_detaching_whiles(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
+    """Evaluate ``jaxpr`` with the inputs of every ``while`` equation behind ``stop_gradient``."""
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(a: Any) -> Any:
+        return a.val if isinstance(a, Literal) else env[a]
+
+    for eqn in jaxpr.eqns:
+        ins = [read(a) for a in eqn.invars]
+        if eqn.primitive.name == "while":
+            ins = [jax.lax.stop_gradient(v) for v in ins]
+        with eqn.ctx.manager:
+            outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+        outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update((v, o) for v, o in zip(eqn.outvars, outs) if not isinstance(v, DropVar))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _df_around_whiles(tail: Any, consts: Sequence[Any], y: Any, group: Any) -> Any:
+    """The part of ``df`` that does not cross a ``while_loop`` of the tail.
+
+    The perturbed step detaches the inputs of a hidden-producing ``while`` (reverse mode cannot
+    enter it), so the one-step autodiff gradient misses the rest, ``df`` minus this part; the
+    learners add that part themselves (keyed by :func:`detached_df_key`).
+    """
+
+    def fn(y: Any) -> Any:
+        return group.concat_hidden(_eval_detaching_whiles(tail, consts, y))
+
+    return jax.jvp(fn, (y,), (jnp.ones_like(y),))[1]
+
+
+def _extract_descended_relation(rel: Any, env: dict[Var, Any], xs: dict[int, Any], dfs: dict[Any, Any]) -> None:
+    """``x`` and ``df`` of a relation inside a descended scan, stacked over its substeps ``(L, ...)``.
+
+    The relation's variables are body-scoped; their per-substep values are the scan's stacked
+    outputs, and ``df`` is the tail's Jacobian at every substep (vmapped over the substep axis).
+    """
+    stacked = rel.control_flow_context.scan.stacked_var_map
+    if rel.x_var is not None:
+        xs[id(rel.x_var)] = env[stacked[rel.x_var]]
+    y_seq = env[stacked[rel.y_var]]
+    for tail, group in zip(rel.y_to_hidden_group_jaxprs, rel.hidden_groups):
+        const_seq = [env[stacked[v]] for v in tail.constvars]
+
+        def df_at(y: Any, consts: list[Any], tail: Any = tail, group: Any = group) -> Any:
+            def fn(y: Any) -> Any:
+                return group.concat_hidden(jax.core.eval_jaxpr(tail, consts, y))
+
+            return jax.jvp(fn, (y,), (jnp.ones_like(y),))[1]
+
+        dfs[df_key(rel, group)] = jax.vmap(df_at)(y_seq, const_seq)
+
+
+def _descended_group_jacobian(group: Any, env: dict[Var, Any]) -> Any:
+    """``D`` of a group carried by a descended scan at every substep: ``(L, *varshape, S, S)``."""
+    stacked = group.descent.scan.stacked_var_map
+    hidden_seq = [env[stacked[v]] for v in group.descent.body_hidden_invars]
+    input_seq = [env[stacked[v]] for v in group.transition_jaxpr_constvars]
+    return jax.vmap(group.diagonal_jacobian)(hidden_seq, input_seq)
 
 
 class ETraceVjpGraphExecutor(ETraceGraphExecutor):

@@ -1,7 +1,8 @@
 """The eligibility-trace compiler: from a brainstate module and an example input to an ``ETraceGraph``.
 
 Pipeline: trace one step (:mod:`.module_info`, user ``jit`` bodies inlined by
-:mod:`.jaxpr_graph`), discover hidden groups (:mod:`.hidden_group_discovery`), relations from
+:mod:`.jaxpr_graph`, control flow flattened by :mod:`.canonicalize`), descend long ETP scans
+(:mod:`.scan_descent`), discover hidden groups (:mod:`.hidden_group_discovery`), relations from
 ETP equations to groups (:mod:`.hid_param_op`), hoist the intermediates the learners read and
 build the perturbed step (:mod:`.hidden_pertubation`); :mod:`.graph` runs it, recording every
 decision (:mod:`.diagnostics`) for :mod:`.report`.
@@ -13,6 +14,7 @@ from braintrace._compiler.base import (
     find_element_exist_in_the_set,
     find_matched_vars,
 )
+from braintrace._compiler.canonicalize import canonicalize_control_flow, if_convert_conds, unroll_inner_scans
 from braintrace._compiler.control_flow_policy import DEFAULT_CONTROL_FLOW_POLICY, ControlFlowPolicy
 from braintrace._compiler.diagnostics import (
     CompilationRecord,
@@ -70,4 +72,7 @@ __all__ = [
     "check_unsupported_op",
     "find_element_exist_in_the_set",
     "find_matched_vars",
+    "canonicalize_control_flow",
+    "if_convert_conds",
+    "unroll_inner_scans",
 ]

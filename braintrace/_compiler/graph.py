@@ -39,6 +39,7 @@ from braintrace._compiler.hidden_group import HiddenGroup
 from braintrace._compiler.hidden_group_discovery import find_hidden_groups_from_minfo
 from braintrace._compiler.hidden_pertubation import HiddenPerturbation, add_hidden_perturbation_from_minfo
 from braintrace._compiler.module_info import ModuleInfo, Path, extract_module_info
+from braintrace._compiler.scan_descent import ScanDescentBundle, apply_scan_descent
 
 __all__ = ["ETraceGraph", "compile_etrace_graph"]
 
@@ -123,10 +124,18 @@ def _no_recursion() -> Iterator[None]:
         _guard.active = False
 
 
-def _hoisted_vars(minfo: ModuleInfo, groups: Sequence[HiddenGroup], relations: Sequence[HiddenParamOpRelation]) -> list[Var]:
-    """The intermediates the executors read: relation inputs, tail and transition inputs."""
+def _hoisted_vars(
+    minfo: ModuleInfo, groups: Sequence[HiddenGroup], relations: Sequence[HiddenParamOpRelation],
+    bundles: Sequence[ScanDescentBundle] = (),
+) -> list[Var]:
+    """The intermediates the executors read: relation inputs, tail and transition inputs.
+
+    Descended relations and groups are read through their scans' stacked outputs instead.
+    """
     candidates: list[Any] = []
     for rel in relations:
+        if rel.control_flow_context is not None:
+            continue
         if rel.x_var is not None:
             candidates.append(rel.x_var)
         for tail in rel.y_to_hidden_group_jaxprs:
@@ -134,11 +143,52 @@ def _hoisted_vars(minfo: ModuleInfo, groups: Sequence[HiddenGroup], relations: S
     for group in groups:
         if group.descent is None:
             candidates.extend([*group.hidden_invars, *group.transition_jaxpr_constvars])
+    for bundle in bundles:
+        candidates.extend(bundle.stacked_outer_vars)
     existing = set(v for v in minfo.jaxpr.outvars if isinstance(v, Var))
     hoisted = dict.fromkeys(
         v for v in candidates if isinstance(v, Var) and not isinstance(v, Literal) and v not in existing
     )
     return list(hoisted)
+
+
+def _append_descended_groups(
+    groups: list[HiddenGroup], hid_path_to_group: dict[Path, HiddenGroup], bundles: Sequence[ScanDescentBundle]
+) -> list[HiddenParamOpRelation]:
+    """Add the bundles' groups after the flat ones (re-indexed); their relations, re-pointed."""
+    for group in groups:
+        taken = [p for p in group.hidden_paths if any(p in g.hidden_paths for b in bundles for g in b.groups)]
+        if taken:
+            raise NotImplementedError(
+                f"Hidden states {group.hidden_paths} are coupled outside a descended scan, but {taken} "
+                f"is carried by that scan. Compute the coupled states inside the scan body too, or set "
+                f"ControlFlowPolicy(scan_descent='off')."
+            )
+    relations: list[HiddenParamOpRelation] = []
+    for bundle in bundles:
+        renamed = {}
+        for group in bundle.groups:
+            new = group._replace(index=len(groups))
+            renamed[id(group)] = new
+            groups.append(new)
+            for path in new.hidden_paths:
+                hid_path_to_group[path] = new
+        relations.extend(
+            rel._replace(hidden_groups=[renamed[id(g)] for g in rel.hidden_groups]) for rel in bundle.relations
+        )
+    return relations
+
+
+def _reject_relations_into_descent(relations: Sequence[HiddenParamOpRelation]) -> None:
+    for rel in relations:
+        targets = [p for g in rel.hidden_groups if g.descent is not None for p in g.hidden_paths]
+        if targets:
+            raise NotImplementedError(
+                f"An ETP relation outside a descended scan targets hidden state(s) {targets} carried by "
+                f"that scan ({rel.primitive.name} with weight {rel.path}). Per-substep eligibility traces "
+                f"need the operation inside the loop: move the operation inside the scan body, "
+                f"restructure the model, or set ControlFlowPolicy(scan_descent='off')."
+            )
 
 
 def compile_etrace_graph(
@@ -178,15 +228,22 @@ def compile_etrace_graph(
     """
     with _no_recursion(), diagnostic_context() as reporter:
         minfo = extract_module_info(model, *model_args, control_flow=control_flow)
+        minfo, bundles = apply_scan_descent(minfo)
+        descended = frozenset(b.info.scan_eqn_id for b in bundles)
+        descended_paths = frozenset(p for b in bundles for g in b.groups for p in g.hidden_paths)
         groups, hid_path_to_group = find_hidden_groups_from_minfo(
-            minfo, include_recurrent_mixing=include_recurrent_mixing
+            minfo, include_recurrent_mixing=include_recurrent_mixing,
+            descended_scan_eqn_ids=descended, descended_hidden_paths=descended_paths,
         )
+        descended_relations = _append_descended_groups(groups, hid_path_to_group, bundles)
         for i, group in enumerate(groups):
             if group.index != i:
                 raise RuntimeError(f"Hidden group {group.index} sits at position {i}.")
-        relations = find_hidden_param_op_relations_from_minfo(minfo, hid_path_to_group)
-        minfo = minfo.add_jaxpr_outs(_hoisted_vars(minfo, groups, relations))
-        perturb = add_hidden_perturbation_from_minfo(minfo) if include_hidden_perturb else None
+        flat = find_hidden_param_op_relations_from_minfo(minfo, hid_path_to_group, descended)
+        _reject_relations_into_descent(flat)
+        relations = (*flat, *descended_relations)
+        minfo = minfo.add_jaxpr_outs(_hoisted_vars(minfo, groups, relations, bundles))
+        perturb = add_hidden_perturbation_from_minfo(minfo, descended) if include_hidden_perturb else None
     return ETraceGraph(
         module_info=minfo,
         hidden_groups=groups,

@@ -357,7 +357,9 @@ def _relation_of(
     kept: dict[Var, str] = {}
     for h in targets:
         h_path = outvar_to_hidden_path[h]
-        y_shape, h_shape = shape_of(y_var), shape_of(h)
+        # Compare with the state's varshape: a HiddenGroupState's trailing state axis is not a
+        # position axis (0.2.4 compared the full shape and excluded every such relation).
+        y_shape, h_shape = shape_of(y_var), tuple(path_to_state[h_path].varshape)
         try:
             jnp.broadcast_shapes(y_shape, h_shape)
         except ValueError:

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.extend.core import Jaxpr, Var
 
 from braintrace._compiler.jaxpr_graph import contains_eqn
+from braintrace._compiler.mixing_jacobian import BlockDiagonalPlan, block_diagonal_plan, structured_block_diagonal
 from braintrace._errors import NotSupportedError
 
 __all__ = [
@@ -39,6 +40,9 @@ __all__ = [
 
 Path = tuple[Any, ...]
 Array = jax.Array
+# The structured-extraction plan of each transition jaxpr (the jaxpr is kept to guard the id).
+_PLANS: dict[int, tuple[Jaxpr, BlockDiagonalPlan | None]] = {}
+_MAX_PLANS = 64
 
 
 def _basis(shape: tuple[int, ...], num_state: int, dtype: Any) -> Array:
@@ -66,14 +70,39 @@ def jacfwd_last_dim(fn: Callable[[Array], Array], hidden: Array) -> Array:
     return jnp.moveaxis(cols, 0, -1)  # cols[b, ..., a] -> [..., a, b]
 
 
-def block_diagonal_last_dim(fn: Callable[[Array], Array], hidden: Array, forward: bool = False) -> Array:
-    """The per-position blocks of the full Jacobian (exact even when positions interact)."""
+def block_diagonal_last_dim(
+    fn: Callable[[Array], Array], hidden: Array, forward: bool = False, chunk_size: int | None = None
+) -> Array:
+    """The per-position blocks of the full Jacobian (exact even when positions interact).
+
+    Probes one position at a time (one VJP per state, or one JVP per state with
+    ``forward=True``) after a single linearisation, ``chunk_size`` positions per batch, so the
+    dense ``(P·S)²`` Jacobian is never materialised: memory ``O(chunk_size · P · S²)``, time
+    ``P · S`` probes. ``chunk_size`` defaults to what keeps a batch near 2**22 elements.
+    """
     shape, num_state = hidden.shape[:-1], hidden.shape[-1]
-    full = (jax.jacfwd if forward else jax.jacrev)(fn)(hidden)
     positions = math.prod(shape)
-    full = full.reshape(positions, num_state, positions, num_state)
-    idx = jnp.arange(positions)
-    return full[idx, :, idx, :].reshape(*shape, num_state, num_state)
+    flat = hidden.reshape(positions, num_state)
+
+    def flat_fn(h: Array) -> Array:
+        return fn(h.reshape(hidden.shape)).reshape(positions, num_state)
+
+    if chunk_size is None:
+        chunk_size = max(1, min(positions, 2**22 // max(1, positions * num_state * num_state)))
+    eye = jnp.eye(num_state, dtype=hidden.dtype)
+    if forward:
+        _, probe = jax.linearize(flat_fn, flat)
+    else:
+        _, vjp = jax.vjp(flat_fn, flat)
+        probe = lambda ct: vjp(ct)[0]  # noqa: E731
+
+    def one(p: Array) -> Array:
+        basis = jnp.zeros((num_state, positions, num_state), hidden.dtype).at[:, p, :].set(eye)
+        out = jax.vmap(probe)(basis)[:, p, :]  # [probe state, other state]
+        return out.T if forward else out  # -> [a, b]
+
+    blocks = jax.lax.map(one, jnp.arange(positions), batch_size=chunk_size)
+    return blocks.reshape(*shape, num_state, num_state)
 
 
 class HiddenGroup(NamedTuple):
@@ -154,6 +183,56 @@ class HiddenGroup(NamedTuple):
 
         def fn(stacked: Array) -> Array:
             return self.concat_hidden(self.transition(self.split_hidden(stacked), input_vals))
+
+        stacked = self.concat_hidden(hidden_vals)
+        forward = contains_eqn(self.transition_jaxpr, lambda e: e.primitive.name == "while")
+        if self.is_diagonal_recurrence:
+            return (jacfwd_last_dim if forward else jacrev_last_dim)(fn, stacked)
+        # Weight mixing: the structured extraction is exact and O(P); otherwise probe positions.
+        plan = self._mixing_plan()
+        if plan is not None:
+            return structured_block_diagonal(
+                plan, self.transition_jaxpr, input_vals, hidden_vals, self.concat_hidden, self.split_hidden
+            )
+        return block_diagonal_last_dim(fn, stacked, forward=forward)
+
+    def _mixing_plan(self) -> BlockDiagonalPlan | None:
+        key = id(self.transition_jaxpr)
+        cached = _PLANS.get(key)
+        if cached is None or cached[0] is not self.transition_jaxpr:
+            has_axis = [isinstance(st, brainstate.HiddenGroupState) for st in self.hidden_states]
+            cached = (self.transition_jaxpr, block_diagonal_plan(self.transition_jaxpr, has_axis, self.varshape))
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.pop(next(iter(_PLANS)))
+            _PLANS[key] = cached
+        return cached[1]
+
+    def reads_new_members(self) -> bool:
+        """Whether a member's update reads another member's *new* value within the step."""
+        outs = {v for v in self.hidden_outvars if isinstance(v, Var)}
+        return any(isinstance(a, Var) and a in outs for e in self.transition_jaxpr.eqns for a in e.invars)
+
+    def history_jacobian(self, hidden_vals: Sequence[Array], input_vals: Sequence[Array]) -> Array:
+        """``D`` with every in-step read of a member's new value held fixed.
+
+        A learning signal read off the hidden perturbation, ``∂L/∂h^t``, already contains the
+        paths from one member's new value to the loss through another member's update within the
+        step (an adaptation current reading the new membrane potential). Contracting it with the
+        total ``D`` would count those paths twice; this partial Jacobian is the one to contract
+        it with. It equals :meth:`diagonal_jacobian` when no member reads another's new value.
+        """
+        outs = [v for v in self.hidden_outvars if isinstance(v, Var)]
+        cut = {v: Var(v.aval) for v in outs}
+        eqns = [e.replace(invars=[cut.get(a, a) if isinstance(a, Var) else a for a in e.invars])
+                for e in self.transition_jaxpr.eqns]
+        jaxpr = self.transition_jaxpr.replace(
+            constvars=[*self.transition_jaxpr.constvars, *cut.values()], eqns=eqns)
+        new_vals = self.transition(hidden_vals, input_vals)
+        fixed = [new_vals[self.hidden_outvars.index(v)] for v in outs]
+
+        def fn(stacked: Array) -> Array:
+            hs = self.split_hidden(stacked)
+            return self.concat_hidden(jax.core.eval_jaxpr(jaxpr, [*input_vals, *fixed], *hs))
 
         stacked = self.concat_hidden(hidden_vals)
         forward = contains_eqn(self.transition_jaxpr, lambda e: e.primitive.name == "while")

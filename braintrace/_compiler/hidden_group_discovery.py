@@ -219,13 +219,23 @@ def _tracer_transition(tracer: _Tracer, minfo: ModuleInfo) -> list[Var]:
 
 
 def _needed_eqns(eqns: Iterable[JaxprEqn], outputs: Iterable[Var]) -> list[JaxprEqn]:
+    """The equations ``outputs`` depend on, in their given order.
+
+    Swept to a fixpoint: merged member traces are not topologically ordered, so one reverse
+    sweep could meet a producer before the equation that needs it.
+    """
+    eqns = list(eqns)
     needed = set(_vars(outputs))
-    kept = []
-    for eqn in reversed(list(eqns)):
-        if any(v in needed for v in _vars(eqn.outvars)):
-            kept.append(eqn)
-            needed.update(_vars(eqn.invars))
-    return kept[::-1]
+    kept: set[int] = set()
+    changed = True
+    while changed:
+        changed = False
+        for i in range(len(eqns) - 1, -1, -1):
+            if i not in kept and any(v in needed for v in _vars(eqns[i].outvars)):
+                kept.add(i)
+                needed.update(_vars(eqns[i].invars))
+                changed = True
+    return [e for i, e in enumerate(eqns) if i in kept]
 
 
 def _merge(member_lists: list[list[Var]]) -> list[list[Var]]:

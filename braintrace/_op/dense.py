@@ -47,7 +47,7 @@ from braintrace._op._rule_helpers import (
     shape_of,
     zeros_pp,
 )
-from braintrace._typing import Array, ArrayLike, Params, WeightFn
+from braintrace._typing import Array, ArrayLike, WeightFn
 
 __all__ = ["etp_mm_p", "etp_mv_p", "matmul"]
 

@@ -8,7 +8,6 @@ D-RTRL == BPTT with a non-zero hidden recurrence.
 
 from __future__ import annotations
 
-import doctest
 import inspect
 import random
 from typing import Any
@@ -19,9 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import braintrace
 from braintrace._op import _registries as reg
-from braintrace._op import einsum as einsum_module
 from braintrace._op.dense import _matmul_xy_to_dw, _mm_dt_to_t, etp_mm_p
 from braintrace._op.dense import matmul as dense_matmul
 from braintrace._op.einsum import EinsumSpec, einsum, etp_einsum_p, parse_etp_einsum
@@ -541,18 +538,3 @@ def test_drtrl_equals_bptt_with_a_leak(equation: str, weight_fn: Any) -> None:
         _drtrl_grad(equation, xs, w, leak, cs, weight_fn),
         _bptt_grad(equation, xs, w, leak, cs, weight_fn),
     )
-
-
-# --- documentation -----------------------------------------------------------------------
-
-
-def test_docstring_examples_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The examples use the public name; bind it here until braintrace re-exports einsum.
-    monkeypatch.setattr(braintrace, "einsum", einsum, raising=False)
-    finder = doctest.DocTestFinder()
-    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
-    tests = finder.find(einsum_module, "braintrace._op.einsum")
-    assert sum(len(t.examples) for t in tests) >= 8
-    for t in tests:
-        runner.run(t)
-    assert runner.failures == 0

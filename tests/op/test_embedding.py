@@ -3,7 +3,6 @@ one-hot ``pp_x_repr``, vmap promotion, init dtypes, and exact D-RTRL rolls."""
 
 from __future__ import annotations
 
-import doctest
 import inspect
 import warnings
 from typing import Any
@@ -14,10 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import braintrace
 from braintrace._compatible_imports import ShapedArray
 from braintrace._op import _registries as reg
-from braintrace._op import embedding as embedding_module
 from braintrace._op.embedding import etp_emb_p, etp_emb_v_p, embedding
 
 V, D = 6, 3
@@ -278,17 +275,3 @@ def test_rules_compose_into_an_exact_drtrl_roll_with_two_relations(batched: bool
         return grad
 
     _close(jax.jit(roll)(), jax.jit(jax.grad(loss))(table))
-
-
-# --- documentation -----------------------------------------------------------------------
-
-
-def test_docstring_examples_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The examples use the public name; bind it here in case braintrace does not export it yet.
-    monkeypatch.setattr(braintrace, "embedding", embedding, raising=False)
-    tests = doctest.DocTestFinder().find(embedding_module, "braintrace._op.embedding")
-    assert sum(len(t.examples) for t in tests) >= 4
-    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
-    for t in tests:
-        runner.run(t)
-    assert runner.failures == 0

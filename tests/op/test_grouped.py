@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
 import inspect
 import warnings
 from typing import Any
@@ -13,10 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import braintrace
 from braintrace._errors import OperandShapeError
 from braintrace._op import _registries as reg
-from braintrace._op import grouped as grouped_module
 from braintrace._op.grouped import etp_gmm_p, etp_gmv_p, grouped_matmul
 
 G, K, N = 3, 4, 2
@@ -335,17 +332,3 @@ def test_fast_and_general_solves_agree_along_a_single_state_roll() -> None:
     for (f_trace, f_grad), (s_trace, s_grad) in zip(fast_out, slow_out):
         _close_tree(f_trace, s_trace)
         _close_tree(f_grad, s_grad)
-
-
-# --- documentation -----------------------------------------------------------------------
-
-
-def test_docstring_examples_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The examples use the public name; bind it here in case braintrace does not export it yet.
-    monkeypatch.setattr(braintrace, "grouped_matmul", grouped_matmul, raising=False)
-    tests = doctest.DocTestFinder().find(grouped_module, "braintrace._op.grouped")
-    assert sum(len(t.examples) for t in tests) >= 3
-    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
-    for t in tests:
-        runner.run(t)
-    assert runner.failures == 0

@@ -20,7 +20,6 @@ import pytest
 from braintrace._errors import OperandShapeError, OperandTypeError
 from braintrace._op import _registries as reg
 from braintrace._op.lora import (
-    _etp_lora_impl,
     _lora_instant_drtrl,
     _lora_solve_drtrl,
     _lora_xy_to_dw,

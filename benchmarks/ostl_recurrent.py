@@ -1,0 +1,124 @@
+"""OSTLRecurrent on a recurrent LIF network: memory against BPTT, time against D_RTRL.
+
+``python -m benchmarks.ostl_recurrent [--hidden 256] [--batch 8] [--steps 100]``
+
+One jitted training step over a batch of sequences (states reset per batch) for BPTT,
+single-step D_RTRL, single-step OSTLRecurrent, and, for contrast, OSTLRecurrent with the
+per-position Jacobian blocks read off the dense ``(P·S)²`` Jacobian (``P`` = batch × neurons)
+as a naive implementation would. It prints, measured in this run:
+
+* ``mem``: XLA's compiled memory of the step (temporaries + arguments + outputs − aliases),
+  and the ratio to BPTT;
+* ``time``: the median wall time of the step, and the ratio to D_RTRL.
+
+The model is :class:`benchmarks.models.LIF`: the recurrent spikes mix through a dense ETP
+matmul on ``[x, spikes]``, which D_RTRL cuts from ``D`` and OSTLRecurrent keeps (its diagonal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import statistics
+import time
+import warnings
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.__main__ import SETTINGS, Setting, bptt_step, online_step
+from braintrace._compiler import hidden_group
+
+
+def compiled_memory(step: Any, xs: jax.Array, ys: jax.Array) -> float:
+    """Temporaries + arguments + outputs − aliased bytes of the compiled step."""
+    stats = step.lower(xs, ys).compile().memory_analysis()
+    return float(stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes
+                 - stats.alias_size_in_bytes)
+
+
+def interleaved_seconds(steps: dict[str, Any], xs: jax.Array, ys: jax.Array, repeats: int) -> dict[str, float]:
+    """Median wall time per step function, the repetitions interleaved across the functions
+    (so a load change on the machine hits every method alike), after two warm-up calls each
+    (the second call of a step may still retrace)."""
+    for step in steps.values():
+        for _ in range(2):
+            jax.block_until_ready(step(xs, ys))
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            jax.block_until_ready(step(xs, ys))
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def _dense_blocks(fn: Callable[[jax.Array], jax.Array], hidden: jax.Array, forward: bool = False) -> jax.Array:
+    """The naive extraction: the dense Jacobian, then its per-position diagonal blocks."""
+    shape, num_state = hidden.shape[:-1], hidden.shape[-1]
+    full = (jax.jacfwd if forward else jax.jacrev)(fn)(hidden)
+    positions = math.prod(shape)
+    full = full.reshape(positions, num_state, positions, num_state)
+    idx = jnp.arange(positions)
+    return full[idx, :, idx, :].reshape(*shape, num_state, num_state)
+
+
+@contextlib.contextmanager
+def dense_jacobian_blocks() -> Iterator[None]:
+    """Route OSTLRecurrent's block extraction through the dense Jacobian (for the contrast row)."""
+    saved_plan, saved_blocks = hidden_group.HiddenGroup._mixing_plan, hidden_group.block_diagonal_last_dim
+    hidden_group.HiddenGroup._mixing_plan = lambda self: None  # type: ignore[method-assign]
+    hidden_group.block_diagonal_last_dim = _dense_blocks  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        hidden_group.HiddenGroup._mixing_plan = saved_plan  # type: ignore[method-assign]
+        hidden_group.block_diagonal_last_dim = saved_blocks
+
+
+def measure(setting: Setting, batch: int, steps: int, repeats: int, with_dense: bool) -> dict[str, dict[str, float]]:
+    key = jax.random.PRNGKey(0)
+    xs = jax.random.normal(key, (steps, batch, setting.n_in))
+    ys = jax.random.normal(key, (steps, batch, setting.n_out))
+    builders: dict[str, Callable[[], Any]] = {
+        "BPTT": lambda: bptt_step(setting, batch),
+        "D_RTRL": lambda: online_step(setting, batch, "d_rtrl", 1)[0],
+        "OSTLRecurrent": lambda: online_step(setting, batch, "ostl_recurrent", 1)[0],
+    }
+    steps = {name: build() for name, build in builders.items()}
+    seconds = interleaved_seconds(steps, xs, ys, repeats)
+    rows = {name: {"mem": compiled_memory(step, xs, ys), "seconds": seconds[name]} for name, step in steps.items()}
+    if with_dense:
+        with dense_jacobian_blocks():
+            step = online_step(setting, batch, "ostl_recurrent", 1)[0]
+            rows["OSTLRecurrent (dense Jacobian)"] = {"mem": compiled_memory(step, xs, ys), "seconds": float("nan")}
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
+    parser = argparse.ArgumentParser(description="OSTLRecurrent memory vs BPTT and time vs D_RTRL.")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-dense", action="store_true", help="skip the dense-Jacobian contrast row")
+    args = parser.parse_args(argv)
+    base = SETTINGS["lif256"]
+    setting = Setting(f"lif{args.hidden}", base.model, args.hidden, base.n_in, base.n_out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        rows = measure(setting, args.batch, args.steps, args.repeats, not args.no_dense)
+    print(f"device: {jax.devices()[0].device_kind}; LIF {args.hidden} neurons, batch {args.batch}, T={args.steps}")
+    print(f"  {'method':<32}{'mem MiB':>10}{'mem/BPTT':>10}{'time ms':>10}{'time/D_RTRL':>13}")
+    for name, r in rows.items():
+        r["mem_vs_bptt"] = r["mem"] / rows["BPTT"]["mem"]
+        r["time_vs_drtrl"] = r["seconds"] / rows["D_RTRL"]["seconds"]
+        print(f"  {name:<32}{r['mem'] / 2**20:10.2f}{r['mem_vs_bptt']:10.2f}{1e3 * r['seconds']:10.1f}"
+              f"{r['time_vs_drtrl']:13.2f}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

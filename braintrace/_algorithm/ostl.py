@@ -1,0 +1,82 @@
+"""``OSTLRecurrent`` and ``OSTLFeedforward``: online spatio-temporal learning.
+
+* :class:`OSTLRecurrent` ("with H") is D-RTRL whose per-position hidden Jacobian ``D`` keeps
+  the diagonal of the recurrent weight mixing: for ``v' = f(v, s(v) @ W_rec + ...)`` the
+  entry ``∂v'[p] / ∂v[p]`` includes ``s'(v[p]) · W_rec[p, p]``, which plain D-RTRL cuts. The
+  blocks are extracted exactly without the dense ``(P·S)²`` Jacobian (see
+  :mod:`braintrace._compiler.mixing_jacobian`). It equals backpropagation through time when
+  the true ``∂h^t/∂h^{t-1}`` is block-diagonal per position; cross-unit coupling (the
+  off-diagonal part of a recurrent matmul) is dropped.
+* :class:`OSTLFeedforward` ("without H") is ``pp_prop`` with a vanishing decay (rank 1): the
+  factored trace holds only the current step.
+
+Examples
+--------
+>>> import brainstate, jax.numpy as jnp, braintrace
+>>> class Rec(brainstate.nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.w = brainstate.ParamState(jnp.ones((3, 2)))
+...         self.r = brainstate.ParamState(jnp.array([[0.5, 1.0], [1.0, 0.5]]))
+...         self.h = brainstate.HiddenState(jnp.zeros(2))
+...     def update(self, x):
+...         self.h.value = 0.5 * self.h.value + braintrace.matmul(x, self.w.value) + self.h.value @ self.r.value
+...         return self.h.value
+>>> learner = braintrace.compile(Rec(), braintrace.OSTLRecurrent, jnp.ones(3))
+>>> _ = learner(jnp.ones(3))
+>>> learner.graph.hidden_groups[0].is_diagonal_recurrence  # D keeps the diagonal of h @ r
+False
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import brainstate
+
+from braintrace._algorithm.d_rtrl import ParamDimVjpAlgorithm
+from braintrace._algorithm.pp_prop import pp_prop
+
+__all__ = ["OSTLRecurrent", "OSTLFeedforward"]
+
+
+class OSTLRecurrent(ParamDimVjpAlgorithm):
+    """D-RTRL with the recurrent weight mixing kept in the per-position Jacobian (see the module
+    docstring). Parameters as :class:`ParamDimVjpAlgorithm`.
+
+    Notes
+    -----
+    Exact versus backpropagation through time when the true hidden Jacobian is
+    block-diagonal per position (element-wise recurrences, where it equals D-RTRL). With a
+    dense recurrent matmul only its diagonal enters the trace, so it is an approximation;
+    the upstream docstring's claim that coupling through a traced weight is retained does
+    not hold there either.
+    """
+
+    _include_recurrent_mixing = True
+    regime = "with-H"
+
+
+class OSTLFeedforward(pp_prop):
+    """``pp_prop`` with a vanishing decay: the trace keeps only the current step.
+
+    Parameters
+    ----------
+    model : brainstate.nn.Module
+    decay_or_rank : float or int
+        As :class:`pp_prop` (default ``1e-6``, i.e. rank 1).
+    name : str, optional
+    **kwargs
+        Forwarded to :class:`pp_prop` (``vjp_method``, ``fast_solve``, ``control_flow``).
+    """
+
+    regime = "without-H"
+
+    def __init__(
+        self, model: brainstate.nn.Module, decay_or_rank: float | int = 1e-6, name: str | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(model, decay_or_rank, name=name, **kwargs)
+
+
+OSTLRecurrent.__module__ = "braintrace"
+OSTLFeedforward.__module__ = "braintrace"

@@ -1,0 +1,456 @@
+"""``pp_prop`` (ES-D-RTRL): the IO-dim learning rule, a factored eligibility trace.
+
+Instead of one trace entry per parameter (D-RTRL), ``pp_prop`` keeps two low-pass filtered
+factors per relation ``y = op(x, W)`` driving a hidden group ``h``:
+
+* an input trace per distinct input ``x`` (shaped like ``x``, or like the primitive's
+  ``pp_x_repr`` of it, e.g. the one-hot of embedding indices):
+  ``ε_x ← α ε_x + x̃``;
+* an output trace per (relation, hidden group), shaped ``(*varshape, S)``:
+  ``ε_f ← α (D ⊙ ε_f) + (1 − α) df`` with ``(D ⊙ ε_f)[..., a] = Σ_c D[..., a, c] ε_f[..., c]``.
+
+The gradient pulls the learning signal ``g = ∂L/∂h`` back through the primitive at the
+filtered input: ``xy_to_dw(ε_x, Σ_a (ε_f / c)[..., a] g[..., a])``, where
+``c = 1 − α^k`` (``k`` = number of time steps the trace has absorbed since the last reset)
+undoes the bias of the zero-initialised filters. The memory is ``O(|x| + |y|)`` per relation
+instead of ``O(|W|)``.
+
+What a call adds to the engine's gradient (see :mod:`.base`):
+
+* single-step: the one-step gradient is exact and already holds this step's path
+  ``W -> y -> h^t``; the rule adds the *history* part of its estimate, i.e. the estimate at the
+  new trace minus the same-step term ``xy_to_dw(x̃_t, Σ_a df_t[..., a] g[..., a])``. At the
+  first step after a reset the two cancel, so a single step from a reset equals
+  backpropagation through time for every parameter;
+* multi-step: the exact gradient within the window plus the estimate at the trace entering
+  the window (zero for the first window after a reset, so one window over the whole
+  sequence equals backpropagation through time).
+
+After the first step the history term is an approximation (the outer product of two filtered
+factors stands in for the filtered outer product); the decay trades bias for memory length.
+
+Examples
+--------
+>>> import brainstate, jax.numpy as jnp, braintrace
+>>> class Leaky(brainstate.nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.w = brainstate.ParamState(jnp.ones((3, 2)))
+...         self.h = brainstate.HiddenState(jnp.zeros(2))
+...     def update(self, x):
+...         self.h.value = 0.5 * self.h.value + braintrace.matmul(x, self.w.value)
+...         return self.h.value
+>>> learner = braintrace.compile(Leaky(), braintrace.pp_prop, jnp.ones(3), decay_or_rank=0.9)
+>>> learner.decay, learner.num_rank
+(0.9, 19)
+>>> grads = brainstate.transform.grad(lambda x: learner(x).sum(), learner.param_states)(jnp.ones(3))
+>>> grads[('w',)]
+Array([[1., 1.],
+       [1., 1.],
+       [1., 1.]], dtype=float32)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import brainstate
+import jax
+import jax.numpy as jnp
+
+from braintrace._algorithm.base import EligibilityTrace, ETraceVjpAlgorithm, add_to_leaf
+from braintrace._algorithm.d_rtrl import relation_weights
+from braintrace._algorithm.graph_executor import df_key
+from braintrace._compiler import ControlFlowPolicy
+from braintrace._op import _registries as reg
+from braintrace._op._rule_helpers import shape_of
+from braintrace._op.elemwise import etp_elemwise_p
+
+__all__ = ["IODimVjpAlgorithm", "pp_prop", "ES_D_RTRL", "parse_decay_or_rank"]
+
+Path = tuple[Any, ...]
+#: The traced state of the rule: ``{'xs': {x key: ε_x}, 'dfs': {df key: ε_f}, 'steps': int}``.
+IOTrace = dict[str, Any]
+
+# The step counter saturates here instead of wrapping around; α^k has long underflowed.
+_MAX_STEPS = 2**30
+
+_DECAY_OR_RANK_MSG = 'Please provide "num_rank" (int) or "decay" (float, 0 < decay < 1). '
+
+
+def parse_decay_or_rank(decay_or_rank: Any) -> float:
+    """The decay ``α`` given a decay (float in ``(0, 1)``) or a rank (int ``r > 0``).
+
+    A rank ``r`` means ``α = (r − 1) / (r + 1)``, the decay whose filter has the same mean
+    memory as a window of ``r`` steps.
+
+    Raises
+    ------
+    ValueError
+        For any other type (``np.float32``, arrays, strings, ...) or a value out of range.
+
+    Examples
+    --------
+    >>> parse_decay_or_rank(19), parse_decay_or_rank(0.5)
+    (0.9, 0.5)
+    """
+    # np.float64 subclasses float and bool subclasses int; np.float32 and arrays are neither.
+    if isinstance(decay_or_rank, float):
+        if not 0.0 < decay_or_rank < 1.0:
+            raise ValueError(
+                f"decay_or_rank={decay_or_rank!r}: a float is the decay and must satisfy "
+                f"0 < decay < 1. Pass e.g. 0.9, or an int rank such as 19."
+            )
+        return float(decay_or_rank)
+    if isinstance(decay_or_rank, int):
+        if decay_or_rank <= 0:
+            raise ValueError(
+                f"decay_or_rank={decay_or_rank!r}: an int is the rank and must be > 0. Pass e.g. "
+                f"19, or a float decay such as 0.9."
+            )
+        return (decay_or_rank - 1) / (decay_or_rank + 1)
+    raise ValueError(_DECAY_OR_RANK_MSG + f"Got {decay_or_rank!r} of type {type(decay_or_rank).__name__}.")
+
+
+def mix_states(diag: jax.Array, trace: jax.Array) -> jax.Array:
+    """``(D ⊙ ε)[..., a] = Σ_c D[..., a, c] ε[..., c]`` per position."""
+    if diag.shape[-1] == 1:
+        return diag[..., 0, :] * trace
+    return jnp.einsum("...ac,...c->...a", diag, trace)
+
+
+class IODimVjpAlgorithm(ETraceVjpAlgorithm):
+    """The IO-dim eligibility-trace learner (see the module docstring).
+
+    Parameters
+    ----------
+    model : brainstate.nn.Module
+    decay_or_rank : float or int
+        The filter decay ``α`` (a float, ``0 < α < 1``) or a rank ``r`` (an int ``> 0``,
+        ``α = (r − 1) / (r + 1)``).
+    name : str, optional
+    vjp_method : {'single-step', 'multi-step'}
+    fast_solve : bool
+        Pull the learning signal back with one ``xy_to_dw`` call (summed over the hidden
+        states of the group) instead of one call per state; the results agree.
+    control_flow : ControlFlowPolicy, optional
+        Forwarded to the compiler. Descended scans are not supported (use D_RTRL there).
+
+    Attributes
+    ----------
+    decay : float
+        The filter decay, read at each (re)trace of a call.
+    etrace_xs : dict
+        ``{id(x_var): EligibilityTrace}``, the input traces.
+    etrace_dfs : dict
+        ``{(id(y_var), 'hidden_group_i'): EligibilityTrace}``, the output traces.
+    trace_steps : brainstate.LongTermState
+        Time steps absorbed by the traces since the last reset (drives the bias correction).
+    """
+
+    _supports_scan_descent = False
+
+    def __init__(
+        self,
+        model: brainstate.nn.Module,
+        decay_or_rank: float | int,
+        name: str | None = None,
+        vjp_method: str = "single-step",
+        fast_solve: bool = True,
+        control_flow: ControlFlowPolicy | None = None,
+    ) -> None:
+        decay = parse_decay_or_rank(decay_or_rank)
+        super().__init__(model, name=name, vjp_method=vjp_method, control_flow=control_flow)
+        self.decay = decay
+        self.fast_solve = bool(fast_solve)
+        self.etrace_xs: dict[int, EligibilityTrace] = {}
+        self.etrace_dfs: dict[tuple[int, str], EligibilityTrace] = {}
+        self.trace_steps = brainstate.LongTermState(jnp.asarray(0, dtype=jnp.int32))
+        # Per x key: the primitive's pp_x_repr rule (or None) and the weight avals it reads.
+        self._x_reprs: dict[int, tuple[Any, dict[str, Any]]] = {}
+
+    @property
+    def num_rank(self) -> int:
+        """The rank equivalent to :attr:`decay`, ``round(2 / (1 − α) − 1)``."""
+        return round(2.0 / (1.0 - self.decay) - 1.0)
+
+    # --- trace storage --------------------------------------------------------------------
+
+    def init_etrace_state(self, *args: Any, **kwargs: Any) -> None:
+        """Allocate the zero input and output traces of every relation."""
+        xs: dict[int, EligibilityTrace] = {}
+        dfs: dict[tuple[int, str], EligibilityTrace] = {}
+        reprs: dict[int, tuple[Any, dict[str, Any]]] = {}
+        for rel in self.graph.hidden_param_op_relations:
+            if rel.x_var is not None:
+                self._init_x_trace(rel, xs, reprs)
+            for group in rel.hidden_groups:
+                key = df_key(rel, group)
+                if key in dfs:
+                    raise ValueError(f"The relation {rel} has been added (duplicate trace key {key}).")
+                dfs[key] = EligibilityTrace(self._init_df_trace(rel, group))
+        self.etrace_xs, self.etrace_dfs, self._x_reprs = xs, dfs, reprs
+
+    @staticmethod
+    def _init_x_trace(
+        rel: Any, xs: dict[int, EligibilityTrace], reprs: dict[int, tuple[Any, dict[str, Any]]]
+    ) -> None:
+        avals = {k: v.aval for k, v in rel.trainable_vars.items()}
+        rule = reg.get_pp_x_repr(rel.primitive)
+        x_aval = rel.x_var.aval
+        if rule is None:
+            spec = jax.ShapeDtypeStruct(x_aval.shape, x_aval.dtype)
+        else:
+            spec = jax.eval_shape(lambda x: rule(x, avals), jax.ShapeDtypeStruct(x_aval.shape, x_aval.dtype))
+        key = id(rel.x_var)
+        if key in xs:
+            old = xs[key].value
+            if (old.shape, old.dtype) != (tuple(spec.shape), spec.dtype):
+                raise ValueError(
+                    f"pp_prop: two relations read the same input {rel.x_var} but represent it "
+                    f"differently ({old.shape}/{old.dtype} vs {tuple(spec.shape)}/{spec.dtype}); "
+                    f"feed them separate inputs or train them with D_RTRL."
+                )
+            return
+        xs[key] = EligibilityTrace(jnp.zeros(spec.shape, spec.dtype))
+        reprs[key] = (rule, avals)
+
+    @staticmethod
+    def _init_df_trace(rel: Any, group: Any) -> jax.Array:
+        y_shape, varshape = shape_of(rel.y_var), tuple(group.varshape)
+        elemwise = rel.primitive is etp_elemwise_p
+        # An element-wise weight may broadcast over leading (batch) axes of the hidden state.
+        fits = varshape[len(varshape) - len(y_shape):] == y_shape if elemwise else y_shape == varshape
+        if not fits:
+            raise ValueError(
+                f"The shape of the hidden states should be the same as the output of the ETP "
+                f"operation for pp_prop: {rel.primitive.name} outputs {y_shape} but drives hidden "
+                f"group {group.index} of shape {varshape}. Make the operation produce the hidden "
+                f"shape, or train this weight with D_RTRL."
+            )
+        init = reg.ETP_RULES_INIT_PP.get(rel.primitive)
+        if init is None:
+            raise ValueError(
+                f"{rel.primitive.name} has no init_pp rule, so pp_prop cannot trace it; register one "
+                f"with register_etp_rules(init_pp=...) or use D_RTRL."
+            )
+        extra = {"group": group} if elemwise else {}
+        value = init(rel.x_var, rel.y_var, rel.trainable_vars, group.num_state, **extra)
+        expected = (*varshape, group.num_state)
+        if tuple(getattr(value, "shape", ())) != expected:
+            raise ValueError(
+                f"init_pp of {rel.primitive.name} returned shape {getattr(value, 'shape', None)}; "
+                f"pp_prop needs the hidden group's shape plus the state axis, {expected}."
+            )
+        return jnp.asarray(value)
+
+    def _get_etrace_data(self) -> IOTrace:
+        return {
+            "xs": {k: st.value for k, st in self.etrace_xs.items()},
+            "dfs": {k: st.value for k, st in self.etrace_dfs.items()},
+            "steps": self.trace_steps.value,
+        }
+
+    def _assign_etrace_data(self, etrace_vals: IOTrace) -> None:
+        for k, v in etrace_vals["xs"].items():
+            self.etrace_xs[k].value = v
+        for k, v in etrace_vals["dfs"].items():
+            self.etrace_dfs[k].value = v
+        self.trace_steps.value = etrace_vals["steps"]
+
+    def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+        """Zero both traces and the step counters (model states are not touched).
+
+        With ``batch_size``, the traces that carry a batch axis (inputs of batched primitives,
+        outputs driving batched hidden groups) get that leading size; the others keep theirs.
+        """
+        self.running_index.value = jnp.zeros_like(self.running_index.value)
+        self.trace_steps.value = jnp.zeros_like(self.trace_steps.value)
+        if not self.etrace_xs and not self.etrace_dfs:
+            return
+        batched_xs, batched_dfs = self._batched_trace_keys()
+        for xkey, st in self.etrace_xs.items():
+            st.value = _zeros(st.value, batch_size if xkey in batched_xs else None)
+        for fkey, st in self.etrace_dfs.items():
+            st.value = _zeros(st.value, batch_size if fkey in batched_dfs else None)
+
+    def _batched_trace_keys(self) -> tuple[set[int], set[tuple[int, str]]]:
+        relations = self.graph.hidden_param_op_relations
+        batched_groups = set()
+        for rel in relations:
+            for group in rel.hidden_groups:
+                broadcast = len(shape_of(rel.y_var)) < len(group.varshape)
+                if reg.is_batched_primitive(rel.primitive) or broadcast:
+                    batched_groups.add(group.index)
+        xs = {id(r.x_var) for r in relations if r.x_var is not None and reg.is_batched_primitive(r.primitive)}
+        dfs = {df_key(r, g) for r in relations for g in r.hidden_groups if g.index in batched_groups}
+        return xs, dfs
+
+    def get_etrace_of(self, weight: Any) -> tuple[dict[int, jax.Array], dict[tuple[int, str], jax.Array]]:
+        """The input and output traces of every relation that has ``weight`` as a trainable key.
+
+        Parameters
+        ----------
+        weight : brainstate.ParamState or tuple
+            The parameter state, or its path.
+
+        Returns
+        -------
+        (dict, dict)
+            ``{id(x_var): ε_x}`` (empty for element-wise weights, which have no input) and
+            ``{(id(y_var), 'hidden_group_i'): ε_f}``.
+
+        Raises
+        ------
+        ValueError
+            If no compiled relation learns ``weight``.
+        """
+        self._assert_compiled()
+        path = weight if isinstance(weight, tuple) else self.state_id_to_path.get(id(weight))
+        xs: dict[int, jax.Array] = {}
+        dfs: dict[tuple[int, str], jax.Array] = {}
+        for rel in self.graph.hidden_param_op_relations:
+            if path is None or path not in rel.trainable_paths.values():
+                continue
+            if rel.x_var is not None:
+                xs[id(rel.x_var)] = self.etrace_xs[id(rel.x_var)].value
+            for group in rel.hidden_groups:
+                dfs[df_key(rel, group)] = self.etrace_dfs[df_key(rel, group)].value
+        if not dfs:
+            known = sorted({p for r in self.graph.hidden_param_op_relations for p in r.trainable_paths.values()})
+            raise ValueError(
+                f"Do not the etrace of the given weight: {weight if path is None else path}. "
+                f"Weights with traces: {known}."
+            )
+        return xs, dfs
+
+    # --- one step of the traces -----------------------------------------------------------
+
+    def _x_tilde(self, xs: dict[int, Any]) -> dict[int, Any]:
+        """The inputs as the x traces filter them (``pp_x_repr`` where registered)."""
+        out = {}
+        for key, x in xs.items():
+            rule, avals = self._x_reprs[key]
+            out[key] = x if rule is None else rule(x, avals)
+        return out
+
+    def _step(self, etrace: IOTrace, xs: dict[int, Any], dfs: dict[Any, Any], Ds: Sequence[Any]) -> IOTrace:
+        alpha = self.decay
+        if set(xs) != set(etrace["xs"]):
+            raise ValueError(
+                f"pp_prop: the step's inputs {sorted(xs)} do not match the traced inputs "
+                f"{sorted(etrace['xs'])}; recompile the learner."
+            )
+        x_tilde = self._x_tilde(xs)
+        new_xs = {k: (alpha * v + x_tilde[k]).astype(v.dtype) for k, v in etrace["xs"].items()}
+        new_dfs = {}
+        for rel in self.graph.hidden_param_op_relations:
+            for group in rel.hidden_groups:
+                key = df_key(rel, group)
+                old = etrace["dfs"][key]
+                # (1 − α) rounded like the bias correction's 1 − α^1, so they cancel at step one.
+                gain = 1 - jnp.asarray(alpha, old.dtype)
+                new = alpha * mix_states(Ds[group.index], old) + gain * dfs[key]
+                new_dfs[key] = new.astype(old.dtype)
+        steps = jnp.minimum(etrace["steps"] + 1, _MAX_STEPS).astype(etrace["steps"].dtype)
+        return {"xs": new_xs, "dfs": new_dfs, "steps": steps}
+
+    def _update_etrace_data(
+        self, running_index: Any, etrace_vals_util_t_1: Any, hid2weight_jac_single_or_multi_times: Any,
+        hid2hid_jac_single_or_multi_times: Any, weight_vals: Any, input_is_multi_step: bool,
+    ) -> IOTrace:
+        xs, dfs = hid2weight_jac_single_or_multi_times
+        Ds = hid2hid_jac_single_or_multi_times
+        if not input_is_multi_step:
+            return self._step(etrace_vals_util_t_1, xs, dfs, Ds)
+        stepper = self._make_etrace_stepper(weight_vals)
+        rolled, _ = jax.lax.scan(stepper, etrace_vals_util_t_1, (xs, dfs, Ds))
+        return rolled
+
+    def _make_etrace_stepper(self, weight_vals: Any) -> Any:
+        # Always fused into the executor's scan: the counter then advances once per time step.
+        def stepper(carry: IOTrace, jac: Any) -> tuple[IOTrace, None]:
+            xs, dfs, Ds = jac
+            return self._step(carry, xs, dfs, Ds), None
+
+        return stepper
+
+    # --- the gradient ---------------------------------------------------------------------
+
+    def _trace_for_backward(self, old_etrace: Any, new_etrace: Any, jac: Any, single_step: bool) -> Any:
+        # Single step: the estimate at the new trace, minus its same-step term (x̃_t, df_t),
+        # which the exact one-step gradient already holds. Multi-step: the entering trace.
+        if single_step:
+            (xs, dfs), _ = jac
+            return new_etrace, (self._x_tilde(xs), dfs)
+        return old_etrace, None
+
+    def _correction(self, steps: jax.Array, dtype: Any) -> jax.Array:
+        """``max(1 − α^k, 1e-8)`` for a trace that absorbed ``k`` steps (no gradient)."""
+        # An integer power: exact repeated products, so 1 − α^1 rounds like the (1 − α) gain.
+        c = 1 - jax.lax.pow(jnp.asarray(self.decay, dtype), steps)
+        return jax.lax.stop_gradient(jnp.maximum(c, jnp.asarray(1e-8, dtype)))
+
+    def _solve_weight_gradients(
+        self, running_index: Any, etrace_h2w_at_t: Any, dl_to_hidden_groups: Sequence[Any],
+        weight_vals: dict[Path, Any], dl_to_nonetws_at_t: dict[Path, Any], dl_to_etws_at_t: dict[Path, Any],
+    ) -> dict[Path, Any]:
+        etrace, instant = etrace_h2w_at_t
+        grads = dict(dl_to_etws_at_t)
+        for path, g in dl_to_nonetws_at_t.items():
+            grads[path] = g if grads.get(path) is None else jax.tree.map(jnp.add, grads[path], g)
+        for rel in self.graph.hidden_param_op_relations:
+            weights = relation_weights(rel, weight_vals)
+            x_trace = None if rel.x_var is None else etrace["xs"][id(rel.x_var)]
+            for group in rel.hidden_groups:
+                key = df_key(rel, group)
+                signal = dl_to_hidden_groups[group.index]
+                eps_f = etrace["dfs"][key]
+                c = self._correction(etrace["steps"], jnp.result_type(eps_f, signal))
+                per_key = self._pull_back(rel, x_trace, (eps_f / c) * signal, weights)
+                if instant is not None:
+                    x_t = None if rel.x_var is None else instant[0][id(rel.x_var)]
+                    same = self._pull_back(rel, x_t, instant[1][key] * signal, weights)
+                    per_key = {k: per_key[k] - same[k] for k in per_key}
+                for k, dw in per_key.items():
+                    grads[rel.trainable_paths[k]] = self._route(rel, k, dw, grads, weight_vals)
+        return grads
+
+    def _pull_back(self, rel: Any, x: Any, delta: jax.Array, weights: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """``xy_to_dw(x, Σ_a delta[..., a])``: the VJP of the primitive at input ``x``.
+
+        ``xy_to_dw`` is linear in its cotangent, so the fast path sums over the hidden states
+        first (one call); otherwise one call per state, summed.
+        """
+        rule = reg.ETP_RULES_XY_TO_DW[rel.primitive]
+        if self.fast_solve:
+            out: dict[str, jax.Array] = rule(x, delta.sum(axis=-1), weights, **rel.eqn_params)
+            return out
+        parts = [rule(x, delta[..., a], weights, **rel.eqn_params) for a in range(delta.shape[-1])]
+        return {k: sum((p[k] for p in parts[1:]), parts[0][k]) for k in parts[0]}
+
+    @staticmethod
+    def _route(rel: Any, key: str, dw: jax.Array, grads: dict[Path, Any], weight_vals: dict[Path, Any]) -> Any:
+        """Add ``dw`` to the gradient leaf of ``key`` (extra leading axes, e.g. the batch of an
+        element-wise weight in a batched group, are summed)."""
+        path, leaf = rel.trainable_paths[key], rel.trainable_leaf_indices[key]
+        target = jax.tree.leaves(weight_vals[path])[leaf]
+        extra = dw.ndim - target.ndim
+        if extra > 0:
+            dw = dw.sum(axis=tuple(range(extra)))
+        return add_to_leaf(grads[path], leaf, dw)
+
+
+def _zeros(value: jax.Array, batch_size: int | None) -> jax.Array:
+    shape = value.shape if batch_size is None else (batch_size, *value.shape[1:])
+    return jnp.zeros(shape, value.dtype)
+
+
+class pp_prop(IODimVjpAlgorithm):
+    """pp_prop (ES-D-RTRL) under its canonical name (identical to :class:`IODimVjpAlgorithm`)."""
+
+
+pp_prop.__module__ = "braintrace"
+
+#: The legacy name of :class:`pp_prop`.
+ES_D_RTRL = pp_prop

@@ -1,0 +1,157 @@
+"""Convolution layers whose kernels learn online: ``Conv1d``, ``Conv2d``, ``Conv3d``.
+
+Each subclasses the ``brainstate.nn`` layer of the same name (constructor, kernel layout,
+padding normalisation, input checks and output-shape inference unchanged) and replaces its
+convolution hook so that the kernel and bias reach the model through
+:func:`braintrace.conv`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import brainstate
+import brainunit as u
+import jax
+import jax.numpy as jnp
+
+from braintrace._op.conv import conv
+
+__all__ = ["Conv1d", "Conv2d", "Conv3d"]
+
+
+def _kernel_mask_fn(mask: Any) -> Callable[[jax.Array], jax.Array]:
+    mask_m = jnp.asarray(u.get_mantissa(mask))
+
+    def apply(kernel: jax.Array) -> jax.Array:
+        return kernel * mask_m
+
+    return apply
+
+
+class _OnlineConv:
+    """The convolution hook shared by the three layers (a mixin placed before the parent)."""
+
+    # attributes provided by brainstate's _Conv
+    w_mask: Any
+    stride: tuple[int, ...]
+    padding: Any
+    lhs_dilation: tuple[int, ...]
+    rhs_dilation: tuple[int, ...]
+    groups: int
+    dimension_numbers: Any
+
+    def _conv_op(self, x: Any, params: dict[str, Any]) -> Any:
+        # the mask runs inside the primitive so masked kernel entries get exactly zero gradient
+        kernel_fn = None if self.w_mask is None else _kernel_mask_fn(self.w_mask)
+        return conv(
+            x,
+            params["weight"],
+            params.get("bias"),
+            strides=self.stride,
+            padding=self.padding,
+            lhs_dilation=self.lhs_dilation,
+            rhs_dilation=self.rhs_dilation,
+            feature_group_count=self.groups,
+            dimension_numbers=self.dimension_numbers,
+            kernel_fn=kernel_fn,
+        )
+
+
+_PARAMETERS = """
+    Parameters
+    ----------
+    in_size : tuple of int
+        One sample's shape without the batch axis: ``(*spatial, C_in)``, or ``(C_in, *spatial)``
+        when ``channel_first``.
+    out_channels : int
+    kernel_size : int or tuple of int
+    stride, lhs_dilation, rhs_dilation : int or tuple of int
+        Replicated to every spatial axis when given as one int.
+    padding : {'SAME', 'VALID'}, int or sequence of (low, high)
+    groups : int
+        Feature groups; ``in`` and ``out`` channels must be divisible by it.
+    w_init : initializer or array
+        Kernel initialiser (default ``XavierNormal()``), kernel shape
+        ``(*kernel_size, C_in // groups, C_out)``.
+    b_init : initializer, array or None
+        Bias initialiser (default ``None``: no bias).
+    w_mask : array, initializer or None
+        Kernel mask, applied inside the primitive (masked entries get zero gradient).
+    channel_first : bool
+    name : str, optional
+    param_type : type
+        State class of the parameters (default ``brainstate.ParamState``).
+
+    Attributes
+    ----------
+    weight : ParamState
+        ``{'weight': kernel, 'bias': ...}`` (``'bias'`` only with ``b_init``).
+    out_size : tuple of int
+        One output sample's shape, inferred at construction.
+
+    Notes
+    -----
+    Unbatched input gets a batch axis added and removed around the convolution. D-RTRL
+    traces are kept per output position (memory ``batch · positions · |kernel| · S``).
+"""
+
+
+class Conv1d(_OnlineConv, brainstate.nn.Conv1d):
+    __doc__ = (
+        """One-dimensional convolution whose kernel (and bias) learn online.
+
+    The constructor is that of ``brainstate.nn.Conv1d``; the convolution runs through
+    :func:`braintrace.conv`.
+"""
+        + _PARAMETERS
+        + """
+    Examples
+    --------
+    >>> import jax.numpy as jnp, braintrace
+    >>> layer = braintrace.nn.Conv1d((8, 2), 3, kernel_size=3)
+    >>> layer(jnp.ones((4, 8, 2))).shape
+    (4, 8, 3)
+    """
+    )
+    __module__ = "braintrace.nn"
+
+
+class Conv2d(_OnlineConv, brainstate.nn.Conv2d):
+    __doc__ = (
+        """Two-dimensional convolution whose kernel (and bias) learn online.
+
+    The constructor is that of ``brainstate.nn.Conv2d``; the convolution runs through
+    :func:`braintrace.conv`.
+"""
+        + _PARAMETERS
+        + """
+    Examples
+    --------
+    >>> import jax.numpy as jnp, braintrace
+    >>> layer = braintrace.nn.Conv2d((6, 6, 1), 4, kernel_size=3, padding='VALID')
+    >>> layer(jnp.ones((6, 6, 1))).shape
+    (4, 4, 4)
+    """
+    )
+    __module__ = "braintrace.nn"
+
+
+class Conv3d(_OnlineConv, brainstate.nn.Conv3d):
+    __doc__ = (
+        """Three-dimensional convolution whose kernel (and bias) learn online.
+
+    The constructor is that of ``brainstate.nn.Conv3d``; the convolution runs through
+    :func:`braintrace.conv`.
+"""
+        + _PARAMETERS
+        + """
+    Examples
+    --------
+    >>> import jax.numpy as jnp, braintrace
+    >>> layer = braintrace.nn.Conv3d((4, 4, 4, 1), 2, kernel_size=2, stride=2)
+    >>> layer(jnp.ones((1, 4, 4, 4, 1))).shape
+    (1, 2, 2, 2, 2)
+    """
+    )
+    __module__ = "braintrace.nn"

@@ -1,0 +1,562 @@
+"""Shared pieces of the example scripts: progress, training loops, spike encoding, a LIF network, plots.
+
+Every example trains a recurrent model on batches of sequences ``xs`` of shape
+``(time, batch, inputs)`` with integer targets ``labels`` of shape ``(time, batch)`` and a
+per-step loss weight ``weights`` of shape ``(time,)`` (zero where a step is not scored). The
+trainers here turn that into one jitted training step:
+
+* :func:`online_trainer` compiles the model with a braintrace learning rule, resets the states,
+  scans over time taking one gradient per step (the learner supplies the eligibility-trace
+  history) and applies the summed gradient with Adam;
+* :func:`bptt_trainer` is the reference: one gradient of the whole sequence's loss.
+
+Nothing here downloads anything; the data of every example is generated or read from a local file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
+
+import brainstate
+import braintools
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import braintrace
+
+__all__ = [
+    "Progress",
+    "Trainer",
+    "History",
+    "Batch",
+    "LIFNetwork",
+    "masked_cross_entropy",
+    "online_trainer",
+    "bptt_trainer",
+    "make_trainer",
+    "predict",
+    "fit",
+    "window_accuracy",
+    "step_accuracy",
+    "rate_spikes",
+    "positive_int",
+    "positive_float",
+    "common_parser",
+    "train_learners",
+    "algorithm_names",
+    "learner_options",
+    "LEARNERS",
+    "pyplot",
+    "plot_histories",
+    "save_figure",
+    "smooth",
+]
+
+Params = dict[Any, brainstate.ParamState]
+Grads = dict[Any, jax.Array]
+StepLoss = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+#: One batch of sequences: inputs ``(time, batch, inputs)``, labels ``(time, batch)``, weights ``(time,)``.
+Batch = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+# --- argument parsing -------------------------------------------------------------------------
+
+def positive_int(text: str) -> int:
+    """An ``argparse`` type: an integer >= 1, with an error that shows the value."""
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An ``argparse`` type: a float > 0, with an error that shows the value."""
+    value = float(text)
+    if not value > 0:
+        raise ValueError(f"expected a number > 0, got {value}")
+    return value
+
+
+def common_parser(
+    doc: str,
+    *,
+    iterations: int,
+    batch: int,
+    lr: float,
+    algorithms: list[str],
+    plot: str,
+    test_size: int,
+) -> argparse.ArgumentParser:
+    """The arguments every example takes; each script adds its own size arguments."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--iterations", type=positive_int, default=iterations, help="training batches")
+    parser.add_argument("--batch", type=positive_int, default=batch, help="sequences per batch")
+    parser.add_argument("--lr", type=positive_float, default=lr, help="Adam learning rate")
+    parser.add_argument("--algorithms", nargs="+", default=algorithms, choices=algorithm_names(), metavar="NAME",
+                        help=f"learners to train, each on a fresh copy of the model: {', '.join(algorithm_names())}")
+    parser.add_argument("--pp-decay", type=positive_float, default=0.9, help="pp_prop's trace decay, in (0, 1)")
+    parser.add_argument("--test-size", type=positive_int, default=test_size, help="held-out sequences scored at the end")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", default=plot, help="figure path ('' for none)")
+    return parser
+
+
+# --- progress ---------------------------------------------------------------------------------
+
+class Progress:
+    """A progress bar over ``total`` iterations: ``tqdm`` when it is installed, else a printed line.
+
+    The fallback prints about ten lines per run (and the last iteration), each with the
+    iteration count, the elapsed time and the latest metrics.
+
+    Examples
+    --------
+    >>> with Progress(3, "demo", use_tqdm=False) as bar:
+    ...     for i in range(3):
+    ...         bar.update(loss=1.0 / (i + 1))  # doctest: +ELLIPSIS
+    demo:   1/3 ... loss 1.0000
+    demo:   2/3 ... loss 0.5000
+    demo:   3/3 ... loss 0.3333
+    """
+
+    def __init__(self, total: int, desc: str, use_tqdm: bool | None = None) -> None:
+        self.total, self.desc, self.count = total, desc, 0
+        self._start = time.perf_counter()
+        self._every = max(1, total // 10)
+        self._bar: Any = None
+        if use_tqdm is not False:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                if use_tqdm:
+                    raise
+            else:
+                self._bar = tqdm(total=total, desc=desc, leave=True)
+
+    def update(self, **metrics: float) -> None:
+        """Advance by one iteration and show ``metrics`` (name -> value)."""
+        self.count += 1
+        if self._bar is not None:
+            self._bar.set_postfix({k: f"{v:.4f}" for k, v in metrics.items()}, refresh=False)
+            self._bar.update(1)
+            return
+        if self.count % self._every == 0 or self.count == self.total:
+            shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+            width = len(str(self.total))
+            elapsed = time.perf_counter() - self._start
+            print(f"{self.desc}: {self.count:{width}d}/{self.total} [{elapsed:6.1f}s]  {shown}", flush=True)
+
+    def close(self) -> None:
+        """Close the bar (a no-op for the printed fallback)."""
+        if self._bar is not None:
+            self._bar.close()
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --- models -----------------------------------------------------------------------------------
+
+class LIFNetwork(brainstate.nn.Module):
+    """A recurrent layer of leaky integrate-and-fire neurons with a leaky (non-spiking) readout.
+
+    ``v ← σ(τ) · v · (1 − s) + x W_in + s W_rec + b`` with spikes ``s = H(v − 1)`` (a sigmoid
+    surrogate gradient), and the readout ``r ← κ r + s' W_out`` with ``s'`` the new spikes. The
+    per-neuron leak ``σ(τ)`` is trainable through :func:`braintrace.element_wise`; every weight
+    goes through :func:`braintrace.matmul`, so all of them learn online.
+
+    Parameters
+    ----------
+    n_in, n_rec, n_out : int
+        Input channels, recurrent neurons, readout units.
+    tau : float
+        Initial leak logit: the membrane keeps ``σ(tau)`` of its potential per step.
+    readout_leak : float
+        ``κ``, the fixed leak of the readout.
+    in_scale, rec_scale : float
+        Standard deviation of the input / recurrent weights, times ``1/sqrt(fan-in)``.
+    seed : int
+        Seed of the weight initialisation.
+    """
+
+    def __init__(
+        self,
+        n_in: int,
+        n_rec: int,
+        n_out: int,
+        tau: float = 2.0,
+        readout_leak: float = 0.8,
+        in_scale: float = 1.0,
+        rec_scale: float = 0.5,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        k = jax.random.split(jax.random.PRNGKey(seed), 3)
+        self.n_rec, self.n_out, self.readout_leak = n_rec, n_out, readout_leak
+        # A strong float32 (jnp.full of a Python float is weakly typed): the first Adam step would
+        # make it strong and the jitted training step would compile a second time.
+        self.tau = brainstate.ParamState(jnp.full((n_rec,), tau, dtype=jnp.float32))
+        self.w_in = brainstate.ParamState(in_scale * jax.random.normal(k[0], (n_in, n_rec)) / np.sqrt(n_in))
+        self.w_rec = brainstate.ParamState(rec_scale * jax.random.normal(k[1], (n_rec, n_rec)) / np.sqrt(n_rec))
+        self.bias = brainstate.ParamState(jnp.zeros((n_rec,)))
+        self.w_out = brainstate.ParamState(jax.random.normal(k[2], (n_rec, n_out)) / np.sqrt(n_rec))
+
+    def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+        def shape(n: int) -> tuple[int, ...]:
+            return (n,) if batch_size is None else (batch_size, n)
+
+        self.v = brainstate.HiddenState(jnp.zeros(shape(self.n_rec)))
+        self.r = brainstate.HiddenState(jnp.zeros(shape(self.n_out)))
+
+    def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+        # In place: a compiled learner holds these very state objects.
+        self.v.value = jnp.zeros_like(self.v.value)
+        self.r.value = jnp.zeros_like(self.r.value)
+
+    def spikes(self) -> jax.Array:
+        """The spikes of the current membrane potential (surrogate gradient)."""
+        return braintools.surrogate.sigmoid(self.v.value - 1.0)
+
+    def update(self, x: jax.Array) -> jax.Array:
+        leak = braintrace.element_wise(self.tau.value, weight_fn=jax.nn.sigmoid)
+        s = self.spikes()
+        current = braintrace.matmul(x, self.w_in.value, self.bias.value) + braintrace.matmul(s, self.w_rec.value)
+        self.v.value = leak * self.v.value * (1.0 - s) + current
+        self.r.value = self.readout_leak * self.r.value + braintrace.matmul(self.spikes(), self.w_out.value)
+        return self.r.value
+
+
+# --- losses and metrics -----------------------------------------------------------------------
+
+def masked_cross_entropy(logits: jax.Array, labels: jax.Array, weight: jax.Array) -> jax.Array:
+    """``weight`` times the batch-mean cross-entropy of one step (``logits (batch, classes)``)."""
+    return weight * optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def window_accuracy(outs: np.ndarray, labels: np.ndarray, weights: np.ndarray) -> float:
+    """Fraction of sequences whose weighted-mean logits over the scored steps pick the label.
+
+    ``outs (time, batch, classes)``, ``labels (time, batch)`` (constant over the scored steps),
+    ``weights (time,)``.
+    """
+    w = np.asarray(weights, dtype=float)
+    mean_logits = np.einsum("t,tbc->bc", w, np.asarray(outs)) / w.sum()
+    last_scored = int(np.nonzero(w)[0][-1])
+    return float((mean_logits.argmax(-1) == np.asarray(labels)[last_scored]).mean())
+
+
+def step_accuracy(outs: np.ndarray, labels: np.ndarray, weights: np.ndarray) -> float:
+    """Fraction of scored steps (``weights > 0``) whose argmax is the label, over the batch."""
+    scored = np.asarray(weights) > 0
+    hits = np.asarray(outs).argmax(-1)[scored] == np.asarray(labels)[scored]
+    return float(hits.mean())
+
+
+# --- trainers ---------------------------------------------------------------------------------
+
+class Trainer(NamedTuple):
+    """A jitted training step and forward pass over batches of a fixed size.
+
+    ``train(xs, labels, weights) -> (loss, outs)`` updates the parameters in place;
+    ``forward(xs) -> outs`` runs the model from reset states without learning.
+    """
+
+    name: str
+    batch_size: int
+    train: Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+    forward: Callable[[jax.Array], jax.Array]
+
+
+def _adam_updater(params: Params, lr: float) -> Callable[[Grads], None]:
+    """An Adam step applied in place to ``params`` (its moments live in a state)."""
+    opt = optax.adam(lr)
+    moments = brainstate.ShortTermState(opt.init({p: st.value for p, st in params.items()}))
+
+    def apply(grads: Grads) -> None:
+        values = {p: st.value for p, st in params.items()}
+        updates, moments.value = opt.update(grads, moments.value, values)
+        for p, upd in updates.items():
+            params[p].value = values[p] + upd
+
+    return apply
+
+
+def _forward(model: brainstate.nn.Module) -> Callable[[jax.Array], jax.Array]:
+    @brainstate.transform.jit
+    def forward(xs: jax.Array) -> jax.Array:
+        brainstate.nn.reset_all_states(model)
+        return brainstate.transform.for_loop(model, xs)
+
+    return forward
+
+
+def _check_resets_in_place(model: brainstate.nn.Module) -> None:
+    """Every module that owns a hidden state must override ``reset_state`` (see :func:`online_trainer`)."""
+    for path, node in model.nodes(brainstate.nn.Module).items():
+        owns_hidden = any(isinstance(v, brainstate.HiddenState) for v in vars(node).values())
+        if owns_hidden and type(node).reset_state is brainstate.nn.Module.reset_state:
+            raise TypeError(
+                f"online_trainer: {type(node).__name__} (at {path or 'the top'}) owns hidden states but does not "
+                f"define reset_state; define it to zero them in place (self.h.value = jnp.zeros_like(self.h.value)) "
+                f"so each batch starts from reset states."
+            )
+
+
+def online_trainer(
+    model: brainstate.nn.Module,
+    algorithm: Any,
+    batch_size: int,
+    lr: float,
+    x0: jax.Array,
+    step_loss: StepLoss = masked_cross_entropy,
+    **options: Any,
+) -> Trainer:
+    """Compile ``model`` with ``algorithm`` and build its online training step.
+
+    The step resets the model and the learner's traces, scans over time taking one gradient
+    of the step loss per time step, sums them and applies Adam once per batch (the gradient
+    is normalised by the total loss weight).
+
+    The model must reset its hidden states *in place* in ``reset_state`` (assign
+    ``state.value``); ``init_state`` creates new state objects, and the compiled learner keeps
+    reading and writing the ones that existed when it was compiled. ``x0`` is one step's input ``(batch, inputs)``;
+    ``options`` go to :func:`braintrace.compile` (e.g. ``decay_or_rank`` for ``pp_prop``).
+    """
+    learner = braintrace.compile(model, algorithm, x0, batch_size=batch_size, **options)
+    _check_resets_in_place(model)  # after compile: init_state has created the hidden states
+    params = learner.param_states
+    apply = _adam_updater(params, lr)
+
+    def one_step(carry: Grads, inp: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[Grads, Any]:
+        x, label, weight = inp
+
+        def loss_fn() -> tuple[jax.Array, Any]:
+            out = learner(x)
+            loss = step_loss(out, label, weight)
+            return loss, (loss, out)
+
+        grads, (loss, out) = brainstate.transform.grad(loss_fn, params, has_aux=True, return_value=False)()
+        return jax.tree.map(jnp.add, carry, grads), (loss, out)
+
+    @brainstate.transform.jit
+    def train(xs: jax.Array, labels: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+        # Reset in place (reset_state), never re-create the states (init_state): the compiled
+        # learner reads and writes the state objects that existed when it was compiled.
+        brainstate.nn.reset_all_states(model)
+        learner.reset_state()
+        zeros = {p: jnp.zeros_like(st.value) for p, st in params.items()}
+        grads, (losses, outs) = brainstate.transform.scan(one_step, zeros, (xs, labels, weights))
+        total = jnp.maximum(weights.sum(), 1e-8)
+        apply({p: g / total for p, g in grads.items()})
+        return losses.sum() / total, outs
+
+    name = algorithm if isinstance(algorithm, str) else algorithm.__name__
+    return Trainer(name, batch_size, train, _forward(model))
+
+
+def bptt_trainer(
+    model: brainstate.nn.Module,
+    batch_size: int,
+    lr: float,
+    step_loss: StepLoss = masked_cross_entropy,
+) -> Trainer:
+    """The reference: backpropagation through time of the weighted loss of whole sequences."""
+    brainstate.nn.init_all_states(model, batch_size=batch_size)
+    params = model.states(brainstate.ParamState)
+    apply = _adam_updater(params, lr)
+
+    def loss_fn(xs: jax.Array, labels: jax.Array, weights: jax.Array) -> tuple[jax.Array, Any]:
+        brainstate.nn.reset_all_states(model)
+        outs = brainstate.transform.for_loop(model, xs)
+        loss = jax.vmap(step_loss)(outs, labels, weights).sum() / jnp.maximum(weights.sum(), 1e-8)
+        return loss, (loss, outs)
+
+    @brainstate.transform.jit
+    def train(xs: jax.Array, labels: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+        grads, (loss, outs) = brainstate.transform.grad(loss_fn, params, has_aux=True, return_value=False)(
+            xs, labels, weights)
+        apply(grads)
+        return loss, outs
+
+    return Trainer("bptt", batch_size, train, _forward(model))
+
+
+def make_trainer(
+    algorithm: str,
+    model: brainstate.nn.Module,
+    batch_size: int,
+    lr: float,
+    x0: jax.Array,
+    step_loss: StepLoss = masked_cross_entropy,
+    **options: Any,
+) -> Trainer:
+    """``'bptt'`` or any name :func:`braintrace.compile` accepts (``'d_rtrl'``, ``'pp_prop'``, ``'eprop'`` ...)."""
+    if algorithm.lower() == "bptt":
+        return bptt_trainer(model, batch_size, lr, step_loss)
+    return online_trainer(model, algorithm, batch_size, lr, x0, step_loss, **options)
+
+
+#: Learners that need no model-specific option (OTTT, OTPE and OSTTP need the model's leak or
+#: feedback matrices, so the generic scripts leave them out).
+LEARNERS = ("d_rtrl", "pp_prop", "eprop", "bptt")
+
+
+def algorithm_names() -> list[str]:
+    """The learner names the examples accept: ``'bptt'`` and the braintrace rules in :data:`LEARNERS`."""
+    return list(LEARNERS)
+
+
+def learner_options(name: str, pp_decay: float) -> dict[str, Any]:
+    """The constructor options a learner needs: ``pp_prop``'s trace decay, nothing for the others."""
+    return {"decay_or_rank": pp_decay} if name.lower() == "pp_prop" else {}
+
+
+# --- loops ------------------------------------------------------------------------------------
+
+class History(NamedTuple):
+    """Per-iteration training loss and accuracy, and the held-out accuracy at the end."""
+
+    loss: list[float]
+    accuracy: list[float]
+    test_accuracy: float
+    seconds: float
+
+
+def predict(trainer: Trainer, xs: np.ndarray) -> np.ndarray:
+    """Run ``trainer.forward`` over ``xs (time, n, inputs)`` in batches; returns ``(time, n, outputs)``.
+
+    The last batch is padded with zeros to the trainer's batch size (the jitted step has a
+    fixed shape) and the padding is dropped from the result.
+    """
+    b, n = trainer.batch_size, xs.shape[1]
+    outs = []
+    for start in range(0, n, b):
+        chunk = xs[:, start:start + b]
+        pad = b - chunk.shape[1]
+        if pad:
+            chunk = np.concatenate([chunk, np.zeros((chunk.shape[0], pad, *chunk.shape[2:]), chunk.dtype)], axis=1)
+        outs.append(np.asarray(trainer.forward(jnp.asarray(chunk)))[:, :b - pad])
+    return np.concatenate(outs, axis=1)
+
+
+def fit(
+    trainer: Trainer,
+    batches: Iterable[Batch],
+    iterations: int,
+    accuracy: Callable[[np.ndarray, np.ndarray, np.ndarray], float],
+    test: Batch | None = None,
+    desc: str | None = None,
+) -> History:
+    """Train for ``iterations`` batches from ``batches`` with a progress bar; score ``test`` at the end."""
+    losses: list[float] = []
+    accs: list[float] = []
+    start = time.perf_counter()
+    it: Iterator[Batch] = iter(batches)
+    with Progress(iterations, desc or trainer.name) as bar:
+        for _ in range(iterations):
+            xs, labels, weights = next(it)
+            loss, outs = trainer.train(jnp.asarray(xs), jnp.asarray(labels), jnp.asarray(weights))
+            losses.append(float(loss))
+            accs.append(accuracy(np.asarray(outs), labels, weights))
+            bar.update(loss=losses[-1], acc=accs[-1])
+    test_acc = float("nan")
+    if test is not None:
+        xs, labels, weights = test
+        test_acc = accuracy(predict(trainer, xs), labels, weights)
+    return History(losses, accs, test_acc, time.perf_counter() - start)
+
+
+def train_learners(
+    algorithms: list[str],
+    build_model: Callable[[], brainstate.nn.Module],
+    batch_size: int,
+    lr: float,
+    x0: np.ndarray,
+    make_batches: Callable[[], Iterable[Batch]],
+    iterations: int,
+    accuracy: Callable[[np.ndarray, np.ndarray, np.ndarray], float],
+    test: Batch | None = None,
+    pp_decay: float = 0.9,
+) -> dict[str, tuple[brainstate.nn.Module, Trainer, History]]:
+    """Train a fresh model (same initialisation) with each learner on the same batches.
+
+    ``pp_decay`` is ``pp_prop``'s trace decay. Returns ``name -> (model, trainer, history)``
+    in the order given.
+    """
+    results = {}
+    for name in algorithms:
+        model = build_model()
+        trainer = make_trainer(name, model, batch_size, lr, jnp.asarray(x0), **learner_options(name, pp_decay))
+        history = fit(trainer, make_batches(), iterations, accuracy, test)
+        print(f"[{name}] held-out accuracy {history.test_accuracy:.3f}, {history.seconds:.1f} s")
+        results[name] = (model, trainer, history)
+    return results
+
+
+# --- spike encoding ---------------------------------------------------------------------------
+
+def rate_spikes(rng: np.random.Generator, rates: np.ndarray, n_steps: int) -> np.ndarray:
+    """Bernoulli spike trains: ``rates (..., channels)`` in [0, 1] per step -> ``(n_steps, ..., channels)``.
+
+    Examples
+    --------
+    >>> s = rate_spikes(np.random.default_rng(0), np.array([[0.0, 1.0]]), 4)
+    >>> s.shape, float(s[:, 0, 0].sum()), float(s[:, 0, 1].sum())
+    ((4, 1, 2), 0.0, 4.0)
+    """
+    rates = np.clip(np.asarray(rates, dtype=np.float32), 0.0, 1.0)
+    return (rng.random((n_steps, *rates.shape)) < rates).astype(np.float32)
+
+
+# --- plotting ---------------------------------------------------------------------------------
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the file-only Agg backend, or ``None`` (with a note) when not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'braintrace[demo]'): skipping the figure.")
+        return None
+    return plt
+
+
+def plot_histories(ax_loss: Any, ax_acc: Any, histories: dict[str, History], chance: float) -> None:
+    """Smoothed training loss and accuracy of each learner, chance level dashed."""
+    for i, (name, h) in enumerate(histories.items()):
+        ax_loss.plot(h.loss, color=f"C{i}", alpha=0.25)
+        ax_loss.plot(smooth(h.loss), color=f"C{i}", label=name)
+        ax_acc.plot(smooth(h.accuracy), color=f"C{i}", label=f"{name} (held-out {h.test_accuracy:.2f})")
+    ax_acc.axhline(chance, ls="--", color="gray", lw=1, label="chance")
+    ax_loss.set(xlabel="training batch", ylabel="cross-entropy", title="training loss")
+    ax_acc.set(xlabel="training batch", ylabel="accuracy", title="training accuracy", ylim=(0, 1.02))
+    ax_loss.legend(fontsize=8)
+    ax_acc.legend(fontsize=8)
+
+
+def save_figure(fig: Any, path: str) -> None:
+    """Save ``fig`` to ``path`` and close it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    print(f"saved the figure to {path}")
+
+
+def smooth(values: list[float], width: int = 10) -> np.ndarray:
+    """A running mean over ``width`` iterations (shorter at the start) for loss curves."""
+    v = np.asarray(values, dtype=float)
+    c = np.cumsum(np.insert(v, 0, 0.0))
+    idx = np.arange(1, len(v) + 1)
+    lo = np.maximum(idx - width, 0)
+    return (c[idx] - c[lo]) / (idx - lo)

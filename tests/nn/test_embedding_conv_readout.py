@@ -1,0 +1,214 @@
+"""Embedding, convolutions and the leaky readout: forwards, errors and exact online gradients."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import brainstate
+import brainunit as u
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import braintrace
+from tests.nn.helpers import bptt_grads, compile_quiet, max_rel_err, normal, online_grads
+
+# --- Embedding ------------------------------------------------------------------------------
+
+TABLE = normal(0, (5, 3))
+
+
+@pytest.mark.parametrize("indices", [2, [0, 4, 1], [[1, 2], [3, 3], [0, 4]]])
+def test_embedding_looks_up_rows(indices: Any) -> None:
+    layer = braintrace.nn.Embedding(5, 3, embedding_init=TABLE)
+    idx = jnp.asarray(indices)
+    y = layer(indices)
+    assert y.shape == (*idx.shape, 3)
+    np.testing.assert_array_equal(y, TABLE[idx])
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [("padding_idx", 0), ("max_norm", 1.0), ("scale_grad_by_freq", True), ("freeze", True)],
+)
+def test_embedding_options_are_refused_at_call_time(option: str, value: Any) -> None:
+    layer = braintrace.nn.Embedding(5, 3, **{option: value})  # construction is fine
+    with pytest.raises(NotImplementedError, match=option):
+        layer(jnp.array([0, 1]))
+
+
+def test_embedding_keeps_brainstate_validation() -> None:
+    with pytest.raises(ValueError, match="num_embeddings"):
+        braintrace.nn.Embedding(-1, 3)
+
+
+# --- Convolutions ---------------------------------------------------------------------------
+
+
+def _reference(layer: Any, x: jax.Array) -> jax.Array:
+    params = layer.weight.value
+    kernel = params["weight"] if layer.w_mask is None else params["weight"] * layer.w_mask
+    batched = x if x.ndim == layer.num_spatial_dims + 2 else x[None]
+    y = jax.lax.conv_general_dilated(
+        batched, kernel, window_strides=layer.stride, padding=layer.padding,
+        lhs_dilation=layer.lhs_dilation, rhs_dilation=layer.rhs_dilation,
+        feature_group_count=layer.groups, dimension_numbers=layer.dimension_numbers,
+    )
+    if "bias" in params:
+        y = y + params["bias"]
+    return y if x.ndim == layer.num_spatial_dims + 2 else y[0]
+
+
+CONV_CASES = {
+    "1d": (braintrace.nn.Conv1d, dict(in_size=(7, 2), out_channels=4, kernel_size=3), (3, 7, 2)),
+    "1d-stride-valid-bias": (
+        braintrace.nn.Conv1d,
+        dict(in_size=(8, 2), out_channels=3, kernel_size=3, stride=2, padding="VALID",
+             b_init=brainstate.nn.init.Normal()),
+        (2, 8, 2),
+    ),
+    "2d-channel-first-bias": (
+        braintrace.nn.Conv2d,
+        dict(in_size=(2, 5, 5), out_channels=3, kernel_size=3, channel_first=True, b_init=brainstate.nn.init.Normal()),
+        (2, 2, 5, 5),
+    ),
+    "2d-unbatched-groups": (
+        braintrace.nn.Conv2d, dict(in_size=(5, 5, 4), out_channels=2, kernel_size=(3, 2), groups=2), (5, 5, 4)
+    ),
+    "3d-dilated": (
+        braintrace.nn.Conv3d, dict(in_size=(4, 4, 4, 1), out_channels=2, kernel_size=2, rhs_dilation=2), (1, 4, 4, 4, 1)
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONV_CASES))
+def test_conv_matches_lax(case: str) -> None:
+    cls, kwargs, x_shape = CONV_CASES[case]
+    brainstate.random.seed(1)
+    layer = cls(**kwargs)
+    x = normal(2, x_shape)
+    y = layer(x)
+    np.testing.assert_allclose(y, _reference(layer, x), rtol=1e-5, atol=1e-5)
+    assert y.shape[-len(layer.out_size):] == layer.out_size
+
+
+def test_conv_mask_runs_inside_the_primitive() -> None:
+    mask = (jnp.arange(3 * 2 * 4).reshape(3, 2, 4) % 2) * 1.0
+    layer = braintrace.nn.Conv1d((6, 2), 4, 3, w_mask=mask)
+    x = normal(3, (2, 6, 2))
+    np.testing.assert_allclose(layer(x), _reference(layer, x), rtol=1e-5, atol=1e-5)
+    eqns = jax.make_jaxpr(layer)(x).jaxpr.eqns
+    assert [e.primitive.name for e in eqns if e.primitive.name.startswith("etp_")] == ["etp_conv"]
+    assert eqns[-1].params["kernel_fn"] is not None
+    grads = brainstate.transform.grad(lambda: layer(x).sum(), layer.states(brainstate.ParamState))()
+    (g,) = grads.values()
+    assert np.all(np.asarray(g["weight"])[np.asarray(mask) == 0] == 0)
+
+
+def test_conv_keeps_brainstate_checks() -> None:
+    with pytest.raises(ValueError, match="divisible"):
+        braintrace.nn.Conv1d((6, 3), 4, 3, groups=2)
+    layer = braintrace.nn.Conv1d((6, 2), 4, 3)
+    with pytest.raises(ValueError, match="expected input shape"):
+        layer(jnp.ones((1, 5, 2)))
+
+
+# --- LeakyRateReadout -----------------------------------------------------------------------
+
+
+def test_readout_decay_from_tau_and_dt() -> None:
+    with brainstate.environ.context(dt=1.0 * u.ms):
+        readout = braintrace.nn.LeakyRateReadout(3, 2, tau=5.0 * u.ms)
+    np.testing.assert_allclose(readout.decay, np.exp(-1 / 5), rtol=1e-6)
+    assert readout.W.value.shape == (3, 2)
+    assert readout.in_size == (3,) and readout.out_size == (2,)
+
+
+def test_readout_without_dt_says_how_to_set_it() -> None:
+    with pytest.raises(KeyError, match=r"brainstate\.environ\.set\(dt="):
+        braintrace.nn.LeakyRateReadout(3, 2)
+
+
+@pytest.mark.parametrize("bad", [0, (3, -1), "3"])
+def test_readout_rejects_bad_sizes(bad: Any) -> None:
+    with brainstate.environ.context(dt=1.0 * u.ms), pytest.raises(ValueError, match="in_size"):
+        braintrace.nn.LeakyRateReadout(bad, 2)
+
+
+def test_readout_integrates_its_input() -> None:
+    w = normal(4, (3, 2))
+    with brainstate.environ.context(dt=1.0 * u.ms):
+        readout = braintrace.nn.LeakyRateReadout(3, 2, tau=2.0 * u.ms, w_init=w)
+    readout.init_state(batch_size=4)
+    assert readout.r.value.shape == (4, 2)
+    xs = normal(5, (3, 4, 3))
+    r = jnp.zeros((4, 2))
+    for x in xs:
+        r = np.exp(-0.5) * r + x @ w
+        np.testing.assert_allclose(readout(x), r, rtol=1e-5, atol=1e-6)
+    readout.reset_state(batch_size=4)
+    np.testing.assert_array_equal(readout.r.value, jnp.zeros((4, 2)))
+
+
+def test_readout_weight_is_a_temporal_relation() -> None:
+    with brainstate.environ.context(dt=1.0 * u.ms):
+        readout = braintrace.nn.LeakyRateReadout(3, 2)
+    readout.init_state()
+    graph = braintrace.compile_etrace_graph(readout, jnp.ones(3))
+    (rel,) = graph.hidden_param_op_relations
+    assert rel.trainable_paths == {"weight": ("W",)}
+    assert rel.connected_hidden_paths == [("r",)]
+
+
+# --- exact online gradients -----------------------------------------------------------------
+
+
+class LeakyConv(brainstate.nn.Module):
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.conv = braintrace.nn.Conv1d((5, 2), 2, 3, groups=groups, b_init=brainstate.nn.init.Normal())
+
+    def init_state(self, batch_size: int | None = None, **kw: Any) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros((2, 5, 2)))
+
+    def update(self, x: Any) -> Any:
+        self.h.value = 0.6 * self.h.value + jnp.tanh(self.conv(x))
+        return self.h.value
+
+
+class LeakyEmbedding(brainstate.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = braintrace.nn.Embedding(5, 3)
+
+    def init_state(self, batch_size: int | None = None, **kw: Any) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros((2, 3)))
+
+    def update(self, idx: Any) -> Any:
+        self.h.value = 0.6 * self.h.value + jnp.tanh(self.emb(idx))
+        return self.h.value
+
+
+def _readout() -> Any:
+    with brainstate.environ.context(dt=1.0 * u.ms):
+        return braintrace.nn.LeakyRateReadout(3, 2, tau=4.0 * u.ms)
+
+
+ONLINE_CASES = {
+    "conv": (lambda: LeakyConv(1), normal(6, (4, 2, 5, 2)), normal(7, (4, 2, 5, 2))),
+    "conv-groups": (lambda: LeakyConv(2), normal(6, (4, 2, 5, 2)), normal(7, (4, 2, 5, 2))),
+    "embedding": (LeakyEmbedding, jnp.array([[0, 1], [4, 1], [2, 2], [3, 0]]), normal(8, (4, 2, 3))),
+    "readout": (_readout, normal(9, (4, 3)), normal(10, (4, 2))),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(ONLINE_CASES))
+def test_single_step_d_rtrl_equals_bptt(case: str) -> None:
+    factory, xs, ys = ONLINE_CASES[case]
+    brainstate.random.seed(3)
+    model = factory()
+    ref = bptt_grads(model, xs, ys)
+    got = online_grads(compile_quiet(model, xs[0]), xs, ys)
+    assert max_rel_err(ref, got) < 1e-4

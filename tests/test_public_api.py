@@ -1,0 +1,54 @@
+"""The top-level namespace is exactly upstream 0.2.4's."""
+
+from __future__ import annotations
+
+import pytest
+
+import braintrace
+
+EXPECTED_ALL = [
+    "__version__", "__version_info__",
+    "ETraceAlgorithm", "EligibilityTrace", "ETraceVjpAlgorithm", "ETraceVjpGraphExecutor",
+    "ParamDimVjpAlgorithm", "D_RTRL", "pp_prop", "ES_D_RTRL", "IODimVjpAlgorithm",
+    "compile",
+    "matmul", "grouped_matmul", "embedding", "einsum", "element_wise", "conv", "sparse_matmul", "lora_matmul",
+    "ETPPrimitive", "register_primitive",
+    "SingleStepData", "MultiStepData",
+    "ETraceGraphExecutor",
+    "ControlFlowPolicy", "ETraceGraph", "compile_etrace_graph",
+    "HiddenGroup", "find_hidden_groups_from_minfo", "find_hidden_groups_from_module",
+    "HiddenParamOpRelation", "find_hidden_param_op_relations_from_minfo",
+    "find_hidden_param_op_relations_from_module",
+    "ModuleInfo", "extract_module_info",
+    "HiddenPerturbation", "add_hidden_perturbation_from_minfo", "add_hidden_perturbation_in_module",
+    "CompilationRecord", "CompilationReport", "DiagnosticKind", "DiagnosticLevel",
+    "GradExpon",
+    "EProp", "OSTLRecurrent", "OSTLFeedforward", "OTPE", "OTTT", "OSTTP",
+    "FixedRandomFeedback", "KappaFilter", "PresynapticTrace",
+    "NotSupportedError", "CompilationError",
+    "nn",
+]
+
+
+def test_all_is_exactly_upstreams() -> None:
+    assert braintrace.__all__ == EXPECTED_ALL
+    assert len(EXPECTED_ALL) == 56
+    for name in EXPECTED_ALL:
+        assert hasattr(braintrace, name), name
+
+
+def test_version() -> None:
+    assert braintrace.__version__ == "0.2.4"
+    assert braintrace.__version_info__ == (0, 2, 4)
+
+
+def test_aliases_and_shadowing() -> None:
+    assert braintrace.ES_D_RTRL is braintrace.pp_prop
+    assert callable(braintrace.compile)
+
+
+@pytest.mark.parametrize("name", ["DEFAULT_CONTROL_FLOW_POLICY", "stop_param_gradients", "general_y2w",
+                                  "ETraceState", "OSTL", "ETP_RULES_YW_TO_W", "ETPPrimitiveSpec"])
+def test_names_that_do_not_exist(name: str) -> None:
+    with pytest.raises(AttributeError, match=f"module 'braintrace' has no attribute '{name}'"):
+        getattr(braintrace, name)
