@@ -147,11 +147,11 @@ def temp_bytes(train: Any, xs: jax.Array, ys: jax.Array) -> float:
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iterations", type=int, default=150)
+    parser.add_argument("--iterations", type=int, default=400)
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--lr", type=float, default=0.02)
     parser.add_argument("--plot", default="online_learning_demo.png")
     args = parser.parse_args(argv)
     key = jax.random.PRNGKey(0)
