@@ -42,6 +42,15 @@ from jax import lax
 from jax.extend.core import Var
 
 from braintrace._errors import OperandShapeError
+from braintrace._op._conv_arguments import (
+    check_bias,
+    check_hook_shape,
+    check_ranks,
+    group_count,
+    layout_argument,
+    padding_argument,
+    per_axis,
+)
 from braintrace._op._operands import bias_mantissa, check_hook, split_units, with_unit
 from braintrace._op._primitive import register_primitive
 from braintrace._op._rule_helpers import (
@@ -546,144 +555,29 @@ def conv(
     k_m, k_unit = split_units(kernel, "kernel", op)
     check_hook(kernel_fn, "kernel_fn", op)
     check_hook(bias_fn, "bias_fn", op)
-    n_spatial = _check_ranks(x_m, k_m, op)
+    n_spatial = check_ranks(x_m, k_m, op)
     params: Params = dict(
-        strides=_per_axis(strides, "strides", n_spatial, op),
-        padding=_padding(padding, n_spatial, op),
-        lhs_dilation=_per_axis(lhs_dilation, "lhs_dilation", n_spatial, op, optional=True),
-        rhs_dilation=_per_axis(rhs_dilation, "rhs_dilation", n_spatial, op, optional=True),
-        feature_group_count=_group_count(feature_group_count, "feature_group_count", op),
-        batch_group_count=_group_count(batch_group_count, "batch_group_count", op),
-        dimension_numbers=_layout(dimension_numbers, x_m.shape, k_m.shape, op),
+        strides=per_axis(strides, "strides", n_spatial, op),
+        padding=padding_argument(padding, n_spatial, op),
+        lhs_dilation=per_axis(lhs_dilation, "lhs_dilation", n_spatial, op, optional=True),
+        rhs_dilation=per_axis(rhs_dilation, "rhs_dilation", n_spatial, op, optional=True),
+        feature_group_count=group_count(feature_group_count, "feature_group_count", op),
+        batch_group_count=group_count(batch_group_count, "batch_group_count", op),
+        dimension_numbers=layout_argument(dimension_numbers, x_m.shape, k_m.shape, op),
         kernel_fn=kernel_fn,
         bias_fn=bias_fn,
     )
-    _check_hook_shape(kernel_fn, k_m, "kernel_fn", op)
+    check_hook_shape(kernel_fn, k_m, "kernel_fn", op)
     y_shape = _output_shape(x_m, k_m, params, op)
     unit = x_unit * k_unit
     operands = [x_m, k_m]
     if bias is not None:
         b_m = bias_mantissa(bias, unit, op)
-        _check_hook_shape(bias_fn, b_m, "bias_fn", op)
-        _check_bias(b_m, y_shape, _conv_layout(params)[1], op)
+        check_hook_shape(bias_fn, b_m, "bias_fn", op)
+        check_bias(b_m, y_shape, _conv_layout(params)[1], op)
         operands.append(b_m)
     y = etp_conv_p.bind(*operands, has_bias=bias is not None, **params)
     return with_unit(y, unit)
-
-
-def _check_ranks(x: Array, kernel: Array, op: str) -> int:
-    if kernel.ndim < 3:
-        raise ValueError(
-            f"{op}: kernel must have rank 3 or more (out, in and at least one spatial axis), "
-            f"got shape {tuple(kernel.shape)}."
-        )
-    if x.ndim != kernel.ndim:
-        hint = " Add a leading batch axis, e.g. x[None]." if x.ndim == kernel.ndim - 1 else ""
-        raise ValueError(
-            f"{op}: x must have the rank of kernel (batch, channel and {kernel.ndim - 2} spatial "
-            f"axes), got x shape {tuple(x.shape)} and kernel shape {tuple(kernel.shape)}.{hint}"
-        )
-    return kernel.ndim - 2
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
-def _per_axis(
-    value: Any, arg: str, n_spatial: int, op: str, optional: bool = False
-) -> tuple[int, ...] | None:
-    """One positive int per spatial axis; a single value is repeated over every axis."""
-    if value is None and optional:
-        return None
-    if _is_int(value):
-        value = (value,)
-    if isinstance(value, np.ndarray):
-        value = value.tolist()
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise TypeError(
-            f"{op}: {arg} must be an int or a sequence of {n_spatial} ints, got "
-            f"{type(value).__name__}: {value!r}."
-        )
-    if not all(_is_int(v) and v >= 1 for v in value):
-        raise ValueError(f"{op}: {arg} must hold positive ints, got {value!r}.")
-    if len(value) == 1:
-        value = tuple(value) * n_spatial
-    if len(value) != n_spatial:
-        raise ValueError(
-            f"{op}: {arg} must have one entry per spatial axis ({n_spatial} for this kernel) or "
-            f"a single entry for all of them, got {tuple(value)!r}."
-        )
-    return tuple(int(v) for v in value)
-
-
-def _padding(value: Any, n_spatial: int, op: str) -> str | tuple[tuple[int, int], ...]:
-    """A padding name unchanged, or pairs as a (hashable) tuple of tuples."""
-    if isinstance(value, str):
-        if value.upper() not in ("SAME", "SAME_LOWER", "VALID"):
-            raise ValueError(
-                f"{op}: padding must be 'SAME', 'SAME_LOWER', 'VALID' or one (low, high) pair "
-                f"per spatial axis, got {value!r}."
-            )
-        return value
-    pairs = tuple(tuple(p) if isinstance(p, Sequence) else p for p in value) if isinstance(
-        value, Sequence
-    ) else None
-    if pairs is None or len(pairs) != n_spatial or not all(
-        isinstance(p, tuple) and len(p) == 2 and all(_is_int(v) for v in p) for p in pairs
-    ):
-        raise ValueError(
-            f"{op}: padding must be 'SAME', 'SAME_LOWER', 'VALID' or {n_spatial} (low, high) "
-            f"int pairs (one per spatial axis), got {value!r}."
-        )
-    return tuple((int(lo), int(hi)) for lo, hi in pairs)
-
-
-def _group_count(value: Any, arg: str, op: str) -> int:
-    if not _is_int(value) or value < 1:
-        raise ValueError(f"{op}: {arg} must be a positive int, got {value!r}.")
-    return int(value)
-
-
-def _layout(value: Any, x_shape: tuple[int, ...], k_shape: tuple[int, ...], op: str) -> Any:
-    """Validate ``dimension_numbers``; lists become tuples (static params must hash)."""
-    if value is None:
-        return None
-    if isinstance(value, lax.ConvDimensionNumbers):
-        value = lax.ConvDimensionNumbers(*(tuple(int(a) for a in spec) for spec in value))
-        if any(sorted(spec) != list(range(len(x_shape))) for spec in value):
-            raise ValueError(
-                f"{op}: each spec of dimension_numbers must be a permutation of the "
-                f"{len(x_shape)} axes of x, got {value!r}."
-            )
-    elif isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value):
-        value = tuple(value)
-    else:
-        raise TypeError(
-            f"{op}: dimension_numbers must be None, a (lhs, rhs, out) triple of strings such as "
-            f"('NHWC', 'HWIO', 'NHWC'), or a jax.lax.ConvDimensionNumbers, got {value!r}."
-        )
-    try:
-        dn = lax.conv_dimension_numbers(x_shape, k_shape, value)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{op}: invalid dimension_numbers {value!r}: {err}") from err
-    if dn.lhs_spec[0] != 0 or dn.out_spec[0] != 0:
-        raise ValueError(
-            f"{op}: the batch axis must lead the input and the output (etp_conv is a batched "
-            f"primitive), got dimension_numbers {value!r}; transpose x and the result instead."
-        )
-    return value
-
-
-def _check_hook_shape(hook: WeightFn | None, value: Array, arg: str, op: str) -> None:
-    if hook is None:
-        return
-    out = jax.eval_shape(hook, jax.ShapeDtypeStruct(value.shape, value.dtype))
-    if getattr(out, "shape", None) != tuple(value.shape):
-        raise ValueError(
-            f"{op}: {arg} must preserve the parameter's shape {tuple(value.shape)}, but it "
-            f"returns {getattr(out, 'shape', type(out).__name__)}."
-        )
 
 
 def _output_shape(x: Array, kernel: Array, params: Params, op: str) -> tuple[int, ...]:
@@ -698,20 +592,3 @@ def _output_shape(x: Array, kernel: Array, params: Params, op: str) -> tuple[int
             f"{params['batch_group_count']}: {err}"
         ) from err
     return tuple(out.shape)
-
-
-def _check_bias(bias: Array, y_shape: tuple[int, ...], channel: int, op: str) -> None:
-    """The bias must broadcast onto one sample of the output without changing its shape."""
-    if bias.ndim == 1:
-        ok = bias.shape[0] in (1, y_shape[channel])
-    else:
-        padded = (1,) * (len(y_shape) - bias.ndim) + tuple(bias.shape)
-        ok = bias.ndim <= len(y_shape) and padded[0] == 1 and all(
-            b in (1, n) for b, n in zip(padded[1:], y_shape[1:])
-        )
-    if not ok:
-        raise OperandShapeError(
-            f"{op}: bias of shape {tuple(bias.shape)} does not fit the output of shape "
-            f"{y_shape}; pass ({y_shape[channel]},) for one bias per output channel (axis "
-            f"{channel}), or a shape that broadcasts onto one sample {y_shape[1:]}."
-        )
