@@ -8,7 +8,12 @@ the trace ``ε_W ≈ ∂h^t / ∂W`` (one entry per parameter and hidden state, 
 
 with ``D^t`` the per-position hidden Jacobian of the group and ``df^t`` the Jacobian of the
 ``y -> h`` tail. The gradient of a loss at step ``t`` is the exact one-step gradient plus the
-history term ``⟨∂L/∂h^t, D^t ε^{t-1}⟩``.
+history term ``⟨∂L/∂h^t, D^t ε^{t-1}⟩`` (with ``D^t`` taken with in-step reads of other members'
+new values held fixed, since ``∂L/∂h^t`` already contains those paths).
+
+Between sequences, reset the model's states in place (``brainstate.nn.reset_all_states(model)``,
+which calls each module's ``reset_state``) and the traces with :meth:`reset_state`; re-running
+``init_all_states`` after compiling replaces the state objects the learner was compiled with.
 
 Control flow: a relation inside a descended scan (an inner loop longer than
 ``ControlFlowPolicy.scan_unroll_limit``) folds its trace over the ``L`` substeps of every step,
