@@ -112,23 +112,25 @@ def _matmul_xy_to_dw(
 def _mm_init_drtrl(
     x_var: Var, y_var: Var, weight_vars: dict[str, Var], num_hidden_state: int
 ) -> dict[str, Array]:
-    batch = shape_of(x_var)[0]
-    dtype = drtrl_dtype(x_var, y_var, weight_vars)
-    w_shape = shape_of(weight_vars["weight"])
-    out = {"weight": jnp.zeros((batch, *w_shape, num_hidden_state), dtype)}
-    if "bias" in weight_vars:
-        out["bias"] = jnp.zeros((batch, w_shape[-1], num_hidden_state), dtype)
-    return out
+    """``weight (B, I, O, S)``, ``bias (B, O, S)``: one trace per batch row."""
+    return _dense_init(shape_of(x_var)[:1], x_var, y_var, weight_vars, num_hidden_state)
 
 
 def _mv_init_drtrl(
     x_var: Var, y_var: Var, weight_vars: dict[str, Var], num_hidden_state: int
 ) -> dict[str, Array]:
+    """``weight (I, O, S)``, ``bias (O, S)``."""
+    return _dense_init((), x_var, y_var, weight_vars, num_hidden_state)
+
+
+def _dense_init(
+    lead: tuple[int, ...], x_var: Var, y_var: Var, weight_vars: dict[str, Var], num_hidden_state: int
+) -> dict[str, Array]:
     dtype = drtrl_dtype(x_var, y_var, weight_vars)
     w_shape = shape_of(weight_vars["weight"])
-    out = {"weight": jnp.zeros((*w_shape, num_hidden_state), dtype)}
+    out = {"weight": jnp.zeros((*lead, *w_shape, num_hidden_state), dtype)}
     if "bias" in weight_vars:
-        out["bias"] = jnp.zeros((w_shape[-1], num_hidden_state), dtype)
+        out["bias"] = jnp.zeros((*lead, w_shape[-1], num_hidden_state), dtype)
     return out
 
 
