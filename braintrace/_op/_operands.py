@@ -73,12 +73,33 @@ def bias_mantissa(bias: Any, unit: Any, op: str) -> jax.Array:
     return u.Quantity(bias).to_decimal(unit)
 
 
-def check_hook(hook: Any, arg: str, op: str) -> None:
-    """Raise ``TypeError`` unless ``hook`` is ``None`` or callable."""
+def check_hook(hook: Any, arg: str, op: str, value: jax.Array | None = None) -> None:
+    """Raise unless ``hook`` is ``None`` or a callable that preserves the shape of ``value``.
+
+    With ``value`` (the parameter's mantissa) the hook is evaluated abstractly
+    (``jax.eval_shape``, nothing is computed or bound) and must return an array of the same
+    shape: every trace rule indexes the transformed parameter like the stored one.
+
+    Raises
+    ------
+    TypeError
+        If ``hook`` is neither ``None`` nor callable.
+    ValueError
+        If ``hook(value)`` does not have the shape of ``value``.
+    """
     if hook is not None and not callable(hook):
         raise TypeError(
             f"{op}: {arg} must be a callable mapping the stored parameter to the value the "
             f"operator uses (or None), got {type(hook).__name__}: {hook!r}."
+        )
+    if hook is None or value is None:
+        return
+    out = jax.eval_shape(hook, jax.ShapeDtypeStruct(np.shape(value), value.dtype))
+    if getattr(out, "shape", None) != tuple(np.shape(value)):
+        raise ValueError(
+            f"{op}: {arg} must preserve the shape {tuple(np.shape(value))} of the parameter it "
+            f"transforms, but it returns {getattr(out, 'shape', type(out).__name__)}. Apply "
+            f"shape-changing transforms (slicing, reshaping) outside the operator."
         )
 
 

@@ -93,7 +93,8 @@ class ETPPrimitive(Primitive):
         pp_x_repr : callable, optional
             The representation of ``x`` the IO-dim x-trace filters (e.g. one-hot indices).
         instant_drtrl, solve_drtrl : callable, optional
-            D-RTRL overrides for primitives whose trace is not parameter-shaped.
+            D-RTRL overrides for primitives whose trace is not parameter-shaped, or is kept in
+            the space of the transformed (hooked) parameters.
 
         Raises
         ------

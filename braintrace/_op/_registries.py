@@ -80,7 +80,8 @@ class FastPathRules(NamedTuple):
     solve : callable
         ``solve(signal, trace, *, fold_batch=False) -> dict``: contract the learning signal
         ``(..., S)`` with the trace over ``S`` (and over the leading batch axis when
-        ``fold_batch``), giving parameter-shaped gradients.
+        ``fold_batch``), giving parameter-shaped gradients in the promoted dtype of the two
+        (the trace may be stored in a lower precision than the signal).
     applicable : callable
         ``applicable(eqn_params) -> bool``: whether the kernels apply to an equation. It is
         ``False`` whenever a transform hook (``weight_fn``, ``bias_fn``, ...) is active.
@@ -103,28 +104,30 @@ ETP_PRIMITIVES: set[Primitive] = set()
 BATCHED_PRIMITIVES: set[Primitive] = set()
 #: Primitives the compiler may walk through on the ``y -> h`` tail (identity-like ops).
 GRADIENT_ENABLED_PRIMITIVES: set[Primitive] = set()
-#: ``eqn.params -> {trainable_name: invar_index}`` per primitive (absent: ``{'weight': 1}``).
+#: ``eqn.params -> {trainable_name: invar_index}`` per primitive (``{'weight': 1}`` when absent).
 ETP_TRAINABLE_INVARS_FNS: dict[Primitive, Callable[[Params], dict[str, int]]] = {}
-#: Position of the non-trainable input ``x`` in ``eqn.invars`` (``None``: no input).
+#: Position of the non-trainable input ``x`` in ``eqn.invars`` (``None`` when there is none).
 ETP_X_INVAR_INDICES: dict[Primitive, int | None] = {}
 #: Position of the output ``y`` in ``eqn.outvars``.
 ETP_Y_OUTVAR_INDICES: dict[Primitive, int] = {}
 
-#: ``dt_to_t(hidden_dim, trace, **params) -> trace``: the ``y -> W`` link of ``D^t ε^{t-1}``.
+#: ``dt_to_t(hidden_dim, trace, **params) -> trace``, the ``y -> W`` link of ``D^t ε^{t-1}``.
 ETP_RULES_DT_TO_T: dict[Primitive, Rule] = {}
-#: ``xy_to_dw(x, hidden_dim, weights, **params) -> grads``: the pullback of ``hidden_dim``.
+#: ``xy_to_dw(x, hidden_dim, weights, **params) -> grads``, the pullback of ``hidden_dim``.
 ETP_RULES_XY_TO_DW: dict[Primitive, Rule] = {}
 #: ``init_drtrl(x_var, y_var, weight_vars, num_hidden_state) -> {key: zeros}``.
 ETP_RULES_INIT_DRTRL: dict[Primitive, Rule] = {}
 #: ``init_pp(x_var, y_var, weight_vars, num_hidden_state) -> zeros((*y, S))``.
 ETP_RULES_INIT_PP: dict[Primitive, Rule] = {}
-#: ``pp_x_repr(x, weight_avals) -> array``: what the IO-dim x-trace low-pass filters.
+#: ``pp_x_repr(x, weight_avals) -> array``, what the IO-dim x-trace low-pass filters.
 ETP_RULES_PP_X_REPR: dict[Primitive, Rule] = {}
-#: ``instant_drtrl(x, hidden_dim, weights, **params) -> trace slice``: overrides ``xy_to_dw``
-#: for the D-RTRL instantaneous term when the trace is not parameter-shaped.
+#: ``instant_drtrl(x, hidden_dim, weights, **params) -> trace slice`` overrides ``xy_to_dw``
+#: for the D-RTRL instantaneous term when the trace is not parameter-shaped or lives in the
+#: space of the transformed (hooked) parameters.
 ETP_RULES_INSTANT_DRTRL: dict[Primitive, Rule] = {}
-#: ``solve_drtrl(signal, trace, weights, **params) -> grads``: overrides ``dt_to_t`` for the
-#: D-RTRL gradient solve when the trace is not parameter-shaped.
+#: ``solve_drtrl(signal, trace, weights, **params) -> grads`` overrides ``dt_to_t`` for the
+#: D-RTRL gradient solve when the trace is not parameter-shaped or lives in the transformed
+#: space (the solve then applies each hook's VJP).
 ETP_RULES_SOLVE_DRTRL: dict[Primitive, Rule] = {}
 #: Closed-form D-RTRL kernels, see :class:`FastPathRules`.
 ETP_FAST_PATH_RULES: dict[Primitive, FastPathRules] = {}

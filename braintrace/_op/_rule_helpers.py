@@ -13,6 +13,8 @@ Array([[1., 1., 1.],
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import Any, Callable, cast
 
 import jax
@@ -29,9 +31,14 @@ __all__ = [
     "dtype_of",
     "bias_trainable_invars",
     "drtrl_dtype",
+    "hook_pullback",
+    "hooked_matmul_solve_drtrl",
     "no_hooks",
     "propagate_df",
     "pullback",
+    "sum_over_states",
+    "strip_hooks",
+    "sum_rows",
     "zeros_pp",
 ]
 
@@ -47,6 +54,33 @@ def apply_hook(hook: WeightFn | None, value: Array) -> Array:
 def no_hooks(eqn_params: Params) -> bool:
     """``True`` when no transform hook is active: the gate of the closed-form kernels."""
     return all(eqn_params.get(name) is None for name in HOOK_NAMES)
+
+
+def strip_hooks(eqn_params: Params) -> dict[str, Any]:
+    """``eqn_params`` with every transform hook set to ``None`` (the untransformed operator)."""
+    return {k: (None if k in HOOK_NAMES else v) for k, v in eqn_params.items()}
+
+
+def hook_pullback(hook: WeightFn | None, value: Array, cotangent: Array) -> Array:
+    """``f'(value)ᵀ c``: a cotangent on ``f(value)`` pulled back to the raw parameter.
+
+    ``cotangent`` is first summed to the shape of ``value``: over extra leading axes (several
+    batch rows or samples) and over the axes along which ``value`` broadcasts (a ``(1,)``
+    bias on an ``(O,)`` output). One exact VJP of the hook follows, so a hook that couples
+    entries (``w / norm(w)``, ``softmax``) is differentiated as a whole.
+    """
+    shape = tuple(value.shape)
+    extra = cotangent.ndim - len(shape)
+    if extra > 0:
+        cotangent = cotangent.sum(axis=tuple(range(extra)))
+    kept = tuple(i for i, (n, c) in enumerate(zip(shape, cotangent.shape)) if n == 1 and c != 1)
+    if kept:
+        cotangent = cotangent.sum(axis=kept, keepdims=True)
+    if hook is None:
+        return cotangent.astype(jnp.result_type(cotangent, value))
+    out, vjp = jax.vjp(hook, value)
+    grads: Array = vjp(cotangent.astype(out.dtype))[0]
+    return grads
 
 
 def bias_trainable_invars(eqn_params: Params) -> dict[str, int]:
@@ -113,8 +147,54 @@ def zeros_pp(
     return jnp.zeros((*shape_of(y_var), num_hidden_state), dtype_of(y_var))
 
 
+def sum_over_states(signal: Array, trace: Array) -> Array:
+    """``Σ_a signal[..., a] * trace[..., a]`` (broadcasting) as a sum of element-wise products.
+
+    A sum of products, rather than a reduction over the small trailing state axis, lets XLA fuse
+    it with neighbouring element-wise work.
+    """
+    terms = [signal[..., a] * trace[..., a] for a in range(trace.shape[-1])]
+    return functools.reduce(operator.add, terms)
+
+
+def sum_rows(solve_row: Callable[[Array, dict[str, Array]], dict[str, Array]],
+             signal: Array, trace: dict[str, Array]) -> dict[str, Array]:
+    """``Σ_b solve_row(signal[b], trace[b])`` over the leading (batch) axis, one row at a time.
+
+    XLA on CPU lowers a contraction over the leading axis of a trace (an einsum over ``b``, or a
+    reduction over axis 0) through a transposed copy of the whole trace or a strided reduction,
+    several times slower than streaming it once; the sum of per-row contractions fuses into one
+    pass over the trace.
+    """
+    rows = [solve_row(signal[b], {k: v[b] for k, v in trace.items()}) for b in range(signal.shape[0])]
+    return {k: functools.reduce(operator.add, (r[k] for r in rows)) for k in rows[0]}
+
+
 def propagate_df(p_seq: Array, df_seq: Array, num_state: int) -> Array:
     """``P_s df_s`` for every step of a window: ``(T, ..., S, S)`` times ``(T, ..., S)``."""
     if num_state == 1:
         return p_seq[..., 0] * df_seq
     return jnp.einsum("t...ab,t...b->t...a", p_seq, df_seq)
+
+
+def hooked_matmul_solve_drtrl(
+    signal: Array,
+    trace: dict[str, Array],
+    weights: dict[str, Array],
+    *,
+    weight_fn: WeightFn | None = None,
+    bias_fn: WeightFn | None = None,
+    **params: Any,
+) -> dict[str, Array]:
+    """``∇W = f_W'(W)ᵀ (ε_W · g)``, ``∇b = f_b'(b)ᵀ (ε_b · g)`` for a trace in the hooked space.
+
+    The D-RTRL solve of the matrix-product families (dense, grouped): the weight trace has one
+    axis more than the signal, just before its output axis (``ε_W (..., I, O)`` against
+    ``g (..., O)``; grouped ``(..., G, K, N)`` against ``(..., G, N)``); the bias trace has the
+    signal's shape. Leading axes are summed before each hook's VJP.
+    """
+    g = jnp.expand_dims(signal, -2)
+    out = {"weight": hook_pullback(weight_fn, weights["weight"], trace["weight"] * g)}
+    if "bias" in trace:
+        out["bias"] = hook_pullback(bias_fn, weights["bias"], trace["bias"] * signal)
+    return out

@@ -2,11 +2,20 @@
 
 ``y = x @ f_W(W) (+ f_b(b))`` with ``x: (B, I)`` or ``(I,)``, ``W: (I, O)``, ``b: (O,)``.
 
-Trace geometry. Weight ``W[i, o]`` reaches only output ``o``, so the D-RTRL trace keeps one
-entry per weight: ``ε_W[..., i, o, s] = ∂h[..., o, s] / ∂W[i, o]`` (for ``etp_mm`` one trace
-per batch row), and ``ε_b[..., o, s]`` for the bias. Propagating through a hidden Jacobian
-slice ``hd`` (shaped like ``y``) multiplies the output axis: ``ε_W[..., i, o] · hd[..., o]``.
-The instantaneous term is ``x[..., i] · df[..., o]`` pulled back through ``f_W``.
+Trace geometry. The trace lives in the space of the *transformed* parameters
+``V = f_W(W)`` and ``c = f_b(b)``: entry ``V[i, o]`` reaches only output ``o``, so the D-RTRL
+trace keeps one entry per weight, ``ε_W[..., i, o, s] = ∂h[..., o, s] / ∂V[i, o]`` (for
+``etp_mm`` one trace per batch row), and ``ε_b[..., o, s] = ∂h[..., o, s] / ∂c[o]`` for the
+bias. Propagating through a hidden Jacobian slice ``hd`` (shaped like ``y``) multiplies the
+output axis: ``ε_W[..., i, o] · hd[..., o]``. The instantaneous term (``instant_drtrl``) is
+``x[..., i] · df[..., o]`` (and ``df`` for the bias), with no hook Jacobian; each hook's
+Jacobian is applied once, when the learning signal is pulled back to the raw parameter
+(``solve_drtrl``: ``f_W'(W)ᵀ (Σ g · ε_W)``, an exact VJP). This keeps D-RTRL exact for any
+shape-preserving hook, including ones that mix entries across output columns
+(``w / norm(w)``, ``softmax``), where a trace kept per raw entry would be wrong. Without
+hooks the closed-form kernels of :class:`FastPathRules` compute the same traces.
+``xy_to_dw`` (the IO-dim pullback) is the exact VJP of the impl with respect to the raw
+parameters.
 
 Examples
 --------
@@ -41,10 +50,13 @@ from braintrace._op._rule_helpers import (
     apply_hook,
     bias_trainable_invars,
     drtrl_dtype,
+    hooked_matmul_solve_drtrl,
     no_hooks,
     propagate_df,
     pullback,
     shape_of,
+    sum_over_states,
+    sum_rows,
     zeros_pp,
 )
 from braintrace._typing import Array, ArrayLike, WeightFn
@@ -109,6 +121,19 @@ def _matmul_xy_to_dw(
     return pullback(_etp_matmul_impl, x, hidden_dim, weights, params)
 
 
+def _matmul_instant_drtrl(
+    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: Any
+) -> dict[str, Array]:
+    """The instantaneous term in the transformed space: ``x ⊗ hd`` and ``hd``, no hook Jacobian.
+
+    ``x: (..., I)`` and ``hd: (..., O)`` with the same leading axes (one sample in D-RTRL).
+    """
+    out = {"weight": x[..., :, None] * hidden_dim[..., None, :]}
+    if "bias" in weights:
+        out["bias"] = hidden_dim
+    return out
+
+
 def _mm_init_drtrl(
     x_var: Var, y_var: Var, weight_vars: dict[str, Var], num_hidden_state: int
 ) -> dict[str, Array]:
@@ -130,6 +155,13 @@ def _dense_init(
     w_shape = shape_of(weight_vars["weight"])
     out = {"weight": jnp.zeros((*lead, *w_shape, num_hidden_state), dtype)}
     if "bias" in weight_vars:
+        b_shape = shape_of(weight_vars["bias"])
+        if b_shape != w_shape[-1:]:
+            raise ValueError(
+                f"matmul: a bias of shape {b_shape} broadcasts over several outputs, which a "
+                f"per-output eligibility trace cannot represent. To learn it online, pass a bias "
+                f"of shape {w_shape[-1:]}."
+            )
         out["bias"] = jnp.zeros((*lead, w_shape[-1], num_hidden_state), dtype)
     return out
 
@@ -168,14 +200,16 @@ def _dense_fast_solve(
 ) -> dict[str, Array]:
     """``∇W[i, o] = Σ_a g[..., o, a] ε_W[..., i, o, a]`` (also over the batch when folding)."""
     if fold_batch:
-        out = {"weight": jnp.einsum("bka,bika->ik", signal, trace["weight"])}
-        if "bias" in trace:
-            out["bias"] = jnp.einsum("bka,bka->k", signal, trace["bias"])
-        return out
+        return sum_rows(_dense_solve_row, signal, trace)
     out = {"weight": jnp.einsum("...ka,...ika->...ik", signal, trace["weight"])}
     if "bias" in trace:
         out["bias"] = jnp.einsum("...ka,...ka->...k", signal, trace["bias"])
     return out
+
+
+def _dense_solve_row(signal: Array, trace: dict[str, Array]) -> dict[str, Array]:
+    """One batch row of the fast solve: ``signal (O, S)``, ``ε_W (I, O, S)``."""
+    return {k: sum_over_states(signal, v) for k, v in trace.items()}
 
 
 def _dense_fast_chunk(
@@ -216,6 +250,8 @@ for _p, _init in ((etp_mm_p, _mm_init_drtrl), (etp_mv_p, _mv_init_drtrl)):
         init_drtrl=_init,
         init_pp=zeros_pp,
         fast_path=_DENSE_FAST_PATH,
+        instant_drtrl=_matmul_instant_drtrl,
+        solve_drtrl=hooked_matmul_solve_drtrl,
     )
 
 
@@ -245,8 +281,9 @@ def matmul(
         Bias, ``(out,)``, in the unit of ``x·weight``.
     weight_fn, bias_fn : callable, optional
         Shape-preserving transforms applied to the stored parameters inside the primitive,
-        ``y = x @ weight_fn(weight) + bias_fn(bias)``. Traces and gradients stay with respect
-        to the raw stored parameters.
+        ``y = x @ weight_fn(weight) + bias_fn(bias)``. Gradients are with respect to the raw
+        stored parameters and exact for any such transform, including ones that mix entries
+        across output columns (D-RTRL keeps its traces in the transformed space).
 
     Returns
     -------
@@ -258,7 +295,8 @@ def matmul(
     TypeError
         If an operand is not an array or a hook is not callable.
     ValueError
-        If ``x`` has rank 0 or above 2, ``weight`` is not rank 2, or the shapes do not fit.
+        If ``x`` has rank 0 or above 2, ``weight`` is not rank 2, the shapes do not fit, or a
+        hook changes the shape of its parameter.
 
     Examples
     --------
@@ -280,13 +318,14 @@ def matmul(
             f"{op}: the last axis of x {tuple(x_m.shape)} must equal the first axis of weight "
             f"{tuple(w_m.shape)}; weight is laid out as (in, out)."
         )
-    check_hook(weight_fn, "weight_fn", op)
+    check_hook(weight_fn, "weight_fn", op, w_m)
     check_hook(bias_fn, "bias_fn", op)
     unit = x_unit * w_unit
     operands = [x_m, w_m]
     if bias is not None:
         b_m = bias_mantissa(bias, unit, op)
         check_bias_shape(b_m, (*x_m.shape[:-1], w_m.shape[1]), op)
+        check_hook(bias_fn, "bias_fn", op, b_m)
         operands.append(b_m)
     prim = etp_mm_p if x_m.ndim == 2 else etp_mv_p
     y = prim.bind(

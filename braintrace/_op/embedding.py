@@ -3,12 +3,16 @@
 ``y = f_W(T)[idx]`` with integer ``idx: (B,)`` or ``()``, table ``T: (V, D)``, ``y: (B, D)``
 or ``(D,)``.
 
-Trace geometry. Entry ``T[v, d]`` reaches only feature ``d`` of the output, and only when row
-``v`` is looked up, so the D-RTRL trace is table-shaped with the vocabulary axis playing the
-role of a dense input axis: ``ε[..., v, d, s] = ∂h[..., d, s] / ∂T[v, d]``. Propagating through
-a hidden Jacobian slice ``hd`` multiplies the feature axis (``ε · hd[..., None, :]``); the
-instantaneous term scatters ``df`` into the looked-up row. The trace therefore costs
-``V·D·S`` per batch row, like a dense layer fed a one-hot vector.
+Trace geometry. The trace lives in the space of the *transformed* table ``U = f_W(T)``. Entry
+``U[v, d]`` reaches only feature ``d`` of the output, and only when row ``v`` is looked up, so
+the D-RTRL trace is table-shaped with the vocabulary axis playing the role of a dense input
+axis: ``ε[..., v, d, s] = ∂h[..., d, s] / ∂U[v, d]``. Propagating through a hidden Jacobian
+slice ``hd`` multiplies the feature axis (``ε · hd[..., None, :]``); the instantaneous term
+(``instant_drtrl``) scatters ``df`` into the looked-up row, with no hook Jacobian. The hook's
+Jacobian is applied once, when the learning signal is pulled back to the raw table
+(``solve_drtrl``, an exact VJP), so D-RTRL is exact for any shape-preserving hook, including
+ones that mix entries (``softmax`` over features, ``T / norm(T)``). The trace costs ``V·D·S``
+per batch row, like a dense layer fed a one-hot vector.
 
 For the IO-dim algorithms the indices are represented one-hot (:func:`_emb_pp_x_repr`):
 the low-pass-filtered x trace is then a float ``(..., V)`` array, and ``xy_to_dw`` accepts it
@@ -40,8 +44,10 @@ from braintrace._op._registries import register_batched_counterpart
 from braintrace._op._rule_helpers import (
     apply_hook,
     drtrl_dtype,
+    hook_pullback,
     pullback,
     shape_of,
+    strip_hooks,
     zeros_pp,
 )
 from braintrace._typing import Array, ArrayLike, WeightFn
@@ -107,6 +113,30 @@ def _emb_xy_to_dw(
     return pullback(_one_hot_lookup, x, hidden_dim, weights, params, order=("weight",))
 
 
+def _emb_instant_drtrl(
+    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: Any
+) -> dict[str, Array]:
+    """The instantaneous term in the transformed space: ``hd`` scattered into the looked-up row.
+
+    The lookup is linear in the table, so the pullback of the hook-free impl (at any point)
+    gives it without a hook Jacobian.
+    """
+    return _emb_xy_to_dw(x, hidden_dim, weights, **strip_hooks(params))
+
+
+def _emb_solve_drtrl(
+    signal: Array,
+    trace: dict[str, Array],
+    weights: dict[str, Array],
+    *,
+    weight_fn: WeightFn | None = None,
+    **params: Any,
+) -> dict[str, Array]:
+    """``∇T = f_W'(T)ᵀ (ε · g[..., None, :])``, leading axes summed before the VJP."""
+    cotangent = trace["weight"] * jnp.expand_dims(signal, -2)
+    return {"weight": hook_pullback(weight_fn, weights["weight"], cotangent)}
+
+
 def _emb_pp_x_repr(x: Array, weight_avals: dict[str, Any]) -> Array:
     """``one_hot(x, V)`` in the table's dtype: the input the IO-dim x trace low-pass filters.
 
@@ -154,6 +184,8 @@ for _p, _init in ((etp_emb_p, _emb_init_drtrl), (etp_emb_v_p, _emb_v_init_drtrl)
         init_drtrl=_init,
         init_pp=zeros_pp,
         pp_x_repr=_emb_pp_x_repr,
+        instant_drtrl=_emb_instant_drtrl,
+        solve_drtrl=_emb_solve_drtrl,
     )
 
 
@@ -197,7 +229,8 @@ def embedding(
         The table, ``(vocab, features)``.
     weight_fn : callable, optional
         Shape-preserving transform applied to the stored table inside the primitive,
-        ``y = weight_fn(weight)[indices]``. Gradients stay with respect to the raw table.
+        ``y = weight_fn(weight)[indices]``. Gradients are with respect to the raw table and
+        exact for any such transform, including ones that mix entries.
 
     Returns
     -------
@@ -212,7 +245,7 @@ def embedding(
     NotImplementedError
         If ``indices`` has rank 2 or more.
     ValueError
-        If ``weight`` is not rank 2.
+        If ``weight`` is not rank 2, or ``weight_fn`` changes its shape.
 
     Notes
     -----
@@ -238,7 +271,7 @@ def embedding(
         )
     w_m, w_unit = split_units(weight, "weight", op)
     check_rank(w_m, "weight", op, (2,), hint="The table is laid out as (vocab, features).")
-    check_hook(weight_fn, "weight_fn", op)
+    check_hook(weight_fn, "weight_fn", op, w_m)
     prim = etp_emb_p if idx.ndim == 1 else etp_emb_v_p
     y = prim.bind(idx, w_m, weight_fn=weight_fn)
     return with_unit(y, w_unit)

@@ -3,12 +3,19 @@
 ``G`` independent dense maps side by side: ``y[..., g, n] = Σ_k x[..., g, k] f_W(W)[g, k, n]
 (+ f_b(b)[g, n])`` with ``x: (B, G, K)`` or ``(G, K)``, ``W: (G, K, N)``, ``b: (G, N)``.
 
-Trace geometry. Weight ``W[g, k, n]`` reaches only output ``(g, n)``, so the D-RTRL trace keeps
-one entry per weight: ``ε_W[..., g, k, n, s] = ∂h[..., g, n, s] / ∂W[g, k, n]`` (for ``etp_gmm``
-one trace per batch row), and ``ε_b[..., g, n, s]`` for the bias. Propagating through a hidden
-Jacobian slice ``hd`` (shaped like ``y``) multiplies the output position:
-``ε_W[..., g, k, n] · hd[..., g, n]``. The instantaneous term is ``x[..., g, k] · df[..., g, n]``
-pulled back through ``f_W``.
+Trace geometry. The trace lives in the space of the *transformed* parameters ``V = f_W(W)``
+and ``c = f_b(b)``: entry ``V[g, k, n]`` reaches only output ``(g, n)``, so the D-RTRL trace
+keeps one entry per weight, ``ε_W[..., g, k, n, s] = ∂h[..., g, n, s] / ∂V[g, k, n]`` (for
+``etp_gmm`` one trace per batch row), and ``ε_b[..., g, n, s] = ∂h[..., g, n, s] / ∂c[g, n]``
+for the bias. Propagating through a hidden Jacobian slice ``hd`` (shaped like ``y``) multiplies
+the output position: ``ε_W[..., g, k, n] · hd[..., g, n]``. The instantaneous term
+(``instant_drtrl``) is ``x[..., g, k] · df[..., g, n]`` (and ``df`` for the bias), with no hook
+Jacobian; each hook's Jacobian is applied once, when the learning signal is pulled back to the
+raw parameter (``solve_drtrl``, an exact VJP). This keeps D-RTRL exact for any
+shape-preserving hook, including ones that mix entries across outputs or groups
+(``w / norm(w)``, ``softmax``). Without hooks the closed-form kernels compute the same traces.
+``xy_to_dw`` (the IO-dim pullback) is the exact VJP of the impl with respect to the raw
+parameters.
 
 Examples
 --------
@@ -41,9 +48,12 @@ from braintrace._op._rule_helpers import (
     apply_hook,
     bias_trainable_invars,
     drtrl_dtype,
+    hooked_matmul_solve_drtrl,
     no_hooks,
     pullback,
     shape_of,
+    sum_over_states,
+    sum_rows,
     zeros_pp,
 )
 from braintrace._typing import Array, ArrayLike, WeightFn
@@ -111,6 +121,19 @@ def _grouped_xy_to_dw(
     return pullback(_etp_grouped_matmul_impl, x, hidden_dim, weights, params)
 
 
+def _grouped_instant_drtrl(
+    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: Any
+) -> dict[str, Array]:
+    """The instantaneous term in the transformed space: ``x[g, k] · hd[g, n]`` and ``hd``.
+
+    ``x: (..., G, K)`` and ``hd: (..., G, N)`` with the same leading axes; no hook Jacobian.
+    """
+    out = {"weight": x[..., :, :, None] * hidden_dim[..., :, None, :]}
+    if "bias" in weights:
+        out["bias"] = hidden_dim
+    return out
+
+
 def _gmm_init_drtrl(
     x_var: Var, y_var: Var, weight_vars: dict[str, Var], num_hidden_state: int
 ) -> dict[str, Array]:
@@ -172,13 +195,18 @@ def _grouped_fast_solve(
 ) -> dict[str, Array]:
     """``∇W[g, k, n] = Σ_a s[..., g, n, a] ε_W[..., g, k, n, a]`` (and over the batch when folding)."""
     if fold_batch:
-        out = {"weight": jnp.einsum("bgna,bgkna->gkn", signal, trace["weight"])}
-        if "bias" in trace:
-            out["bias"] = jnp.einsum("bgna,bgna->gn", signal, trace["bias"])
-        return out
+        return sum_rows(_grouped_solve_row, signal, trace)
     out = {"weight": jnp.einsum("...gna,...gkna->...gkn", signal, trace["weight"])}
     if "bias" in trace:
         out["bias"] = jnp.einsum("...gna,...gna->...gn", signal, trace["bias"])
+    return out
+
+
+def _grouped_solve_row(signal: Array, trace: dict[str, Array]) -> dict[str, Array]:
+    """One batch row of the fast solve: ``signal (G, N, S)``, ``ε_W (G, K, N, S)``."""
+    out = {"weight": sum_over_states(signal[:, None], trace["weight"])}
+    if "bias" in trace:
+        out["bias"] = sum_over_states(signal, trace["bias"])
     return out
 
 
@@ -197,6 +225,8 @@ for _p, _init in ((etp_gmm_p, _gmm_init_drtrl), (etp_gmv_p, _gmv_init_drtrl)):
         init_drtrl=_init,
         init_pp=zeros_pp,
         fast_path=_GROUPED_FAST_PATH,
+        instant_drtrl=_grouped_instant_drtrl,
+        solve_drtrl=hooked_matmul_solve_drtrl,
     )
 
 
@@ -228,7 +258,8 @@ def grouped_matmul(
         Bias, ``(groups, out)``, in the unit of ``x·weight``.
     weight_fn, bias_fn : callable, optional
         Shape-preserving transforms applied to the stored parameters inside the primitive.
-        Traces and gradients stay with respect to the raw stored parameters.
+        Gradients are with respect to the raw stored parameters and exact for any such
+        transform, including ones that mix entries across outputs or groups.
 
     Returns
     -------
@@ -241,7 +272,8 @@ def grouped_matmul(
         If an operand is not an array or a hook is not callable.
     ValueError
         If ``weight`` is not rank 3, ``x`` is not rank 2 or 3, ``x.shape[-2:]`` differs from
-        ``weight.shape[:2]``, or ``bias`` is not ``(groups, out)``.
+        ``weight.shape[:2]``, ``bias`` is not ``(groups, out)``, or a hook changes the shape
+        of its parameter.
     brainunit.UnitMismatchError
         If the unit of ``bias`` is incompatible with that of ``x·weight``.
 
@@ -265,7 +297,7 @@ def grouped_matmul(
             f"{op}: the last two axes of x {tuple(x_m.shape)} must equal the first two axes of "
             f"weight {tuple(w_m.shape)}; x is (..., groups, in) and weight (groups, in, out)."
         )
-    check_hook(weight_fn, "weight_fn", op)
+    check_hook(weight_fn, "weight_fn", op, w_m)
     check_hook(bias_fn, "bias_fn", op)
     unit = x_unit * w_unit
     operands = [x_m, w_m]
@@ -276,6 +308,7 @@ def grouped_matmul(
             raise OperandShapeError(
                 f"{op}: bias must have shape (groups, out) = {want}, got {tuple(b_m.shape)}."
             )
+        check_hook(bias_fn, "bias_fn", op, b_m)
         operands.append(b_m)
     prim = etp_gmm_p if x_m.ndim == 3 else etp_gmv_p
     y = prim.bind(

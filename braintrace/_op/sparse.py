@@ -6,12 +6,18 @@ whose stored values are replaced by the trainable ``data`` (``(P,)`` for ``P`` n
 CSR/CSC; in general shaped like the structure's own ``data``). Only the structure's sparsity
 pattern is used: its stored values, dtype and unit are ignored.
 
-Trace geometry. Non-zero ``p`` sits at ``(row(p), col(p))`` and reaches only output
-``col(p)``, so the D-RTRL trace keeps one entry per non-zero: ``ε[..., p, s] =
-∂h[..., col(p), s] / ∂data[p]``. Propagating through a hidden Jacobian slice ``hd`` (shaped
-like ``y``) gathers the output axis: ``ε[..., p] · hd[..., col(p)]``, which is the structure's
-own ``dt2t_transposed`` protocol. The instantaneous term is ``x[..., row(p)] · df[...,
-col(p)]`` pulled back through ``f_W``.
+Trace geometry. ``weight_fn`` acts on the vector of non-zero values, ``V = f_W(data)``, and
+the trace lives in the space of ``V`` (and of ``c = f_b(b)`` for the bias). Non-zero ``p`` sits
+at ``(row(p), col(p))`` and reaches only output ``col(p)``, so the D-RTRL trace keeps one entry
+per non-zero: ``ε[..., p, s] = ∂h[..., col(p), s] / ∂V[p]``. Propagating through a hidden
+Jacobian slice ``hd`` (shaped like ``y``) gathers the output axis: ``ε[..., p] ·
+hd[..., col(p)]``, which is the structure's own ``dt2t_transposed`` protocol. The instantaneous
+term (``instant_drtrl``) is ``x[..., row(p)] · df[..., col(p)]`` (and ``df`` for the bias), with
+no hook Jacobian; each hook's Jacobian is applied once, when the learning signal is pulled back
+to the raw values (``solve_drtrl``, an exact VJP). This keeps D-RTRL exact for any
+shape-preserving hook, including ones that mix the non-zero values (``data / norm(data)``,
+``softmax``). ``xy_to_dw`` (the IO-dim pullback) is the exact VJP of the impl with respect to
+the raw parameters.
 
 Kernels. On CPU brainevent's default kernels for sparse products are numba kernels, and
 numba is an optional dependency of brainevent: on an install without it, every CSR product
@@ -58,8 +64,10 @@ from braintrace._op._rule_helpers import (
     apply_hook,
     bias_trainable_invars,
     drtrl_dtype,
+    hook_pullback,
     pullback,
     shape_of,
+    strip_hooks,
     zeros_pp,
 )
 from braintrace._typing import Array, ArrayLike, WeightFn
@@ -206,6 +214,40 @@ def _sp_xy_to_dw(
     return pullback(_etp_sp_matmul_impl, x, hidden_dim, weights, params)
 
 
+def _sp_instant_drtrl(
+    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: Any
+) -> dict[str, Array]:
+    """The instantaneous term in the transformed space: ``x[row(p)] · hd[col(p)]`` and ``hd``.
+
+    The product is linear in the values, so the VJP of the hook-free impl (at any point) gives
+    the weight term without a hook Jacobian.
+    """
+    plain = {**strip_hooks(params), "has_bias": False}
+    out = pullback(_etp_sp_matmul_impl, x, hidden_dim, {"weight": weights["weight"]}, plain)
+    if "bias" in weights:
+        out["bias"] = hidden_dim
+    return out
+
+
+def _sp_solve_drtrl(
+    signal: Array,
+    trace: dict[str, Array],
+    weights: dict[str, Array],
+    *,
+    sparse_mat: Any,
+    weight_fn: WeightFn | None = None,
+    bias_fn: WeightFn | None = None,
+    **params: Any,
+) -> dict[str, Array]:
+    """``∇data = f_W'(data)ᵀ (ε[p] · g[col(p)])`` and ``∇b = f_b'(b)ᵀ (ε_b · g)``."""
+    mat = _structure(sparse_mat)
+    cotangent = _gather_columns(mat, signal, trace["weight"])
+    out = {"weight": hook_pullback(weight_fn, weights["weight"], cotangent)}
+    if "bias" in trace:
+        out["bias"] = hook_pullback(bias_fn, weights["bias"], trace["bias"] * signal)
+    return out
+
+
 def _sp_mm_init_drtrl(
     x_var: Var, y_var: Var, weight_vars: dict[str, Var], num_hidden_state: int
 ) -> dict[str, Array]:
@@ -232,7 +274,12 @@ for _p, _dt_to_t, _init in (
     (etp_sp_mv_p, _sp_mv_dt_to_t, _sp_mv_init_drtrl),
 ):
     _p.register_etp_rules(
-        dt_to_t=_dt_to_t, xy_to_dw=_sp_xy_to_dw, init_drtrl=_init, init_pp=zeros_pp
+        dt_to_t=_dt_to_t,
+        xy_to_dw=_sp_xy_to_dw,
+        init_drtrl=_init,
+        init_pp=zeros_pp,
+        instant_drtrl=_sp_instant_drtrl,
+        solve_drtrl=_sp_solve_drtrl,
     )
 
 
@@ -307,9 +354,10 @@ def sparse_matmul(
     bias : array or Quantity, optional
         Bias, ``(out,)``, in the unit of ``x·weight``.
     weight_fn, bias_fn : callable, optional
-        Shape-preserving transforms applied to the stored parameters inside the primitive.
-        Traces and gradients stay with respect to the raw stored parameters. The D-RTRL
-        trace keeps one entry per connection, so ``weight_fn`` must act element-wise.
+        Shape-preserving transforms applied to the stored parameters inside the primitive;
+        ``weight_fn`` maps the vector of non-zero values. Gradients are with respect to the
+        raw stored parameters and exact for any such transform, including ones that mix
+        values (D-RTRL keeps its one-entry-per-connection traces in the transformed space).
 
     Returns
     -------
@@ -323,8 +371,8 @@ def sparse_matmul(
         generated connectivity, which stores no values), an operand is not an array,
         ``weight`` is not floating point, or a hook is not callable.
     ValueError
-        If ``x`` is not rank 1 or 2, or the shapes of ``x``, ``weight``, ``bias`` and
-        ``sparse_mat`` do not fit.
+        If ``x`` is not rank 1 or 2, the shapes of ``x``, ``weight``, ``bias`` and
+        ``sparse_mat`` do not fit, or a hook changes the shape of its parameter.
 
     Examples
     --------
@@ -340,13 +388,14 @@ def sparse_matmul(
     w_m, w_unit = split_units(weight, "weight", op)
     check_rank(x_m, "x", op, (1, 2), hint="Fold extra leading axes into the batch axis.")
     _check_shapes(x_m, w_m, sparse_mat, op)
-    check_hook(weight_fn, "weight_fn", op)
+    check_hook(weight_fn, "weight_fn", op, w_m)
     check_hook(bias_fn, "bias_fn", op)
     unit = x_unit * w_unit
     operands = [x_m, w_m]
     if bias is not None:
         b_m = bias_mantissa(bias, unit, op)
         check_bias_shape(b_m, (*x_m.shape[:-1], sparse_mat.shape[1]), op)
+        check_hook(bias_fn, "bias_fn", op, b_m)
         operands.append(b_m)
     structure = _HashableSparseMat(_with_data_template(sparse_mat, w_m.dtype, op))
     prim = etp_sp_mm_p if x_m.ndim == 2 else etp_sp_mv_p

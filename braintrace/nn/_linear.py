@@ -3,8 +3,9 @@
 Each class subclasses the ``brainstate.nn`` layer of the same name and keeps its constructor,
 parameter pytree and initialisation; only the forward pass changes, so that the weight reaches
 the model through :func:`braintrace.matmul`. Masks, signs and weight standardisation run
-inside the primitive as its ``weight_fn``, which keeps traces and gradients with respect to
-the raw stored weight (and exactly zero at masked entries).
+inside the primitive as its ``weight_fn``: gradients are with respect to the raw stored weight
+(exactly zero at masked entries), and D-RTRL stays exact even for standardisation, which mixes
+entries, because the trace lives in the space of the transformed weight.
 
 The module also owns the leading-axis folding shared by the dense and low-rank layers: the
 dense ETP primitives take ``(in,)`` or ``(batch, in)`` inputs, so ``(..., in)`` inputs are

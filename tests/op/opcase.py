@@ -90,6 +90,42 @@ def jac(fn: Callable[[Any, dict[str, Array]], Array], x: Any, weights: dict[str,
     return jax.jacrev(lambda ws: fn(x, ws))(weights)
 
 
+def jac_transformed(
+    fn: Callable[[Any, dict[str, Array]], Array],
+    x: Any,
+    weights: dict[str, Array],
+    params: dict[str, Any],
+    hooks: tuple[tuple[str, str], ...] = (("weight", "weight_fn"), ("bias", "bias_fn")),
+) -> dict[str, Array]:
+    """``{key: ∂y/∂V_key}`` with ``V_key = hook(key)``: the Jacobian in the transformed space.
+
+    The D-RTRL trace of a hooked operand lives in the space of the transformed value. The
+    Jacobian with respect to it follows by the chain rule, ``∂y/∂V = ∂y/∂W · (∂V/∂W)⁻¹``,
+    which needs a hook that is invertible at the point (``tanh``, ``w**2`` away from zero,
+    :func:`mix_all`). Operands without a hook keep ``∂y/∂W``.
+    """
+    j = dict(jac(fn, x, weights))
+    for key, name in hooks:
+        hook = params.get(name)
+        if hook is None or key not in weights:
+            continue
+        w = weights[key]
+        jf = np.asarray(jax.jacrev(hook)(w), np.float64).reshape(w.size, w.size)
+        jw = np.asarray(j[key], np.float64).reshape(-1, w.size)
+        j[key] = jnp.asarray((jw @ np.linalg.inv(jf)).reshape(j[key].shape), dtype=j[key].dtype)
+    return j
+
+
+def mix_all(w: Array) -> Array:
+    """An invertible linear hook that couples every entry with its neighbour in storage order.
+
+    It mixes entries across output columns (and rows, groups, non-zeros), so a trace kept per
+    raw entry would be wrong under it; the circulant ``1 + z/2`` has no zero eigenvalue.
+    """
+    flat = w.reshape(-1)
+    return (flat + 0.5 * jnp.roll(flat, 1)).reshape(w.shape)
+
+
 def close(a: Any, b: Any, atol: float = 1e-5, rtol: float = 1e-5) -> None:
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=atol, rtol=rtol)
 

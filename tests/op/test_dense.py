@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import brainstate
 import brainunit as u
@@ -87,14 +88,30 @@ def test_non_callable_hook_is_rejected() -> None:
         braintrace.matmul(jnp.ones(3), jnp.ones((3, 4)), weight_fn=2.0)  # type: ignore[arg-type]
 
 
+def _normalised(w):  # type: ignore[no-untyped-def]
+    return w / jnp.linalg.norm(w)
+
+
+def _softmax(b):  # type: ignore[no-untyped-def]
+    return jax.nn.softmax(b, axis=-1)
+
+
 @pytest.mark.parametrize("batched", [True, False])
-@pytest.mark.parametrize("weight_fn", [None, jnp.tanh])
-def test_rules_compose_into_an_exact_drtrl_roll(batched: bool, weight_fn) -> None:  # type: ignore[no-untyped-def]
-    """``h_t = a ⊙ h_{t-1} + matmul(x_t, W, b)``: D-RTRL with the rules equals BPTT (float32, 1e-5)."""
+@pytest.mark.parametrize(
+    "weight_fn, bias_fn",
+    [(None, None), (jnp.tanh, None), (_normalised, _softmax)],
+    ids=["no-hooks", "tanh", "mixing"],
+)
+def test_rules_compose_into_an_exact_drtrl_roll(batched: bool, weight_fn, bias_fn) -> None:  # type: ignore[no-untyped-def]
+    """``h_t = a ⊙ h_{t-1} + matmul(x_t, W, b)``: D-RTRL with the rules equals BPTT (float32, 1e-5).
+
+    The traces live in the space of the transformed parameters (``instant_drtrl``), and the
+    solve (``solve_drtrl``) applies each hook's VJP once, so column-mixing hooks are exact too.
+    """
     steps, i_dim, o_dim = 4, 3, 5
     lead = (2,) if batched else ()
     prim = etp_mm_p if batched else etp_mv_p
-    params = dict(has_bias=True, weight_fn=weight_fn, bias_fn=None)
+    params = dict(has_bias=True, weight_fn=weight_fn, bias_fn=bias_fn)
     xs, cs = rand(1, (steps, *lead, i_dim)), rand(2, (steps, *lead, o_dim))
     a = jax.nn.sigmoid(rand(3, (*lead, o_dim)))
     weights = {"weight": rand(4, (i_dim, o_dim)), "bias": rand(5, (o_dim,))}
@@ -102,14 +119,19 @@ def test_rules_compose_into_an_exact_drtrl_roll(batched: bool, weight_fn) -> Non
     def loss(ws):  # type: ignore[no-untyped-def]
         h, total = jnp.zeros((*lead, o_dim)), 0.0
         for t in range(steps):
-            h = a * h + braintrace.matmul(xs[t], ws["weight"], ws["bias"], weight_fn=weight_fn)
+            h = a * h + braintrace.matmul(
+                xs[t], ws["weight"], ws["bias"], weight_fn=weight_fn, bias_fn=bias_fn
+            )
             total = total + jnp.sum(cs[t] * h)
         return total
 
-    dt_to_t, xy_to_dw = reg.ETP_RULES_DT_TO_T[prim], reg.ETP_RULES_XY_TO_DW[prim]
-    instant = jax.vmap(lambda x, d: xy_to_dw(x, d, weights, **params)) if batched else (
-        lambda x, d: xy_to_dw(x, d, weights, **params))
-    solve = jax.vmap(lambda g, e: dt_to_t(g, e, **params)) if batched else (lambda g, e: dt_to_t(g, e, **params))
+    dt_to_t = reg.ETP_RULES_DT_TO_T[prim]
+    inst_rule, solve_rule = reg.get_instant_drtrl_rule(prim), reg.get_solve_drtrl_rule(prim)
+    assert inst_rule is not None and solve_rule is not None
+    instant = jax.vmap(lambda x, d: inst_rule(x, d, weights, **params)) if batched else (
+        lambda x, d: inst_rule(x, d, weights, **params))
+    solve = jax.vmap(lambda g, e: solve_rule(g, e, weights, **params)) if batched else (
+        lambda g, e: solve_rule(g, e, weights, **params))
     trace = {"weight": jnp.zeros((*lead, i_dim, o_dim)), "bias": jnp.zeros((*lead, o_dim))}
     grad = {k: jnp.zeros_like(v) for k, v in weights.items()}
     for t in range(steps):
@@ -119,3 +141,22 @@ def test_rules_compose_into_an_exact_drtrl_roll(batched: bool, weight_fn) -> Non
     want = jax.grad(loss)(weights)
     for k in weights:
         np.testing.assert_allclose(grad[k], want[k], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias_shape", [(1,), (2, 4)], ids=["broadcast", "per-row"])
+def test_drtrl_refuses_a_bias_that_is_not_per_output(bias_shape: tuple[int, ...]) -> None:
+    class Layer(brainstate.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = brainstate.ParamState(jnp.ones((3, 4)))
+            self.b = brainstate.ParamState(jnp.zeros(bias_shape))
+
+        def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+            self.h = brainstate.HiddenState(jnp.zeros((2, 4)))
+
+        def update(self, x: jax.Array) -> jax.Array:
+            self.h.value = 0.5 * self.h.value + braintrace.matmul(x, self.w.value, self.b.value)
+            return self.h.value
+
+    with pytest.raises(ValueError, match=r"bias of shape .* pass a bias of shape \(4,\)"):
+        braintrace.compile(Layer(), braintrace.D_RTRL, jnp.ones((2, 3)), batch_size=2)

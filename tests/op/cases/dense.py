@@ -1,4 +1,4 @@
-"""Rows for ``etp_mm`` / ``etp_mv``: with and without bias, with each transform hook."""
+"""Rows for ``etp_mm`` / ``etp_mv``: with and without bias, with each transform hook (mixing ones too)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,17 @@ from typing import Any
 import jax.numpy as jnp
 
 from braintrace._op.dense import _etp_matmul_impl, etp_mm_p, etp_mv_p
-from tests.op.opcase import OpCase, jac, rand
+from tests.op.opcase import OpCase, jac_transformed, mix_all, rand
 
 I, O, B = 3, 4, 2
 
 
 def dense_trace(fn: Any, x: Any, ws: dict, params: dict) -> dict:
-    """``ε_W[..., i, o] = ∂y[..., o]/∂W[i, o]``, ``ε_b[..., o] = ∂y[..., o]/∂b[o]``."""
-    j = jac(fn, x, ws)
+    """``ε_W[..., i, o] = ∂y[..., o]/∂V[i, o]``, ``ε_b[..., o] = ∂y[..., o]/∂c[o]``.
+
+    ``V = weight_fn(W)`` and ``c = bias_fn(b)``: the trace lives in the transformed space.
+    """
+    j = jac_transformed(fn, x, ws, params)
     batched = x.ndim == 2
     out = {"weight": jnp.einsum("boio->bio" if batched else "oio->io", j["weight"])}
     if "bias" in ws:
@@ -57,4 +60,7 @@ CASES = [
     _case("mm-bias-tanh-tanh", True, True, weight_fn=jnp.tanh, bias_fn=jnp.tanh),
     _case("mm-abs", True, False, weight_fn=jnp.abs),
     _case("mv-bias-tanh", False, True, weight_fn=jnp.tanh, bias_fn=_square),
+    # Hooks that mix entries across output columns: exact only with transformed-space traces.
+    _case("mm-bias-mixing", True, True, weight_fn=mix_all, bias_fn=mix_all),
+    _case("mv-mixing", False, False, weight_fn=mix_all),
 ]

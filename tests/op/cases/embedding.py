@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from braintrace._op.embedding import _etp_embedding_impl, etp_emb_p, etp_emb_v_p
-from tests.op.opcase import OpCase, jac
+from tests.op.opcase import OpCase, jac_transformed, mix_all
 
 V, D = 10, 4
 
@@ -22,8 +22,8 @@ def rand(seed: int, shape: tuple[int, ...]) -> Any:
 
 
 def embedding_trace(fn: Any, x: Any, ws: dict, params: dict) -> dict:
-    """``ε[..., v, d] = ∂y[..., d]/∂T[v, d]`` (zero except on the looked-up row)."""
-    j = jac(fn, x, ws)["weight"]
+    """``ε[..., v, d] = ∂y[..., d]/∂U[v, d]`` with ``U = weight_fn(T)`` (zero off the looked-up row)."""
+    j = jac_transformed(fn, x, ws, params)["weight"]
     return {"weight": jnp.einsum("bdvd->bvd" if x.ndim == 1 else "dvd->vd", j)}
 
 
@@ -48,4 +48,7 @@ CASES = [
     _case("emb_v", 3),
     _case("emb-tanh", [0, 2, 4], weight_fn=jnp.tanh),
     _case("emb_v-square", 2, weight_fn=lambda t: t**2),
+    # A hook that mixes entries across features and rows.
+    _case("emb-mixing", [1, 3, 1], weight_fn=mix_all),
+    _case("emb_v-mixing", 4, weight_fn=mix_all),
 ]

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from braintrace._op.grouped import _etp_grouped_matmul_impl, etp_gmm_p, etp_gmv_p
-from tests.op.opcase import OpCase, jac
+from tests.op.opcase import OpCase, jac_transformed, mix_all
 
 B, G, K, N = 2, 3, 4, 5
 
@@ -19,8 +19,11 @@ def rand(seed: int, shape: tuple[int, ...]) -> Any:
 
 
 def grouped_trace(fn: Any, x: Any, ws: dict, params: dict) -> dict:
-    """``ε_W[..., g, k, n] = ∂y[..., g, n]/∂W[g, k, n]``, ``ε_b[..., g, n] = ∂y[..., g, n]/∂b[g, n]``."""
-    j = jac(fn, x, ws)
+    """``ε_W[..., g, k, n] = ∂y[..., g, n]/∂V[g, k, n]``, ``ε_b[..., g, n] = ∂y[..., g, n]/∂c[g, n]``.
+
+    ``V = weight_fn(W)`` and ``c = bias_fn(b)``: the trace lives in the transformed space.
+    """
+    j = jac_transformed(fn, x, ws, params)
     batched = x.ndim == 3
     out = {"weight": jnp.einsum("bgngkn->bgkn" if batched else "gngkn->gkn", j["weight"])}
     if "bias" in ws:
@@ -61,4 +64,7 @@ CASES = [
     _case("gmm-bias-square-tanh", True, True, weight_fn=_square, bias_fn=jnp.tanh),
     _case("gmm-abs", True, False, weight_fn=jnp.abs),
     _case("gmv-bias-tanh", False, True, weight_fn=jnp.tanh, bias_fn=_square),
+    # Hooks that mix entries across outputs and groups.
+    _case("gmm-bias-mixing", True, True, weight_fn=mix_all, bias_fn=mix_all),
+    _case("gmv-mixing", False, False, weight_fn=mix_all),
 ]

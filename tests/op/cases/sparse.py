@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from braintrace._op.sparse import _etp_sp_matmul_impl, _HashableSparseMat, etp_sp_mm_p, etp_sp_mv_p
-from tests.op.opcase import OpCase, jac, rand
+from tests.op.opcase import OpCase, jac_transformed, mix_all, rand
 
 I, O, B = 4, 5, 2
 
@@ -60,8 +60,11 @@ _COLUMNS: dict[int, np.ndarray] = {}
 
 
 def sparse_trace(fn: Any, x: Any, ws: dict, params: dict) -> dict:
-    """``ε_w[..., p] = ∂y[..., col(p)]/∂data[p]``, ``ε_b[..., o] = ∂y[..., o]/∂b[o]``."""
-    j = jac(fn, x, ws)
+    """``ε_w[..., p] = ∂y[..., col(p)]/∂V[p]``, ``ε_b[..., o] = ∂y[..., o]/∂c[o]``.
+
+    ``V = weight_fn(data)`` and ``c = bias_fn(b)``: the trace lives in the transformed space.
+    """
+    j = jac_transformed(fn, x, ws, params)
     cols = columns(params["sparse_mat"].mat).reshape(-1)
     batched = x.ndim == 2
     jw = j["weight"]  # (*y, *nnz)
@@ -120,4 +123,7 @@ CASES = [
     _case("sp_mm-bias-square-csc", True, True, bias_fn=_square, mat=CSC),
     _case("sp_mv-fixed-num-per-pre", False, False, mat=FCN),
     _case("sp_mm-fixed-num-per-pre-tanh", True, True, weight_fn=jnp.tanh, mat=FCN),
+    # Hooks that mix the non-zero values (which feed different output columns).
+    _case("sp_mm-bias-mixing", True, True, weight_fn=mix_all, bias_fn=mix_all),
+    _case("sp_mv-mixing-fixed-num-per-pre", False, False, weight_fn=mix_all, mat=FCN),
 ]
