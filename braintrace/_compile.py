@@ -100,7 +100,7 @@ def compile(
     model : brainstate.nn.Module
         The model; ``init_state(batch_size=...)`` is called on it (and its children).
     algorithm : ETraceAlgorithm subclass or str
-        The learning rule, or its case-insensitive name (see :data:`ALGORITHM_NAMES`).
+        The learning rule, or its case-insensitive name (see :data:`~braintrace._compile.ALGORITHM_NAMES`).
     *example_inputs
         Inputs of one step (with the batch on axis 0 when batched).
     batch_size : int, optional
@@ -126,6 +126,18 @@ def compile(
         ``vmap=True`` without ``batch_size``.
     CompilationError
         When no weight of the model is routed through an ETP operation to a hidden state.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp, braintrace
+    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), 'pp_prop', jnp.ones((2, 3)),
+    ...                              batch_size=2, decay_or_rank=0.9)
+    >>> type(learner).__name__, learner(jnp.ones((2, 3))).shape
+    ('pp_prop', (2, 4))
+    >>> vmapped = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL,
+    ...                              jnp.ones((2, 3)), batch_size=2, vmap=True)
+    >>> type(vmapped).__name__, vmapped(jnp.ones((2, 3))).shape
+    ('Vmap', (2, 4))
     """
     cls = _resolve(algorithm)
     if not example_inputs:

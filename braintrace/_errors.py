@@ -30,11 +30,38 @@ class NotSupportedError(Exception):
 
     Raised, for example, when a ``ParamState`` is written inside the model step, or when the
     hidden states of one recurrently coupled group have different shapes.
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> class WritesWeight(brainstate.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.w = brainstate.ParamState(jnp.ones(2))
+    ...         self.h = brainstate.HiddenState(jnp.zeros(2))
+    ...     def update(self, x):
+    ...         self.w.value = 0.9 * self.w.value  # weights may not change inside a step
+    ...         self.h.value = braintrace.element_wise(self.w.value) * x
+    ...         return self.h.value
+    >>> braintrace.compile_etrace_graph(WritesWeight(), jnp.ones(2))
+    Traceback (most recent call last):
+        ...
+    braintrace.NotSupportedError: ...
     """
 
 
 class CompilationError(Exception):
-    """A model cannot be turned into an online learner (e.g. no weight reaches a hidden state)."""
+    """A model cannot be turned into an online learner (e.g. no weight reaches a hidden state).
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> plain = brainstate.nn.Linear(3, 2)  # no ETP operator, no hidden state
+    >>> braintrace.compile(plain, braintrace.D_RTRL, jnp.ones(3))
+    Traceback (most recent call last):
+        ...
+    braintrace.CompilationError: No trainable weights are routed through ETP ops to a hidden state, ...
+    """
 
 
 for _cls in (NotSupportedError, CompilationError):

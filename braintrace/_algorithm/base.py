@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from braintrace._algorithm.graph_executor import ETraceGraphExecutor, ETraceVjpGraphExecutor
 from braintrace._algorithm.input_data import has_multistep_data
 from braintrace._compiler import CompilationReport, ControlFlowPolicy, ETraceGraph
+from braintrace._op._rule_helpers import shape_of
 
 __all__ = ["EligibilityTrace", "ETraceAlgorithm", "ETraceVjpAlgorithm"]
 
@@ -33,7 +34,16 @@ Path = tuple[Any, ...]
 
 
 class EligibilityTrace(brainstate.ShortTermState):
-    """The state type eligibility traces are stored in (a ``ShortTermState``)."""
+    """The state type eligibility traces are stored in (a ``ShortTermState``).
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp, braintrace
+    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL, jnp.ones(3))
+    >>> traces = learner.states(braintrace.EligibilityTrace)
+    >>> [trace.value['weight'].shape for trace in traces.values()]  # (3 + 4 inputs, 4 units, 1 state)
+    [(7, 4, 1)]
+    """
 
 
 EligibilityTrace.__module__ = "braintrace"
@@ -47,6 +57,33 @@ class ETraceAlgorithm(brainstate.nn.Module):
     model : brainstate.nn.Module
     graph_executor : ETraceGraphExecutor
     name : str, optional
+
+    Attributes
+    ----------
+    graph : ETraceGraph
+        The compiled graph of the model step.
+    report : CompilationReport
+        A readable view of :attr:`graph` (once compiled).
+    param_states : dict
+        ``path -> ParamState`` of the parameters the model step reads; differentiate a loss
+        with respect to these.
+    hidden_states : dict
+        ``path -> HiddenState`` of the hidden states the model step updates.
+    other_states : dict
+        ``path -> state`` of the other states the model step touches.
+    is_compiled : bool
+        Whether :meth:`compile_graph` has run.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp, braintrace
+    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL, jnp.ones(3))
+    >>> isinstance(learner, braintrace.ETraceAlgorithm), learner.is_compiled
+    (True, True)
+    >>> list(learner.param_states), list(learner.hidden_states)
+    ([('W', 'weight')], [('h',)])
+    >>> learner.report.hidden_groups
+    [(0, [('h',)])]
     """
 
     def __init__(self, model: brainstate.nn.Module, graph_executor: ETraceGraphExecutor, name: str | None = None) -> None:
@@ -128,7 +165,8 @@ class ETraceAlgorithm(brainstate.nn.Module):
         if descended and not self._supports_scan_descent:
             raise NotImplementedError(
                 f"{type(self).__name__} cannot learn through a descended scan; use D_RTRL, or set "
-                f"ControlFlowPolicy(scan_descent='off')."
+                f"ControlFlowPolicy(scan_descent='off', scan_unroll_limit=N) with N at least the "
+                f"loop's length, so that the loop is unrolled."
             )
         self.init_etrace_state(*args)
         self.is_compiled = True
@@ -161,6 +199,16 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
     name : str, optional
     vjp_method : {'single-step', 'multi-step'}
     control_flow : ControlFlowPolicy, optional
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp, braintrace
+    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL, jnp.ones(3),
+    ...                              vjp_method='multi-step')
+    >>> isinstance(learner, braintrace.ETraceVjpAlgorithm), learner.vjp_method
+    (True, 'multi-step')
+    >>> learner(braintrace.MultiStepData(jnp.ones((5, 3)))).shape  # a window of 5 steps in one call
+    (5, 4)
     """
 
     _include_recurrent_mixing = False
@@ -202,6 +250,7 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         params, hidden, other = self._split_states()
         weight_vals = {p: st.value for p, st in params.items()}
         hidden_vals = {p: st.value for p, st in hidden.items()}
+        self._check_hidden_shapes(hidden_vals)
         other_vals = {p: st.value for p, st in other.items()}
         out, new_hidden, new_other, new_etrace = self._true_update_fun(
             args, weight_vals, hidden_vals, other_vals, self._get_etrace_data(),
@@ -215,6 +264,21 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         ri = self.running_index.value + 1
         self.running_index.value = jax.lax.stop_gradient(jnp.where(ri >= 0, ri, 0))
         return out
+
+    def _check_hidden_shapes(self, hidden_vals: dict[Path, Any]) -> None:
+        """Hidden states must keep the shapes the learner was compiled for."""
+        compiled = self.graph.module_info.hidden_path_to_invar
+        for path, value in hidden_vals.items():
+            expected = shape_of(compiled[path]) if path in compiled else None
+            got = tuple(jax.numpy.shape(u.get_mantissa(value)))
+            if expected is not None and got != expected:
+                raise ValueError(
+                    f"The hidden state {path} has shape {got}, but the learner was compiled for "
+                    f"{expected}. Resetting states without the batch size (e.g. "
+                    f"brainstate.nn.reset_all_states(model) on braintrace.nn cells) makes them "
+                    f"unbatched: reset with the batch size the learner was compiled for "
+                    f"(brainstate.nn.reset_all_states(model, batch_size=B)), or compile again."
+                )
 
     # --- the custom VJP -------------------------------------------------------------------
 
@@ -280,6 +344,10 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
             perturb = self.graph.hidden_perturb
             assert perturb is not None
             signal = perturb.perturb_data_to_hidden_group_data(dg_perturb, groups)
+            previous = [
+                g.concat_hidden([u.get_mantissa(dg_hidden[p]) for p in g.hidden_paths]) for g in groups
+            ]
+            trace_for_bwd = self._with_previous_signal(trace_for_bwd, previous)
         else:
             dg_args, dg_weights, dg_hidden, dg_other = grads
             signal = [
@@ -312,6 +380,14 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
     def _trace_for_backward(self, old_etrace: Any, new_etrace: Any, jac: Any, single_step: bool) -> Any:
         """What the backward pass receives as the trace (default: the trace entering the call)."""
         return old_etrace
+
+    def _with_previous_signal(self, trace_for_bwd: Any, previous: list[Any]) -> Any:
+        """Single step: give the backward residual ``∂L/∂h^{t-1}`` per group (default: unused).
+
+        It is the step loss's derivative with respect to each group's previous value through
+        every path of the step, which a rule needs where outputs read that value past its update.
+        """
+        return trace_for_bwd
 
     def _make_etrace_stepper(self, weight_vals: Any) -> Any:
         return None

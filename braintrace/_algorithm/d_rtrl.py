@@ -46,7 +46,7 @@ Examples
 from __future__ import annotations
 
 import inspect
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import brainstate
 import jax
@@ -54,7 +54,7 @@ import jax.numpy as jnp
 
 from braintrace._algorithm.base import EligibilityTrace, ETraceVjpAlgorithm, add_to_leaf
 from braintrace._algorithm.graph_executor import detached_df_key, df_key, history_jacobian_key, trace_key
-from braintrace._compiler import ControlFlowPolicy
+from braintrace._compiler import ControlFlowPolicy, groups_read_past_update
 from braintrace._op import _registries as reg
 
 __all__ = ["ParamDimVjpAlgorithm", "D_RTRL", "init_rule_kwargs", "relation_weights"]
@@ -89,6 +89,33 @@ def transpose_signal(signal: jax.Array, diag: jax.Array) -> jax.Array:
     return jnp.einsum("...a,...ac->...c", signal, diag)
 
 
+class BackwardTrace(NamedTuple):
+    """What the D-RTRL backward pass contracts the hidden-state signal with.
+
+    Attributes
+    ----------
+    traces : dict
+        Per trace key, the trace entering the step, or, for keys in ``instant``, the new trace.
+    history_jacobians : list or None
+        Per hidden group, the Jacobian ``D`` the signal is transposed by before it meets an
+        entering trace (``None``: contract the signal with the traces as they are).
+    through_while : dict
+        Per trace key, the ``(x, df)`` of a tail part that crosses a detached ``while_loop``.
+    instant : dict
+        Per trace key whose ``traces`` entry is the new trace, the ``(x, df)`` of its
+        instantaneous term ``x ⊗ df``, subtracted to leave the history ``D ε^{t-1}``.
+    read_past_update : dict
+        Per index of a group whose previous value the step reads past its update, the signal
+        ``∂L/∂h^{t-1}`` (through every path) that meets the entering trace instead of ``Dᵀ g``.
+    """
+
+    traces: dict[Any, Trace]
+    history_jacobians: list[Any] | None
+    through_while: dict[Any, tuple[Any, jax.Array]] = {}
+    instant: dict[Any, tuple[Any, jax.Array]] = {}
+    read_past_update: dict[int, jax.Array] = {}
+
+
 class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
     """D-RTRL: the eligibility trace has the dimension of the parameters (see the module docstring).
 
@@ -105,6 +132,20 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
     chunked_trace : bool
         Roll multi-step windows in closed form where the kernels allow it.
     control_flow : ControlFlowPolicy, optional
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.ParamDimVjpAlgorithm,
+    ...                              jnp.ones(3))
+    >>> loss = lambda x: learner(x).sum()
+    >>> for t in range(3):  # one gradient per time step; the trace carries the history
+    ...     grads = brainstate.transform.grad(loss, learner.param_states)(jnp.ones(3))
+    >>> grads[('W', 'weight')]['weight'].shape
+    (7, 4)
+    >>> trace, = learner.get_etrace_of(learner.param_states[('W', 'weight')]).values()
+    >>> trace['weight'].shape  # one entry per parameter and hidden state
+    (7, 4, 1)
     """
 
     _supports_scan_descent = True
@@ -124,6 +165,7 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
         self.trace_dtype = None if trace_dtype is None else jnp.dtype(trace_dtype)
         self.chunked_trace = bool(chunked_trace)
         self.etrace_bwg: dict[Any, EligibilityTrace] = {}
+        self._read_past_update: frozenset[int] | None = None
 
     # --- trace storage --------------------------------------------------------------------
 
@@ -377,28 +419,76 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
 
     def _trace_for_backward(self, old_etrace: Any, new_etrace: Any, jac: Any, single_step: bool) -> Any:
         # Single step: the one-step autodiff gradient already holds the instantaneous term, so
-        # the trace contributes its history ⟨g, D ε^{t-1}⟩ = ⟨Dᵀ g, ε^{t-1}⟩; keep D for that.
-        # A descended group's step spans its substeps; the one-step gradient covers them all, so
-        # the history goes through their product.
-        if single_step:
-            return old_etrace, self._history_jacobians(jac[1], jac[0][1]), self._through_while(jac[0])
-        return old_etrace, None
+        # the trace contributes its history ⟨g, D ε^{t-1}⟩. Where the trace was rolled with that
+        # same D by a fast path, D ε^{t-1} is ε^t − x ⊗ df: reading the new trace leaves the old
+        # one a single reader (the update, which then runs in place) and needs no transposed signal.
+        # Elsewhere the history is ⟨Dᵀ g, ε^{t-1}⟩, with the history Jacobian (a descended group's
+        # substep product; the partial Jacobian of a group whose members read each other's new
+        # values).
+        if not single_step:
+            return BackwardTrace(old_etrace, None)
+        (xs, dfs), Ds = jac
+        history = self._history_jacobians(Ds, dfs)
+        through_while = self._through_while(jac[0])
+        read_past = self._groups_read_past_update()
+        traces, instant = dict(old_etrace), {}
+        for rel in self.graph.hidden_param_op_relations:
+            if self._fast_path(rel) is None or rel.control_flow_context is not None or not self._rolls_plainly():
+                continue
+            for group in rel.hidden_groups:
+                key = trace_key(rel, group)
+                simple = history[group.index] is Ds[group.index] and group.index not in read_past
+                if simple and key not in through_while:
+                    traces[key] = new_etrace[key]
+                    instant[key] = (None if rel.x_var is None else xs[id(rel.x_var)], dfs[df_key(rel, group)])
+        return BackwardTrace(traces, history, through_while, instant)
+
+    def _rolls_plainly(self) -> bool:
+        """Whether new traces are the plain roll ``D ε + x ⊗ df`` of the entering ones.
+
+        Only then is ``ε^t − x ⊗ df`` the history ``D ε^{t-1}``. The library's rules roll plainly;
+        a subclass defined elsewhere that overrides how traces are rolled (to clip or filter
+        them) gets the history from the entering trace, as the rolled-trace hooks describe.
+        """
+        cls = type(self)
+        return all(
+            getattr(cls, name).__module__.startswith("braintrace._algorithm")
+            for name in ("_update_etrace_data", "_step_all", "_step_relation")
+        )
+
+    def _groups_read_past_update(self) -> frozenset[int]:
+        """The groups whose previous value an output of the step reads other than through its update."""
+        if self._read_past_update is None:
+            perturb = self.graph.hidden_perturb
+            self._read_past_update = frozenset() if perturb is None else groups_read_past_update(
+                perturb, self.graph.hidden_groups, self.graph.module_info)
+        return self._read_past_update
+
+    def _with_previous_signal(self, trace_for_bwd: Any, previous: list[Any]) -> Any:
+        read_past = self._groups_read_past_update()
+        if not read_past:
+            return trace_for_bwd
+        return BackwardTrace(*trace_for_bwd)._replace(read_past_update={i: previous[i] for i in read_past})
 
     def _solve_weight_gradients(
         self, running_index: Any, etrace_h2w_at_t: Any, dl_to_hidden_groups: Sequence[Any],
         weight_vals: dict[Path, Any], dl_to_nonetws_at_t: dict[Path, Any], dl_to_etws_at_t: dict[Path, Any],
     ) -> dict[Path, Any]:
-        etrace, Ds = etrace_h2w_at_t[:2]
-        through_while = etrace_h2w_at_t[2] if len(etrace_h2w_at_t) > 2 else {}
+        etrace, Ds, through_while, instant, read_past = BackwardTrace(*etrace_h2w_at_t)
         grads = dict(dl_to_etws_at_t)
         for rel in self.graph.hidden_param_op_relations:
             weights = relation_weights(rel, weight_vals)
             for group in rel.hidden_groups:
                 key = trace_key(rel, group)
                 signal = dl_to_hidden_groups[group.index]
-                if Ds is not None:
-                    signal = transpose_signal(signal, Ds[group.index])
-                per_key = self._solve_relation(rel, signal, etrace[key], weights)
+                if key in instant:
+                    per_key = self._solve_history_from_new(rel, signal, etrace[key], *instant[key], weights)
+                elif group.index in read_past:
+                    per_key = self._solve_relation(rel, read_past[group.index], etrace[key], weights)
+                else:
+                    if Ds is not None:
+                        signal = transpose_signal(signal, Ds[group.index])
+                    per_key = self._solve_relation(rel, signal, etrace[key], weights)
                 if key in through_while:
                     x, df = through_while[key]
                     zero = {k: jnp.zeros_like(v) for k, v in etrace[key].items()}
@@ -415,12 +505,26 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
                     grads[path] = add_to_leaf(grads[path], leaf, g)
         return grads
 
+    def _solve_history_from_new(
+        self, rel: Any, signal: jax.Array, new: Trace, x: Any, df: jax.Array, weights: Trace
+    ) -> Trace:
+        """``⟨g, D ε^{t-1}⟩ = ⟨g, ε^t⟩ − ⟨g, x ⊗ df⟩`` for a trace rolled by a fast path.
+
+        The barrier keeps XLA from recomputing ``ε^t`` from ``ε^{t-1}`` inside the contraction,
+        which would give the entering trace a second reader and cost a copy of it.
+        """
+        fp = self._fast_path(rel)
+        assert fp is not None
+        inst = fp.instant(x, df, bool(rel.eqn_params.get("has_bias", False)))
+        total = self._solve_relation(rel, signal, jax.lax.optimization_barrier(new), weights)
+        current = self._solve_relation(rel, signal, inst, weights)
+        return {k: total[k] - current[k] for k in total}
+
     def _solve_relation(self, rel: Any, signal: jax.Array, trace: Trace, weights: Trace) -> Trace:
         fp = self._fast_path(rel)
         batched = reg.is_batched_primitive(rel.primitive)
         if fp is not None:
-            up = {k: v.astype(jnp.promote_types(v.dtype, signal.dtype)) for k, v in trace.items()}
-            result: Trace = fp.solve(signal, up, fold_batch=batched)
+            result: Trace = fp.solve(signal, trace, fold_batch=batched)
             return result
         solve_rule = reg.get_solve_drtrl_rule(rel.primitive)
         dt_to_t = reg.ETP_RULES_DT_TO_T[rel.primitive]
@@ -471,4 +575,15 @@ def substep_product(Ds: jax.Array) -> jax.Array:
 
 
 class D_RTRL(ParamDimVjpAlgorithm):
-    """D-RTRL under its canonical name (identical to :class:`ParamDimVjpAlgorithm`)."""
+    """D-RTRL under its canonical name (identical to :class:`ParamDimVjpAlgorithm`).
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL, jnp.ones(3))
+    >>> grads = brainstate.transform.grad(lambda x: learner(x).sum(), learner.param_states)(jnp.ones(3))
+    >>> {path: g['weight'].shape for path, g in grads.items()}
+    {('W', 'weight'): (7, 4)}
+    >>> issubclass(braintrace.D_RTRL, braintrace.ParamDimVjpAlgorithm)
+    True
+    """

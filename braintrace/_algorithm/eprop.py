@@ -168,6 +168,10 @@ class LearningSignalDRTRL(ParamDimVjpAlgorithm):
             return base, old_etrace["filt"] if filtered else None, None, None
         return base, None, new_etrace["filt"] if filtered else new_eps, new_eps
 
+    def _with_previous_signal(self, trace_for_bwd: Any, previous: list[Any]) -> Any:
+        base, *rest = trace_for_bwd
+        return (super()._with_previous_signal(base, previous), *rest)
+
     def _compute_learning_signal(self, dl_to_hidden_from_autodiff: list[Any], args: Any) -> list[Any]:
         if not self.replaces_signal:
             return dl_to_hidden_from_autodiff
@@ -229,6 +233,15 @@ class EProp(LearningSignalDRTRL):
     With ``κ = 0`` and symmetric feedback EProp is D-RTRL exactly. The random feedback
     projects the back-propagated ``∂L/∂h`` (only its scale is normalised away), as upstream
     braintrace does; the matrix is square, ``hidden × hidden``.
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.EProp, jnp.ones(3),
+    ...                              feedback='random', random_feedback_key=0, kappa_filter_decay=0.5)
+    >>> grads = brainstate.transform.grad(lambda x: learner(x).sum(), learner.param_states)(jnp.ones(3))
+    >>> grads[('W', 'weight')]['weight'].shape
+    (7, 4)
     """
 
     def __init__(

@@ -84,6 +84,15 @@ class ETraceGraphExecutor:
     include_recurrent_mixing : bool
         Compile hidden groups with weight mixing traced into the transitions.
     control_flow : ControlFlowPolicy, optional
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> cell = brainstate.nn.init_all_states(braintrace.nn.ValinaRNNCell(3, 4))
+    >>> executor = braintrace.ETraceGraphExecutor(cell)
+    >>> executor.compile_graph(jnp.ones(3))
+    >>> [group.hidden_paths for group in executor.graph.hidden_groups]
+    [[('h',)]]
     """
 
     def __init__(
@@ -391,6 +400,15 @@ class ETraceVjpGraphExecutor(ETraceGraphExecutor):
         differentiated exactly inside the window.
     include_recurrent_mixing : bool
     control_flow : ControlFlowPolicy, optional
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> cell = brainstate.nn.init_all_states(braintrace.nn.ValinaRNNCell(3, 4))
+    >>> executor = braintrace.ETraceVjpGraphExecutor(cell, vjp_method='multi-step')
+    >>> executor.compile_graph(jnp.ones(3))
+    >>> executor.is_single_step_vjp
+    False
     """
 
     def __init__(

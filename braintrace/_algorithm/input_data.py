@@ -41,11 +41,30 @@ class ETraceInputData:
 
 
 class SingleStepData(ETraceInputData):
-    """The input of one time step (the default for unmarked inputs)."""
+    """The input of one time step (the default for unmarked inputs).
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp, braintrace
+    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL, jnp.ones(3))
+    >>> braintrace.SingleStepData(jnp.ones(3))
+    SingleStepData(Array([1., 1., 1.], dtype=float32))
+    >>> learner(braintrace.SingleStepData(jnp.ones(3))).shape  # the same as learner(jnp.ones(3))
+    (4,)
+    """
 
 
 class MultiStepData(ETraceInputData):
-    """Inputs of several time steps: every leaf has a leading time axis ``T``."""
+    """Inputs of several time steps: every leaf has a leading time axis ``T``.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp, braintrace
+    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL, jnp.ones(3),
+    ...                              vjp_method='multi-step')
+    >>> learner(braintrace.MultiStepData(jnp.ones((5, 3)))).shape  # 5 steps, one output per step
+    (5, 4)
+    """
 
 
 def _register(cls: type[ETraceInputData]) -> None:

@@ -51,6 +51,15 @@ class OSTLRecurrent(ParamDimVjpAlgorithm):
     dense recurrent matmul only its diagonal enters the trace, so it is an approximation;
     the upstream docstring's claim that coupling through a traced weight is retained does
     not hold there either.
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.OSTLRecurrent,
+    ...                              jnp.ones(3))
+    >>> grads = brainstate.transform.grad(lambda x: learner(x).sum(), learner.param_states)(jnp.ones(3))
+    >>> grads[('W', 'weight')]['weight'].shape
+    (7, 4)
     """
 
     _include_recurrent_mixing = True
@@ -68,6 +77,14 @@ class OSTLFeedforward(pp_prop):
     name : str, optional
     **kwargs
         Forwarded to :class:`pp_prop` (``vjp_method``, ``fast_solve``, ``control_flow``).
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp, braintrace
+    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.OSTLFeedforward,
+    ...                              jnp.ones(3))
+    >>> learner.decay, isinstance(learner, braintrace.pp_prop)
+    (1e-06, True)
     """
 
     regime = "without-H"

@@ -76,6 +76,17 @@ class OSTTP(LearningSignalDRTRL):
         For an unknown ``target_timing`` or a ``B_list`` entry that is not a matrix; at
         :meth:`compile_graph`, when ``B_list`` does not fit the hidden groups (the learner
         then stays uncompiled); at a call, when a ``'per-step'`` call has no target.
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> B = jnp.ones((2, 4))  # 2 targets projected onto the 4 hidden units
+    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.OSTTP, jnp.ones(3),
+    ...                              B_list=[B])
+    >>> loss = lambda x, y_target: learner(x, y_target).sum()
+    >>> grads = brainstate.transform.grad(loss, learner.param_states)(jnp.ones(3), jnp.ones(2))
+    >>> grads[('W', 'weight')]['weight'].shape
+    (7, 4)
     """
 
     _include_recurrent_mixing = True

@@ -79,6 +79,15 @@ class OTPE(DenseLeakRule):
     NotImplementedError
         At compilation, for relations that are not dense matmuls; at a call, for
         ``MultiStepData`` input.
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.OTPE, jnp.ones(3),
+    ...                              mode='approx', leak=0.9)
+    >>> grads = brainstate.transform.grad(lambda x: learner(x).sum(), learner.param_states)(jnp.ones(3))
+    >>> grads[('W', 'weight')]['weight'].shape
+    (7, 4)
     """
 
     _modes = ("full", "approx")

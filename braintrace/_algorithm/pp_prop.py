@@ -146,6 +146,17 @@ class IODimVjpAlgorithm(ETraceVjpAlgorithm):
         ``{(id(y_var), 'hidden_group_i'): EligibilityTrace}``, the output traces.
     trace_steps : brainstate.LongTermState
         Time steps absorbed by the traces since the last reset (drives the bias correction).
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp, braintrace
+    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.IODimVjpAlgorithm,
+    ...                              jnp.ones(3), decay_or_rank=3)
+    >>> learner.decay  # rank 3: (3 - 1) / (3 + 1)
+    0.5
+    >>> x_traces, f_traces = learner.get_etrace_of(learner.param_states[('W', 'weight')])
+    >>> [v.shape for v in x_traces.values()], [v.shape for v in f_traces.values()]  # O(|x| + |y|)
+    ([(7,)], [(4, 1)])
     """
 
     _supports_scan_descent = False
@@ -447,7 +458,21 @@ def _zeros(value: jax.Array, batch_size: int | None) -> jax.Array:
 
 
 class pp_prop(IODimVjpAlgorithm):
-    """pp_prop (ES-D-RTRL) under its canonical name (identical to :class:`IODimVjpAlgorithm`)."""
+    """pp_prop (ES-D-RTRL) under its canonical name (identical to :class:`IODimVjpAlgorithm`).
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.pp_prop, jnp.ones(3),
+    ...                              decay_or_rank=0.9)
+    >>> learner.decay, learner.num_rank
+    (0.9, 19)
+    >>> grads = brainstate.transform.grad(lambda x: learner(x).sum(), learner.param_states)(jnp.ones(3))
+    >>> grads[('W', 'weight')]['weight'].shape
+    (7, 4)
+    >>> braintrace.ES_D_RTRL is braintrace.pp_prop
+    True
+    """
 
 
 pp_prop.__module__ = "braintrace"

@@ -39,6 +39,7 @@ from braintrace._compiler.hidden_group_discovery import (
 from braintrace._compiler.hidden_pertubation import (
     HiddenPerturbation,
     add_hidden_perturbation_from_minfo,
+    groups_read_past_update,
     add_hidden_perturbation_in_module,
 )
 from braintrace._compiler.module_info import ModuleInfo, extract_module_info
@@ -59,6 +60,7 @@ __all__ = [
     "extract_module_info",
     "HiddenPerturbation",
     "add_hidden_perturbation_from_minfo",
+    "groups_read_past_update",
     "add_hidden_perturbation_in_module",
     "CompilationRecord",
     "CompilationReport",

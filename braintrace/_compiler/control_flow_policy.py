@@ -48,6 +48,19 @@ class ControlFlowPolicy:
     ------
     ValueError
         On construction, for any value outside the choices above.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp, braintrace
+    >>> policy = braintrace.ControlFlowPolicy(scan_unroll_limit=4, etp_in_control_flow='exclude')
+    >>> policy.cond, policy.scan_unroll_limit
+    ('convert', 4)
+    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL, jnp.ones(3),
+    ...                              control_flow=policy)
+    >>> braintrace.ControlFlowPolicy(cond='inline')
+    Traceback (most recent call last):
+        ...
+    ValueError: ControlFlowPolicy.cond must be 'convert' or 'opaque', got 'inline'.
     """
 
     cond: str = "convert"

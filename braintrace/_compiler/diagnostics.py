@@ -37,7 +37,14 @@ __all__ = [
 
 
 class DiagnosticLevel(str, Enum):
-    """Severity of a :class:`CompilationRecord`."""
+    """Severity of a :class:`CompilationRecord`.
+
+    Examples
+    --------
+    >>> import braintrace
+    >>> [level.value for level in braintrace.DiagnosticLevel]
+    ['info', 'warning', 'error']
+    """
 
     INFO = "info"
     WARNING = "warning"
@@ -45,7 +52,14 @@ class DiagnosticLevel(str, Enum):
 
 
 class DiagnosticKind(str, Enum):
-    """What a :class:`CompilationRecord` is about; the value is the lower-case name."""
+    """What a :class:`CompilationRecord` is about; the value is the lower-case name.
+
+    Examples
+    --------
+    >>> import braintrace
+    >>> braintrace.DiagnosticKind('scan_unrolled') is braintrace.DiagnosticKind.SCAN_UNROLLED
+    True
+    """
 
     RELATION_INCLUDED = "relation_included"
     RELATION_EXCLUDED_NO_PARAMSTATE = "relation_excluded_no_paramstate"
@@ -94,6 +108,14 @@ class CompilationRecord:
         Paths of the hidden states concerned.
     context : dict, optional
         Machine-readable details (e.g. ``blocking_primitives``).
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> cell = brainstate.nn.init_all_states(braintrace.nn.ValinaRNNCell(3, 4))
+    >>> record, = braintrace.compile_etrace_graph(cell, jnp.ones(3)).diagnostics
+    >>> record.kind.name, record.level.name, record.weight_path, record.hidden_paths
+    ('RELATION_INCLUDED', 'INFO', ('W', 'weight'), (('h',),))
     """
 
     kind: DiagnosticKind

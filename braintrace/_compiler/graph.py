@@ -56,6 +56,16 @@ class ETraceGraph(NamedTuple):
     hidden_param_op_relations : tuple of HiddenParamOpRelation
     hidden_perturb : HiddenPerturbation or None
     diagnostics : tuple of CompilationRecord
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp, braintrace
+    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL, jnp.ones(3))
+    >>> graph = learner.graph
+    >>> len(graph.hidden_groups), len(graph.hidden_param_op_relations)
+    (1, 1)
+    >>> [record.kind.name for record in graph.diagnostics]
+    ['RELATION_INCLUDED']
     """
 
     module_info: ModuleInfo
@@ -162,7 +172,8 @@ def _append_descended_groups(
             raise NotImplementedError(
                 f"Hidden states {group.hidden_paths} are coupled outside a descended scan, but {taken} "
                 f"is carried by that scan. Compute the coupled states inside the scan body too, or set "
-                f"ControlFlowPolicy(scan_descent='off')."
+                f"ControlFlowPolicy(scan_descent='off', scan_unroll_limit=N) with N at least the loop's "
+                f"length, so that the loop is unrolled."
             )
     relations: list[HiddenParamOpRelation] = []
     for bundle in bundles:
@@ -187,7 +198,8 @@ def _reject_relations_into_descent(relations: Sequence[HiddenParamOpRelation]) -
                 f"An ETP relation outside a descended scan targets hidden state(s) {targets} carried by "
                 f"that scan ({rel.primitive.name} with weight {rel.path}). Per-substep eligibility traces "
                 f"need the operation inside the loop: move the operation inside the scan body, "
-                f"restructure the model, or set ControlFlowPolicy(scan_descent='off')."
+                f"restructure the model, or set ControlFlowPolicy(scan_descent='off', scan_unroll_limit=N) "
+                f"with N at least the loop's length, so that the loop is unrolled."
             )
 
 
@@ -225,6 +237,14 @@ def compile_etrace_graph(
         If the step writes a ``ParamState``, or coupled hidden states differ in shape.
     NotImplementedError
         On a recursive compile, or control flow the policy rejects.
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> cell = brainstate.nn.init_all_states(braintrace.nn.ValinaRNNCell(3, 4))
+    >>> graph = braintrace.compile_etrace_graph(cell, jnp.ones(3))
+    >>> graph.hidden_groups[0].hidden_paths, graph.hidden_perturb.perturb_hidden_paths
+    ([('h',)], [('h',)])
     """
     with _no_recursion(), diagnostic_context() as reporter:
         minfo = extract_module_info(model, *model_args, control_flow=control_flow)

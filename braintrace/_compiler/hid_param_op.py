@@ -97,6 +97,14 @@ class HiddenParamOpRelation(NamedTuple):
         Per trainable key, the primitives between the state leaf and the operand.
     control_flow_context : object, optional
         Set for relations inside a descended scan.
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> cell = brainstate.nn.init_all_states(braintrace.nn.ValinaRNNCell(3, 4))
+    >>> relation = braintrace.compile_etrace_graph(cell, jnp.ones(3)).hidden_param_op_relations[0]
+    >>> relation.primitive.name, relation.trainable_paths, relation.connected_hidden_paths
+    ('etp_mv', {'weight': ('W', 'weight'), 'bias': ('W', 'weight')}, [('h',)])
     """
 
     primitive: Any
@@ -454,14 +462,26 @@ def _emit_no_target(prim: Any, weight_path: Path, blocked: list[JaxprEqn], train
     else:
         emit(DiagnosticKind.RELATION_EXCLUDED_NON_TEMPORAL, DiagnosticLevel.WARNING,
              f"The output of {prim.name} with weight {weight_path} reaches no hidden state; "
-             f"it has no temporal dependence and is left out of online learning (use a plain "
-             f"JAX op for readout weights).", primitive=prim, weight_path=weight_path)
+             f"it has no temporal dependence, so it gets no eligibility trace and learns from its "
+             f"exact same-step gradient (a plain JAX op does the same for readout weights).",
+             primitive=prim, weight_path=weight_path)
 
 
 def find_hidden_param_op_relations_from_minfo(
     minfo: ModuleInfo, hid_path_to_group: dict[Path, HiddenGroup], descended_scan_eqn_ids: frozenset[int] = frozenset()
 ) -> tuple[HiddenParamOpRelation, ...]:
-    """The relations of a traced step, given its hidden groups."""
+    """The relations of a traced step, given its hidden groups.
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> cell = brainstate.nn.init_all_states(braintrace.nn.ValinaRNNCell(3, 4))
+    >>> minfo = braintrace.extract_module_info(cell, jnp.ones(3))
+    >>> groups, hid_path_to_group = braintrace.find_hidden_groups_from_minfo(minfo)
+    >>> relations = braintrace.find_hidden_param_op_relations_from_minfo(minfo, hid_path_to_group)
+    >>> [r.trainable_paths['weight'] for r in relations]
+    [('W', 'weight')]
+    """
     invar_to_weight_path = dict(minfo.invar_to_weight_path)
     return find_hidden_param_op_relations_from_jaxpr(
         minfo.jaxpr, invar_to_weight_path, minfo.retrieved_model_states, minfo.outvar_to_hidden_path,
@@ -473,7 +493,16 @@ def find_hidden_param_op_relations_from_minfo(
 def find_hidden_param_op_relations_from_module(
     model: brainstate.nn.Module, *model_args: Any, **model_kwargs: Any
 ) -> tuple[HiddenParamOpRelation, ...]:
-    """Trace one step of ``model`` and return its relations (default hidden groups)."""
+    """Trace one step of ``model`` and return its relations (default hidden groups).
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> cell = brainstate.nn.init_all_states(braintrace.nn.ValinaRNNCell(3, 4))
+    >>> relations = braintrace.find_hidden_param_op_relations_from_module(cell, jnp.ones(3))
+    >>> [(r.primitive.name, r.connected_hidden_paths) for r in relations]
+    [('etp_mv', [('h',)])]
+    """
     minfo = extract_module_info(model, *model_args, **model_kwargs)
     _, hid_path_to_group = find_hidden_groups_from_minfo(minfo)
     return find_hidden_param_op_relations_from_minfo(minfo, hid_path_to_group)

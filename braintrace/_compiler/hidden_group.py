@@ -126,6 +126,14 @@ class HiddenGroup(NamedTuple):
         Whether positions are independent (per-position Jacobians by one VJP per state).
     descent : object, optional
         Set when the group lives inside a descended scan.
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> cell = brainstate.nn.init_all_states(braintrace.nn.ValinaRNNCell(3, 4))
+    >>> group = braintrace.compile_etrace_graph(cell, jnp.ones(3)).hidden_groups[0]
+    >>> group.index, group.hidden_paths, group.is_diagonal_recurrence
+    (0, [('h',)], True)
     """
 
     index: int  # type: ignore[assignment]  # the field name is part of the public API

@@ -319,6 +319,15 @@ def find_hidden_groups_from_minfo(
     Returns
     -------
     (groups, hid_path_to_group)
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> cell = brainstate.nn.init_all_states(braintrace.nn.ValinaRNNCell(3, 4))
+    >>> minfo = braintrace.extract_module_info(cell, jnp.ones(3))
+    >>> groups, hid_path_to_group = braintrace.find_hidden_groups_from_minfo(minfo)
+    >>> [group.hidden_paths for group in groups]
+    [[('h',)]]
     """
     tracers = JaxprEvalForHiddenGroup(minfo, include_recurrent_mixing, descended_scan_eqn_ids).compile(minfo.jaxpr)
     order = {v: i for i, v in enumerate(minfo.hidden_outvar_to_invar)}
@@ -366,6 +375,15 @@ def find_hidden_groups_from_minfo(
 def find_hidden_groups_from_module(
     model: brainstate.nn.Module, *model_args: Any, include_recurrent_mixing: bool = False, **model_kwargs: Any
 ) -> tuple[list[HiddenGroup], dict[Path, HiddenGroup]]:
-    """Trace one step of ``model`` and return its hidden groups (see :func:`find_hidden_groups_from_minfo`)."""
+    """Trace one step of ``model`` and return its hidden groups (see :func:`find_hidden_groups_from_minfo`).
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> cell = brainstate.nn.init_all_states(braintrace.nn.ValinaRNNCell(3, 4))
+    >>> groups, hid_path_to_group = braintrace.find_hidden_groups_from_module(cell, jnp.ones(3))
+    >>> groups[0].hidden_paths, hid_path_to_group[('h',)] is groups[0]
+    ([('h',)], True)
+    """
     minfo = extract_module_info(model, *model_args, **model_kwargs)
     return find_hidden_groups_from_minfo(minfo, include_recurrent_mixing=include_recurrent_mixing)

@@ -45,6 +45,7 @@ __all__ = [
     "JaxprEvalForHiddenPerturbation",
     "add_hidden_perturbation_from_minfo",
     "add_hidden_perturbation_in_module",
+    "groups_read_past_update",
 ]
 
 _STOP_GRADIENT = jax.make_jaxpr(jax.lax.stop_gradient)(0.0).jaxpr.eqns[0].primitive
@@ -63,6 +64,14 @@ class HiddenPerturbation(NamedTuple):
         The perturbed hidden states.
     perturb_jaxpr : ClosedJaxpr
         The perturbed step.
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> cell = brainstate.nn.init_all_states(braintrace.nn.ValinaRNNCell(3, 4))
+    >>> perturbation = braintrace.compile_etrace_graph(cell, jnp.ones(3)).hidden_perturb
+    >>> perturbation.perturb_hidden_paths, [v.aval.shape for v in perturbation.perturb_vars]
+    ([('h',)], [(4,)])
     """
 
     perturb_vars: list[Var]
@@ -197,10 +206,62 @@ class JaxprEvalForHiddenPerturbation(JaxprEvaluation):
         return eqn.replace(invars=invars)
 
 
+def groups_read_past_update(
+    perturbation: HiddenPerturbation, hidden_groups: Sequence[HiddenGroup], minfo: ModuleInfo
+) -> frozenset[int]:
+    """The groups whose previous value reaches an output of the step other than through their new value.
+
+    ``∂L/∂h^{t-1}`` of a group is ``Dᵀ ∂L/∂h^t`` only when every output (model output, other
+    states, other groups' new values) reads ``h^{t-1}`` through ``h^t``. A step that returns a
+    value computed before the update (a spike of the pre-reset potential, a component stacked into
+    a ``HiddenGroupState``) or feeds the old value into another group reads it past the update.
+    Found by propagating, from each group's input values, a dependency mark that stops at the
+    group's own perturbed new values; a control-flow equation passes the mark to all its outputs.
+    Only the step's model outputs and new state values count, not the intermediates the compiler
+    hoisted for the learners.
+    """
+    jaxpr = perturbation.perturb_jaxpr.jaxpr
+    perturb_vars = set(perturbation.perturb_vars)
+    member_of = {p: g.index for g in hidden_groups for p in g.hidden_paths}
+    # Each perturbation equation (ĥ + p -> h^t) belongs to the group of its hidden state.
+    update_group = {
+        id(eqn): member_of.get(path)
+        for eqn in jaxpr.eqns
+        for v, path in zip(perturbation.perturb_vars, perturbation.perturb_hidden_paths)
+        if v in eqn.invars
+    }
+    marks: dict[Var, frozenset[int]] = {
+        v: frozenset({member_of[path]}) for v, path in minfo.invar_to_hidden_path.items() if path in member_of
+    }
+    for eqn in jaxpr.eqns:
+        found = frozenset().union(*(marks.get(v, frozenset()) for v in eqn.invars if isinstance(v, Var)
+                                    and not isinstance(v, Literal) and v not in perturb_vars))
+        cut = update_group.get(id(eqn))
+        if cut is not None:
+            found = found - {cut}
+        if found:
+            for v in eqn.outvars:
+                marks[v] = found
+    reached: set[int] = set()
+    for v in jaxpr.outvars[:minfo.num_var_out + minfo.num_var_state]:
+        if isinstance(v, Var) and not isinstance(v, Literal):
+            reached |= marks.get(v, frozenset())
+    return frozenset(reached)
+
+
 def add_hidden_perturbation_from_minfo(
     minfo: ModuleInfo, descended_scan_eqn_ids: frozenset[int] = frozenset()
 ) -> HiddenPerturbation:
-    """The perturbed form of a traced step."""
+    """The perturbed form of a traced step.
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> cell = brainstate.nn.init_all_states(braintrace.nn.ValinaRNNCell(3, 4))
+    >>> minfo = braintrace.extract_module_info(cell, jnp.ones(3))
+    >>> braintrace.add_hidden_perturbation_from_minfo(minfo).perturb_hidden_paths
+    [('h',)]
+    """
     return JaxprEvalForHiddenPerturbation(
         minfo.closed_jaxpr, minfo.hidden_outvar_to_invar, minfo.weight_invars,
         minfo.invar_to_hidden_path, minfo.outvar_to_hidden_path, minfo.retrieved_model_states,
@@ -211,5 +272,14 @@ def add_hidden_perturbation_from_minfo(
 def add_hidden_perturbation_in_module(
     model: brainstate.nn.Module, *model_args: Any, **model_kwargs: Any
 ) -> HiddenPerturbation:
-    """Trace one step of ``model`` and return its perturbed form."""
+    """Trace one step of ``model`` and return its perturbed form.
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> cell = brainstate.nn.init_all_states(braintrace.nn.ValinaRNNCell(3, 4))
+    >>> perturbation = braintrace.add_hidden_perturbation_in_module(cell, jnp.ones(3))
+    >>> perturbation.perturb_hidden_paths
+    [('h',)]
+    """
     return add_hidden_perturbation_from_minfo(extract_module_info(model, *model_args, **model_kwargs))

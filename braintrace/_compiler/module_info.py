@@ -81,6 +81,14 @@ class ModuleInfo(NamedTuple):
         Number of flattened state values after them.
     control_flow : ControlFlowPolicy
         The policy the step was compiled under.
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> cell = brainstate.nn.init_all_states(braintrace.nn.ValinaRNNCell(3, 4))
+    >>> minfo = braintrace.extract_module_info(cell, jnp.ones(3))
+    >>> list(minfo.hidden_path_to_invar), list(minfo.weight_path_to_invars), minfo.num_var_out
+    ([('h',)], [('W', 'weight')], 1)
     """
 
     stateful_model: Any
@@ -191,6 +199,14 @@ def extract_module_info(
         If the step writes a ``ParamState``.
     ValueError
         If a state's unit changes during the step (raised by brainstate when it is written).
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> cell = brainstate.nn.init_all_states(braintrace.nn.ValinaRNNCell(3, 4))
+    >>> minfo = braintrace.extract_module_info(cell, jnp.ones(3))
+    >>> isinstance(minfo, braintrace.ModuleInfo), list(minfo.retrieved_model_states)
+    (True, [('W', 'weight'), ('h',)])
     """
     if not isinstance(model, brainstate.nn.Module):
         raise ModelTypeError(

@@ -43,6 +43,16 @@ class CompilationReport:
     Parameters
     ----------
     graph : ETraceGraph
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp, braintrace
+    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL, jnp.ones(3))
+    >>> report = learner.report  # a CompilationReport of learner.graph
+    >>> report.hidden_groups, report.excluded_weights
+    ([(0, [('h',)])], [])
+    >>> report.counts
+    {'hidden_groups': 1, 'etrace_weights': 2, 'excluded_weights': 0, 'warnings': 0, 'errors': 0}
     """
 
     def __init__(self, graph: ETraceGraph) -> None:

@@ -16,9 +16,9 @@ carried hidden state whose initial value is not the state's value at step entry.
 operation *outside* the scan that drives a hidden state the scan carries is rejected when the
 graph is compiled (move it inside the body). Only the D-RTRL family
 (``ParamDimVjpAlgorithm``) learns through descended scans. The single-step learning signal is
-read off the perturbation of the scan's carried outputs: a loss that reads the hidden state
-through the scan's stacked ``ys`` (``for_loop(...)[-1]``) bypasses it, so its gradient lacks the
-credit of earlier steps; read the state after the loop (``self.h.value``) instead.
+read off the perturbation of the scan's carried outputs; a loss that reads the hidden state
+through the scan's stacked ``ys`` (``for_loop(...)[-1]``) reads it past that perturbation, which
+:func:`groups_read_past_update` detects so that the learner takes the full ``∂L/∂h^{t-1}``.
 
 Exactness: when the substep recurrence is element-wise (leaky integrators, LIF neurons), the
 descended D-RTRL gradient equals backpropagation through time, single-step and multi-step.

@@ -611,3 +611,127 @@ def test_get_etrace_of_an_untraced_weight(weight: Callable[[Any], Any]) -> None:
     learner, model = _stepped(B)
     with pytest.raises(ValueError, match="etrace of the given weight"):
         learner.get_etrace_of(weight(model))
+
+
+# --- hooks that mix entries across output columns -------------------------------------------
+#
+# The dense, grouped, sparse and embedding families keep their D-RTRL traces in the space of
+# the transformed parameters and apply each hook's VJP once, in the solve; a hook that couples
+# entries feeding different outputs is then exact, like element_wise, lora and einsum.
+
+
+def softmax_last(v: jax.Array) -> jax.Array:
+    """A coupling transform along the last (output) axis."""
+    return jax.nn.softmax(v, axis=-1)
+
+
+def _grouped_x(batch: int | None) -> jax.Array:
+    return normal(10, (T, 2, I) if batch is None else (T, batch, 2, I))
+
+
+def _sparse_hooked(weight_fn: Callable[[Any], Any], bias_fn: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
+    def op(m: Any, x: Any) -> Any:
+        sparse = _optional("sparse")
+        return sparse.sparse_matmul(
+            x, m.w.value, sparse_mat=csr(), bias=m.b.value, weight_fn=weight_fn, bias_fn=bias_fn
+        )
+
+    return op
+
+
+GROUPED_B = params(w=w(4, 2, I, O), b=w(5, 2, O, scale=0.1))
+EMB = params(w=w(6, 5, O))
+
+MIXING_ROWS = [
+    Row(
+        "mm-fn-norm-bias-softmax", MM_B,
+        lambda m, x: braintrace.matmul(x, m.w.value, m.b.value, weight_fn=normalised, bias_fn=softmax_last),
+        dense_x,
+    ),
+    Row(
+        "mm-fn-softmax-readout", MM_B,
+        lambda m, x: braintrace.matmul(x, m.w.value, m.b.value, weight_fn=softmax_last), dense_x, readout=True,
+    ),
+    Row(
+        "grouped-fn-softmax-bias-norm", GROUPED_B,
+        lambda m, x: braintrace.grouped_matmul(x, m.w.value, m.b.value, weight_fn=softmax_last, bias_fn=normalised),
+        _grouped_x,
+    ),
+    Row(
+        "grouped-fn-norm", GROUPED_B,
+        lambda m, x: braintrace.grouped_matmul(x, m.w.value, m.b.value, weight_fn=normalised), _grouped_x,
+    ),
+    Row("sparse-fn-norm-bias-softmax", sparse_params(True), _sparse_hooked(normalised, softmax_last), dense_x),
+    Row("sparse-fn-softmax-bias-norm", sparse_params(True), _sparse_hooked(softmax_last, normalised), dense_x),
+    Row(
+        "embedding-fn-softmax", EMB,
+        lambda m, x: braintrace.embedding(x, m.w.value, weight_fn=softmax_last), tokens,
+    ),
+    Row(
+        "embedding-fn-norm", EMB,
+        lambda m, x: braintrace.embedding(x, m.w.value, weight_fn=normalised), tokens, tail=identity,
+    ),
+]
+MIXING_ROW = {row.id: row for row in MIXING_ROWS}
+
+
+def _mixing_cases(ids: Any = None) -> list[Any]:
+    return [
+        pytest.param(row, batched, id=f"{row.id}-{'batched' if batched else 'unbatched'}")
+        for row in MIXING_ROWS if ids is None or row.id in ids for batched in row.batched
+    ]
+
+
+@pytest.mark.parametrize("row, batched", _mixing_cases())
+def test_single_step_equals_bptt_for_column_mixing_hooks(x64: None, row: Row, batched: bool) -> None:
+    make, xs, batch = _setup(row, batched)
+    ref = bptt_grads(make(), xs, batch_size=batch)
+    got = single_step_grads(compile_quiet(make(), xs[0], batch), xs)
+    assert set(got) == set(ref)
+    assert all(np.any(ref[p] != 0) for p in ref), "every parameter must be exercised"
+    assert max_rel_err(ref, got) < EXACT
+
+
+_WINDOW_ROWS = (
+    "mm-fn-norm-bias-softmax", "grouped-fn-softmax-bias-norm", "sparse-fn-norm-bias-softmax", "embedding-fn-softmax",
+)
+
+
+@pytest.mark.parametrize("windows", [[T], [2, 1, 1]], ids=["whole", "split"])
+@pytest.mark.parametrize("row, batched", _mixing_cases(_WINDOW_ROWS))
+def test_windows_equal_bptt_for_column_mixing_hooks(x64: None, row: Row, batched: bool, windows: list[int]) -> None:
+    """Multi-step windows (a whole-sequence window, and windows that hand the trace on)."""
+    make, xs, batch = _setup(row, batched)
+    ref = bptt_grads(make(), xs, batch_size=batch)
+    learner = compile_quiet(make(), xs[0], batch, vjp_method="multi-step")
+    assert max_rel_err(ref, window_grads(learner, xs, windows)) < EXACT
+
+
+class ClippedTraces(braintrace.D_RTRL):
+    """A rule defined outside the library that clips every trace when it is rolled."""
+
+    def _update_etrace_data(self, *args: Any, **kwargs: Any) -> Any:
+        new = super()._update_etrace_data(*args, **kwargs)
+        return jax.tree.map(lambda v: jnp.clip(v, -0.05, 0.05), new)
+
+
+@pytest.mark.parametrize("fast_solve", [True, False], ids=["fast", "general"])
+def test_a_subclass_that_changes_rolled_traces_gets_the_history_of_its_stored_trace(
+    x64: None, fast_solve: bool
+) -> None:
+    # History = ⟨Dᵀ g, ε^{t-1}⟩ with the stored (clipped) trace, whichever kernels roll it.
+    xs = normal(90, (T, B, I))
+    row = ROWS[0]
+
+    def learner_with(fast: bool) -> Any:
+        model = Leaky(row, xs[0], True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return braintrace.compile(model, ClippedTraces, xs[0], batch_size=B, fast_solve=fast)
+
+    learner = learner_with(fast_solve)
+    assert not learner._rolls_plainly()
+    assert (learner._fast_path(learner.graph.hidden_param_op_relations[0]) is not None) == fast_solve
+    clipped = single_step_grads(learner, xs)
+    assert max_rel_err(single_step_grads(learner_with(not fast_solve), xs), clipped) < EXACT
+    assert max_rel_err(bptt_grads(Leaky(row, xs[0], True), xs, batch_size=B), clipped) > 1e-3
