@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test typecheck demo bench clean
+.PHONY: test typecheck demo bench docs clean
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ $(VENV)/.demo: $(VENV)/.base pyproject.toml requirements.txt
 	$(PY) -m pip install --quiet -e ".[demo]"
 	touch $@
 
+$(VENV)/.docs: $(VENV)/.base pyproject.toml requirements.txt
+	$(PY) -m pip install --quiet -e ".[docs]"
+	touch $@
+
 test: $(VENV)/.test
 	$(PY) -m pytest -n 2 -q --durations=20
 	$(MAKE) typecheck
@@ -30,6 +34,9 @@ demo: $(VENV)/.demo
 
 bench: $(VENV)/.test
 	$(PY) -m benchmarks
+
+docs: $(VENV)/.docs
+	$(PY) -m sphinx -W --keep-going -b html docs docs/_build/html
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache
