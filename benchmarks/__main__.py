@@ -107,14 +107,18 @@ def trace_bytes(learner: Any) -> int:
     return sum(leaf.size * leaf.dtype.itemsize for st in traces.values() for leaf in jax.tree.leaves(st.value))
 
 
-def time_step(step: Any, xs: jax.Array, ys: jax.Array, repeats: int) -> float:
-    jax.block_until_ready(step(xs, ys))
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def time_steps(steps: dict[str, Any], xs: jax.Array, ys: jax.Array, repeats: int) -> dict[str, float]:
+    """Median seconds per call of each step, the steps taking turns so that drifts in the
+    machine's load reach every method alike."""
+    for step in steps.values():
         jax.block_until_ready(step(xs, ys))
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            jax.block_until_ready(step(xs, ys))
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def temp_memory(step: Any, xs: jax.Array, ys: jax.Array) -> float:
@@ -151,16 +155,17 @@ def run(setting: Setting, batch: int, steps: int, long_steps: int, repeats: int,
         "pp_prop multi(10)": lambda: online_step(setting, batch, "pp_prop", 10, decay_or_rank=0.9),
     }
     rows: dict[str, Any] = {}
+    steps_of: dict[str, Any] = {}
     for name, build in builders.items():
-        if name.startswith("pp_prop") and "pp_prop" not in braintrace.__all__:
-            continue
         step, learner = build()
+        steps_of[name] = step
         rows[name] = {
-            "seconds": time_step(step, xs, ys, repeats),
             "mem_short": temp_memory(step, xs, ys),
             "mem_long": temp_memory(step, xl, yl),
             "trace_bytes": trace_bytes(learner) if learner is not None else 0,
         }
+    for name, seconds in time_steps(steps_of, xs, ys, repeats).items():
+        rows[name]["seconds"] = seconds
     bptt = rows["BPTT"]["seconds"]
     for name, r in rows.items():
         r["vs_bptt"] = r["seconds"] / bptt
@@ -177,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--long-steps", type=int, default=1000)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
