@@ -7,6 +7,7 @@ moves them touches a single file.
 from __future__ import annotations
 
 from jax.core import ShapedArray
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.interpreters import ad, batching, mlir
 
-__all__ = ["ShapedArray", "ad", "batching", "mlir"]
+__all__ = ["CustomVJPPrimal", "ShapedArray", "SymbolicZero", "ad", "batching", "mlir"]

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 
 from braintrace._algorithm.graph_executor import ETraceGraphExecutor, ETraceVjpGraphExecutor
 from braintrace._algorithm.input_data import has_multistep_data
-from braintrace._compiler import CompilationReport, ControlFlowPolicy, ETraceGraph
+from braintrace._compiler import CompilationReport, ControlFlowPolicy, ETraceGraph, groups_read_past_update
+from braintrace._compatible_imports import CustomVJPPrimal, SymbolicZero, ad
 from braintrace._op._rule_helpers import shape_of
 
 __all__ = ["EligibilityTrace", "ETraceAlgorithm", "ETraceVjpAlgorithm"]
@@ -228,8 +229,12 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         )
         super().__init__(model, executor, name=name)
         self.vjp_method = vjp_method
+        self._read_past_update: frozenset[int] | None = None
         fn = jax.custom_vjp(self._update_fn)
-        fn.defvjp(self._update_fn_fwd, self._update_fn_bwd)
+        # Symbolic zeros: a cotangent that is zero by construction (typically that of the new
+        # hidden values, which a per-step loss does not read) stays symbolic through the step's
+        # VJP instead of being multiplied through the step's products.
+        fn.defvjp(self._update_fn_fwd_primals, self._update_fn_bwd, symbolic_zeros=True)
         self._true_update_fun = fn
 
     @property
@@ -298,6 +303,11 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         hid, oth = ex.split_hidden_other(new_vals)
         return out, hid, oth, new_etrace
 
+    def _update_fn_fwd_primals(self, *primals: Any) -> tuple[Any, Any]:
+        """:meth:`_update_fn_fwd` on the values of ``custom_vjp``'s primal wrappers."""
+        values = jax.tree.map(lambda p: p.value, primals, is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
+        return self._update_fn_fwd(*values)
+
     def _update_fn_fwd(
         self, args: Any, weight_vals: Any, hidden_vals: Any, other_vals: Any, etrace_vals: Any,
         running_index: Any, aux: Any = None,
@@ -336,7 +346,9 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
 
     def _update_fn_bwd(self, residuals: Any, cotangents: Any) -> tuple[Any, ...]:
         vjp_fn, trace_for_bwd, weight_vals, running_index, args, aux = residuals
-        d_out, d_hid, d_oth, _ = cotangents
+        d_out, d_hid, d_oth, _ = jax.tree.map(
+            lambda c: ad.Zero(c.aval) if isinstance(c, SymbolicZero) else c, cotangents,
+            is_leaf=lambda x: isinstance(x, SymbolicZero))
         grads = vjp_fn((d_out, d_hid, d_oth))
         groups = self.graph.hidden_groups
         if self.vjp_executor.is_single_step_vjp:
@@ -380,6 +392,14 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
     def _trace_for_backward(self, old_etrace: Any, new_etrace: Any, jac: Any, single_step: bool) -> Any:
         """What the backward pass receives as the trace (default: the trace entering the call)."""
         return old_etrace
+
+    def _groups_read_past_update(self) -> frozenset[int]:
+        """The groups whose previous value an output of the step reads other than through its update."""
+        if self._read_past_update is None:
+            perturb = self.graph.hidden_perturb
+            self._read_past_update = frozenset() if perturb is None else groups_read_past_update(
+                perturb, self.graph.hidden_groups, self.graph.module_info)
+        return self._read_past_update
 
     def _with_previous_signal(self, trace_for_bwd: Any, previous: list[Any]) -> Any:
         """Single step: give the backward residual ``∂L/∂h^{t-1}`` per group (default: unused).

@@ -54,7 +54,7 @@ import jax.numpy as jnp
 
 from braintrace._algorithm.base import EligibilityTrace, ETraceVjpAlgorithm, add_to_leaf
 from braintrace._algorithm.graph_executor import detached_df_key, df_key, history_jacobian_key, trace_key
-from braintrace._compiler import ControlFlowPolicy, groups_read_past_update
+from braintrace._compiler import ControlFlowPolicy
 from braintrace._op import _registries as reg
 
 __all__ = ["ParamDimVjpAlgorithm", "D_RTRL", "init_rule_kwargs", "relation_weights"]
@@ -165,7 +165,6 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
         self.trace_dtype = None if trace_dtype is None else jnp.dtype(trace_dtype)
         self.chunked_trace = bool(chunked_trace)
         self.etrace_bwg: dict[Any, EligibilityTrace] = {}
-        self._read_past_update: frozenset[int] | None = None
 
     # --- trace storage --------------------------------------------------------------------
 
@@ -455,14 +454,6 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
             getattr(cls, name).__module__.startswith("braintrace._algorithm")
             for name in ("_update_etrace_data", "_step_all", "_step_relation")
         )
-
-    def _groups_read_past_update(self) -> frozenset[int]:
-        """The groups whose previous value an output of the step reads other than through its update."""
-        if self._read_past_update is None:
-            perturb = self.graph.hidden_perturb
-            self._read_past_update = frozenset() if perturb is None else groups_read_past_update(
-                perturb, self.graph.hidden_groups, self.graph.module_info)
-        return self._read_past_update
 
     def _with_previous_signal(self, trace_for_bwd: Any, previous: list[Any]) -> Any:
         read_past = self._groups_read_past_update()

@@ -393,8 +393,14 @@ class IODimVjpAlgorithm(ETraceVjpAlgorithm):
         # which the exact one-step gradient already holds. Multi-step: the entering trace.
         if single_step:
             (xs, dfs), _ = jac
-            return new_etrace, (self._x_tilde(xs), dfs)
-        return old_etrace, None
+            return new_etrace, (self._x_tilde(xs), dfs), old_etrace, {}
+        return old_etrace, None, None, {}
+
+    def _with_previous_signal(self, trace_for_bwd: Any, previous: list[Any]) -> Any:
+        # A group whose previous value the step reads past its update takes its history as
+        # ⟨∂L/∂h^{t-1}, x̄^{t-1} ⊗ df̄^{t-1}⟩ from the entering traces (as D_RTRL does).
+        new, instant, old, _ = trace_for_bwd
+        return new, instant, old, {i: previous[i] for i in self._groups_read_past_update()}
 
     def _correction(self, steps: jax.Array, dtype: Any) -> jax.Array:
         """``max(1 − α^k, 1e-8)`` for a trace that absorbed ``k`` steps (no gradient)."""
@@ -406,7 +412,7 @@ class IODimVjpAlgorithm(ETraceVjpAlgorithm):
         self, running_index: Any, etrace_h2w_at_t: Any, dl_to_hidden_groups: Sequence[Any],
         weight_vals: dict[Path, Any], dl_to_nonetws_at_t: dict[Path, Any], dl_to_etws_at_t: dict[Path, Any],
     ) -> dict[Path, Any]:
-        etrace, instant = etrace_h2w_at_t
+        etrace, instant, entering, read_past = etrace_h2w_at_t
         grads = dict(dl_to_etws_at_t)
         for path, g in dl_to_nonetws_at_t.items():
             grads[path] = g if grads.get(path) is None else jax.tree.map(jnp.add, grads[path], g)
@@ -416,6 +422,11 @@ class IODimVjpAlgorithm(ETraceVjpAlgorithm):
             for group in rel.hidden_groups:
                 key = df_key(rel, group)
                 signal = dl_to_hidden_groups[group.index]
+                if group.index in read_past:
+                    per_key = self._history_from_entering(rel, entering, key, read_past[group.index], weights)
+                    for k, dw in per_key.items():
+                        grads[rel.trainable_paths[k]] = self._route(rel, k, dw, grads, weight_vals)
+                    continue
                 eps_f = etrace["dfs"][key]
                 c = self._correction(etrace["steps"], jnp.result_type(eps_f, signal))
                 per_key = self._pull_back(rel, x_trace, (eps_f / c) * signal, weights)
@@ -426,6 +437,15 @@ class IODimVjpAlgorithm(ETraceVjpAlgorithm):
                 for k, dw in per_key.items():
                     grads[rel.trainable_paths[k]] = self._route(rel, k, dw, grads, weight_vals)
         return grads
+
+    def _history_from_entering(
+        self, rel: Any, entering: IOTrace, key: Any, previous: jax.Array, weights: dict[str, jax.Array]
+    ) -> dict[str, jax.Array]:
+        """``⟨∂L/∂h^{t-1}, x̄^{t-1} ⊗ df̄^{t-1}⟩``, bias-corrected, from the traces entering the step."""
+        x_trace = None if rel.x_var is None else entering["xs"][id(rel.x_var)]
+        eps_f = entering["dfs"][key]
+        c = self._correction(entering["steps"], jnp.result_type(eps_f, previous))
+        return self._pull_back(rel, x_trace, (eps_f / c) * previous, weights)
 
     def _pull_back(self, rel: Any, x: Any, delta: jax.Array, weights: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """``xy_to_dw(x, Σ_a delta[..., a])``: the VJP of the primitive at input ``x``.
