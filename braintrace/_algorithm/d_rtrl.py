@@ -431,8 +431,9 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
         through_while = self._through_while(jac[0])
         read_past = self._groups_read_past_update()
         traces, instant = dict(old_etrace), {}
-        for rel in self.graph.hidden_param_op_relations:
-            if self._fast_path(rel) is None or rel.control_flow_context is not None or not self._rolls_plainly():
+        relations = self.graph.hidden_param_op_relations if self._rolls_plainly() else []
+        for rel in relations:
+            if self._fast_path(rel) is None or rel.control_flow_context is not None:
                 continue
             for group in rel.hidden_groups:
                 key = trace_key(rel, group)
