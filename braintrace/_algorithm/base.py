@@ -25,9 +25,18 @@ import jax.numpy as jnp
 
 from braintrace._algorithm.graph_executor import ETraceGraphExecutor, ETraceVjpGraphExecutor
 from braintrace._algorithm.input_data import has_multistep_data
-from braintrace._compiler import CompilationReport, ControlFlowPolicy, ETraceGraph, groups_read_past_update
+from braintrace._compiler import (
+    CompilationReport,
+    ControlFlowPolicy,
+    ETraceGraph,
+    LocalRelationWeights,
+    groups_read_past_update,
+    local_relation_weights,
+)
 from braintrace._compatible_imports import CustomVJPPrimal, SymbolicZero, ad
-from braintrace._op._rule_helpers import shape_of
+from braintrace._compiler.operand_chain import OperandChain, operand_chain
+from braintrace._errors import NotSupportedError
+from braintrace._op._rule_helpers import shape_of, sum_leading
 
 __all__ = ["EligibilityTrace", "ETraceAlgorithm", "ETraceVjpAlgorithm"]
 
@@ -98,6 +107,8 @@ class ETraceAlgorithm(brainstate.nn.Module):
         self.running_index = brainstate.LongTermState(jnp.asarray(0, dtype=jnp.int32))
         self.is_compiled = False
         self._split_cache: tuple[dict[Path, Any], dict[Path, Any], dict[Path, Any]] | None = None
+        # id(operand var) -> how a relation's trainable operand is computed from parameters.
+        self._operand_chains: dict[int, OperandChain] = {}
 
     # --- compilation ----------------------------------------------------------------------
 
@@ -169,8 +180,64 @@ class ETraceAlgorithm(brainstate.nn.Module):
                 f"ControlFlowPolicy(scan_descent='off', scan_unroll_limit=N) with N at least the "
                 f"loop's length, so that the loop is unrolled."
             )
+        self._operand_chains = self._build_operand_chains()
         self.init_etrace_state(*args)
         self.is_compiled = True
+
+    def _build_operand_chains(self) -> dict[int, OperandChain]:
+        """The chain of every trainable operand that is not a parameter leaf itself."""
+        minfo = self.graph.module_info
+        chains: dict[int, OperandChain] = {}
+        for rel in self.graph.hidden_param_op_relations:
+            for key, processing in rel.trainable_processing_chains.items():
+                if not processing:
+                    continue
+                operand = rel.trainable_vars[key]
+                chain = None if rel.control_flow_context is not None else operand_chain(
+                    minfo.closed_jaxpr, operand, minfo.invar_to_weight_path, minfo.weight_path_to_invars)
+                if chain is None:
+                    raise NotSupportedError(
+                        f"The {key!r} operand of {rel.primitive.name} (parameter "
+                        f"{rel.trainable_paths[key]}) is computed from values that change from step "
+                        f"to step (through {[p.name for p in processing]}), so its eligibility trace "
+                        f"cannot be credited to the parameter. Compute the operand from parameters "
+                        f"and constants only, or move the step-dependent part into weight_fn or "
+                        f"out of the operand."
+                    )
+                chains[id(operand)] = chain
+        return chains
+
+    def _relation_operands(self, rel: Any, weight_vals: dict[Path, Any]) -> dict[str, Any]:
+        """The current values of a relation's trainable operands (mantissas)."""
+        out = {}
+        for key, path in rel.trainable_paths.items():
+            chain = self._operand_chains.get(id(rel.trainable_vars[key]))
+            out[key] = (chain.value(weight_vals) if chain is not None
+                        else jax.tree.leaves(weight_vals[path])[rel.trainable_leaf_indices[key]])
+        return out
+
+    def _add_operand_gradient(
+        self, grads: dict[Path, Any], rel: Any, key: str, g: Any, weight_vals: dict[Path, Any]
+    ) -> dict[Path, Any]:
+        """``grads`` plus ``g``, a gradient with respect to the relation's operand ``key``, credited
+        to the parameter leaves the operand is computed from.
+
+        Leading axes of ``g`` beyond the operand's (the batch an element-wise weight broadcasts
+        over) are summed first.
+        """
+        operand = self._relation_operands(rel, weight_vals)[key]
+        extra = g.ndim - jnp.ndim(operand)
+        if extra > 0:
+            g = sum_leading(g, extra)
+        chain = self._operand_chains.get(id(rel.trainable_vars[key]))
+        if chain is None:
+            credits = [(rel.trainable_paths[key], rel.trainable_leaf_indices[key], g)]
+        else:
+            credits = chain.pullback(weight_vals, g)
+        grads = dict(grads)
+        for path, leaf, dg in credits:
+            grads[path] = add_to_leaf(grads[path], leaf, dg)
+        return grads
 
     def show_graph(self, verbose: bool = True, return_msg: bool = False) -> str | None:
         return self.graph_executor.show_graph(verbose=verbose, return_msg=return_msg)
@@ -213,6 +280,11 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
     """
 
     _include_recurrent_mixing = False
+    #: Single step: whether the rule's history term of a relation already holds this step's
+    #: ``⟨∂L/∂h^t, x ⊗ df⟩``. The engine then leaves the weights for which that term is the whole
+    #: one-step gradient (:func:`~braintrace._compiler.local_relation_weights`) out of the step's
+    #: VJP, and the rule must not subtract the term for them.
+    _history_holds_same_step = False
 
     def __init__(
         self,
@@ -230,6 +302,7 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         super().__init__(model, executor, name=name)
         self.vjp_method = vjp_method
         self._read_past_update: frozenset[int] | None = None
+        self._local_weights: LocalRelationWeights | None = None
         fn = jax.custom_vjp(self._update_fn)
         # Symbolic zeros: a cotangent that is zero by construction (typically that of the new
         # hidden values, which a per-step loss does not read) stays symbolic through the step's
@@ -321,8 +394,10 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
                     "step. Use vjp_method='multi-step' for MultiStepData inputs."
                 )
             perturb0 = self.graph.hidden_perturb.init_perturb_data()  # type: ignore[union-attr]
+            detached = self._local_relation_weights().paths
 
             def step(a: Any, w: Any, h: Any, o: Any, p: Any) -> Any:
+                w = {k: jax.lax.stop_gradient(v) if k in detached else v for k, v in w.items()}
                 out, new_vals, env = ex.run_step(a, {**w, **h, **o}, p)
                 return (out, *ex.split_hidden_other(new_vals)), ex.extract_jacobians(env)
 
@@ -400,6 +475,18 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
             self._read_past_update = frozenset() if perturb is None else groups_read_past_update(
                 perturb, self.graph.hidden_groups, self.graph.module_info)
         return self._read_past_update
+
+    def _local_relation_weights(self) -> LocalRelationWeights:
+        """Single step: the weights left out of the one-step VJP (see :attr:`_history_holds_same_step`)."""
+        if self._local_weights is None:
+            perturb = self.graph.hidden_perturb
+            if not self._history_holds_same_step or perturb is None:
+                self._local_weights = LocalRelationWeights(frozenset(), {})
+            else:
+                self._local_weights = local_relation_weights(
+                    perturb, self.graph.hidden_param_op_relations, self.graph.hidden_groups,
+                    self.graph.module_info, excluded_groups=self._groups_read_past_update())
+        return self._local_weights
 
     def _with_previous_signal(self, trace_for_bwd: Any, previous: list[Any]) -> Any:
         """Single step: give the backward residual ``∂L/∂h^{t-1}`` per group (default: unused).

@@ -52,23 +52,15 @@ import brainstate
 import jax
 import jax.numpy as jnp
 
-from braintrace._algorithm.base import EligibilityTrace, ETraceVjpAlgorithm, add_to_leaf
+from braintrace._algorithm.base import EligibilityTrace, ETraceVjpAlgorithm
 from braintrace._algorithm.graph_executor import detached_df_key, df_key, history_jacobian_key, trace_key
 from braintrace._compiler import ControlFlowPolicy
 from braintrace._op import _registries as reg
 
-__all__ = ["ParamDimVjpAlgorithm", "D_RTRL", "init_rule_kwargs", "relation_weights"]
+__all__ = ["ParamDimVjpAlgorithm", "D_RTRL", "init_rule_kwargs"]
 
 Path = tuple[Any, ...]
 Trace = dict[str, jax.Array]
-
-
-def relation_weights(rel: Any, weight_vals: dict[Path, Any]) -> dict[str, jax.Array]:
-    """The current raw values (mantissas) of a relation's trainable operands."""
-    return {
-        k: jax.tree.leaves(weight_vals[rel.trainable_paths[k]])[rel.trainable_leaf_indices[k]]
-        for k in rel.trainable_paths
-    }
 
 
 def init_rule_kwargs(rule: Any, **available: Any) -> dict[str, Any]:
@@ -291,7 +283,7 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
     ) -> dict[Any, Trace]:
         new = dict(etrace)
         for rel in self.graph.hidden_param_op_relations:
-            weights = relation_weights(rel, weight_vals)
+            weights = self._relation_operands(rel, weight_vals)
             x = None if rel.x_var is None else xs[id(rel.x_var)]
             step = self._fold_substeps if rel.control_flow_context is not None else self._step_relation
             for group in rel.hidden_groups:
@@ -469,7 +461,7 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
         etrace, Ds, through_while, instant, read_past = BackwardTrace(*etrace_h2w_at_t)
         grads = dict(dl_to_etws_at_t)
         for rel in self.graph.hidden_param_op_relations:
-            weights = relation_weights(rel, weight_vals)
+            weights = self._relation_operands(rel, weight_vals)
             for group in rel.hidden_groups:
                 key = trace_key(rel, group)
                 signal = dl_to_hidden_groups[group.index]
@@ -489,12 +481,7 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
                     extra = self._solve_relation(rel, dl_to_hidden_groups[group.index], inst, weights)
                     per_key = {k: per_key[k] + extra[k] for k in per_key}
                 for k, g in per_key.items():
-                    path, leaf = rel.trainable_paths[k], rel.trainable_leaf_indices[k]
-                    target = jax.tree.leaves(weight_vals[path])[leaf]
-                    extra = g.ndim - target.ndim
-                    if extra > 0:
-                        g = g.sum(axis=tuple(range(extra)))
-                    grads[path] = add_to_leaf(grads[path], leaf, g)
+                    grads = self._add_operand_gradient(grads, rel, k, g, weight_vals)
         return grads
 
     def _solve_history_from_new(

@@ -39,8 +39,7 @@ import brainstate
 import jax
 import jax.numpy as jnp
 
-from braintrace._algorithm.base import ETraceVjpAlgorithm, add_to_leaf
-from braintrace._algorithm.d_rtrl import relation_weights
+from braintrace._algorithm.base import ETraceVjpAlgorithm
 from braintrace._algorithm.input_data import has_multistep_data
 from braintrace._algorithm.snn_helpers import PresynapticTrace
 from braintrace._compiler import ControlFlowPolicy
@@ -126,13 +125,12 @@ class DenseLeakRule(ETraceVjpAlgorithm):
         return sum((signals[g.index].sum(axis=-1) for g in rel.hidden_groups[1:]),
                    signals[rel.hidden_groups[0].index].sum(axis=-1))
 
-    @staticmethod
     def _add_grads(
-        rel: Any, effective: dict[str, jax.Array], weight_vals: dict[Path, Any], grads: dict[Path, Any]
+        self, rel: Any, effective: dict[str, jax.Array], weight_vals: dict[Path, Any], grads: dict[Path, Any]
     ) -> dict[Path, Any]:
         """Pull gradients w.r.t. ``weight_fn(W)`` / ``bias_fn(b)`` back to the raw parameters
         and add them to ``grads``."""
-        weights = relation_weights(rel, weight_vals)
+        weights = self._relation_operands(rel, weight_vals)
         for key, g in effective.items():
             if key not in rel.trainable_paths:
                 continue
@@ -140,8 +138,7 @@ class DenseLeakRule(ETraceVjpAlgorithm):
             if hook is not None:
                 _, vjp = jax.vjp(hook, weights[key])
                 g = vjp(g.astype(weights[key].dtype))[0]
-            path, leaf = rel.trainable_paths[key], rel.trainable_leaf_indices[key]
-            grads[path] = add_to_leaf(grads[path], leaf, g)
+            grads = self._add_operand_gradient(grads, rel, key, g, weight_vals)
         return grads
 
 

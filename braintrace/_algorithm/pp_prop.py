@@ -58,8 +58,7 @@ import brainstate
 import jax
 import jax.numpy as jnp
 
-from braintrace._algorithm.base import EligibilityTrace, ETraceVjpAlgorithm, add_to_leaf
-from braintrace._algorithm.d_rtrl import relation_weights
+from braintrace._algorithm.base import EligibilityTrace, ETraceVjpAlgorithm
 from braintrace._algorithm.graph_executor import df_key
 from braintrace._compiler import ControlFlowPolicy
 from braintrace._op import _registries as reg
@@ -160,6 +159,7 @@ class IODimVjpAlgorithm(ETraceVjpAlgorithm):
     """
 
     _supports_scan_descent = False
+    _history_holds_same_step = True
 
     def __init__(
         self,
@@ -416,8 +416,9 @@ class IODimVjpAlgorithm(ETraceVjpAlgorithm):
         grads = dict(dl_to_etws_at_t)
         for path, g in dl_to_nonetws_at_t.items():
             grads[path] = g if grads.get(path) is None else jax.tree.map(jnp.add, grads[path], g)
-        for rel in self.graph.hidden_param_op_relations:
-            weights = relation_weights(rel, weight_vals)
+        local_keys = self._local_relation_weights().keys
+        for index, rel in enumerate(self.graph.hidden_param_op_relations):
+            weights = self._relation_operands(rel, weight_vals)
             x_trace = None if rel.x_var is None else etrace["xs"][id(rel.x_var)]
             for group in rel.hidden_groups:
                 key = df_key(rel, group)
@@ -425,17 +426,19 @@ class IODimVjpAlgorithm(ETraceVjpAlgorithm):
                 if group.index in read_past:
                     per_key = self._history_from_entering(rel, entering, key, read_past[group.index], weights)
                     for k, dw in per_key.items():
-                        grads[rel.trainable_paths[k]] = self._route(rel, k, dw, grads, weight_vals)
+                        grads = self._add_operand_gradient(grads, rel, k, dw, weight_vals)
                     continue
                 eps_f = etrace["dfs"][key]
                 c = self._correction(etrace["steps"], jnp.result_type(eps_f, signal))
                 per_key = self._pull_back(rel, x_trace, (eps_f / c) * signal, weights)
-                if instant is not None:
+                # The same-step term is subtracted where the one-step VJP holds it too.
+                covered = local_keys.get(index, frozenset())
+                if instant is not None and set(per_key) - covered:
                     x_t = None if rel.x_var is None else instant[0][id(rel.x_var)]
                     same = self._pull_back(rel, x_t, instant[1][key] * signal, weights)
-                    per_key = {k: per_key[k] - same[k] for k in per_key}
+                    per_key = {k: v if k in covered else v - same[k] for k, v in per_key.items()}
                 for k, dw in per_key.items():
-                    grads[rel.trainable_paths[k]] = self._route(rel, k, dw, grads, weight_vals)
+                    grads = self._add_operand_gradient(grads, rel, k, dw, weight_vals)
         return grads
 
     def _history_from_entering(
@@ -459,17 +462,6 @@ class IODimVjpAlgorithm(ETraceVjpAlgorithm):
             return out
         parts = [rule(x, delta[..., a], weights, **rel.eqn_params) for a in range(delta.shape[-1])]
         return {k: sum((p[k] for p in parts[1:]), parts[0][k]) for k in parts[0]}
-
-    @staticmethod
-    def _route(rel: Any, key: str, dw: jax.Array, grads: dict[Path, Any], weight_vals: dict[Path, Any]) -> Any:
-        """Add ``dw`` to the gradient leaf of ``key`` (extra leading axes, e.g. the batch of an
-        element-wise weight in a batched group, are summed)."""
-        path, leaf = rel.trainable_paths[key], rel.trainable_leaf_indices[key]
-        target = jax.tree.leaves(weight_vals[path])[leaf]
-        extra = dw.ndim - target.ndim
-        if extra > 0:
-            dw = dw.sum(axis=tuple(range(extra)))
-        return add_to_leaf(grads[path], leaf, dw)
 
 
 def _zeros(value: jax.Array, batch_size: int | None) -> jax.Array:

@@ -39,7 +39,9 @@ from braintrace._compiler.hidden_group_discovery import (
 from braintrace._compiler.hidden_pertubation import (
     HiddenPerturbation,
     add_hidden_perturbation_from_minfo,
+    LocalRelationWeights,
     groups_read_past_update,
+    local_relation_weights,
     add_hidden_perturbation_in_module,
 )
 from braintrace._compiler.module_info import ModuleInfo, extract_module_info
@@ -61,6 +63,8 @@ __all__ = [
     "HiddenPerturbation",
     "add_hidden_perturbation_from_minfo",
     "groups_read_past_update",
+    "LocalRelationWeights",
+    "local_relation_weights",
     "add_hidden_perturbation_in_module",
     "CompilationRecord",
     "CompilationReport",

@@ -35,7 +35,7 @@ from braintrace._compiler.base import JaxprEvaluation, check_unsupported_op
 from braintrace._compiler.control_flow_policy import DEFAULT_CONTROL_FLOW_POLICY, ControlFlowPolicy
 from braintrace._compiler.diagnostics import DiagnosticKind, DiagnosticLevel, emit
 from braintrace._compiler.hidden_group import HiddenGroup
-from braintrace._compiler.jaxpr_graph import fresh_var, new_jaxpr
+from braintrace._compiler.jaxpr_graph import ELEMENTWISE_PRIMITIVES, contains_eqn, fresh_var, new_jaxpr
 from braintrace._compatible_imports import ShapedArray
 from braintrace._compiler.module_info import ModuleInfo, Path, extract_module_info
 from braintrace._op._rule_helpers import dtype_of, shape_of
@@ -46,6 +46,8 @@ __all__ = [
     "add_hidden_perturbation_from_minfo",
     "add_hidden_perturbation_in_module",
     "groups_read_past_update",
+    "LocalRelationWeights",
+    "local_relation_weights",
 ]
 
 _STOP_GRADIENT = jax.make_jaxpr(jax.lax.stop_gradient)(0.0).jaxpr.eqns[0].primitive
@@ -206,6 +208,29 @@ class JaxprEvalForHiddenPerturbation(JaxprEvaluation):
         return eqn.replace(invars=invars)
 
 
+def _update_paths(perturbation: HiddenPerturbation) -> dict[int, Path]:
+    """``id(eqn) -> hidden path`` of every perturbation equation (``ĥ + p -> h^t``)."""
+    return {
+        id(eqn): path
+        for eqn in perturbation.perturb_jaxpr.jaxpr.eqns
+        for v, path in zip(perturbation.perturb_vars, perturbation.perturb_hidden_paths)
+        if v in eqn.invars
+    }
+
+
+def _step_outputs(perturbation: HiddenPerturbation, minfo: ModuleInfo) -> set[Var]:
+    """The step's model outputs and new state values, but for parameters, which the step passes
+    through (nor the intermediates the compiler hoisted for the learners)."""
+    outvars = perturbation.perturb_jaxpr.jaxpr.outvars
+    states = [v for v, st in zip(outvars[minfo.num_var_out:], minfo.compiled_model_states)
+              if not isinstance(st, brainstate.ParamState)]
+    return {v for v in [*outvars[: minfo.num_var_out], *states] if _is_var(v)}
+
+
+def _is_var(v: Any) -> bool:
+    return isinstance(v, Var) and not isinstance(v, Literal)
+
+
 def groups_read_past_update(
     perturbation: HiddenPerturbation, hidden_groups: Sequence[HiddenGroup], minfo: ModuleInfo
 ) -> frozenset[int]:
@@ -223,19 +248,13 @@ def groups_read_past_update(
     jaxpr = perturbation.perturb_jaxpr.jaxpr
     perturb_vars = set(perturbation.perturb_vars)
     member_of = {p: g.index for g in hidden_groups for p in g.hidden_paths}
-    # Each perturbation equation (ĥ + p -> h^t) belongs to the group of its hidden state.
-    update_group = {
-        id(eqn): member_of.get(path)
-        for eqn in jaxpr.eqns
-        for v, path in zip(perturbation.perturb_vars, perturbation.perturb_hidden_paths)
-        if v in eqn.invars
-    }
+    update_group = {eqn: member_of.get(path) for eqn, path in _update_paths(perturbation).items()}
     marks: dict[Var, frozenset[int]] = {
         v: frozenset({member_of[path]}) for v, path in minfo.invar_to_hidden_path.items() if path in member_of
     }
     for eqn in jaxpr.eqns:
-        found = frozenset().union(*(marks.get(v, frozenset()) for v in eqn.invars if isinstance(v, Var)
-                                    and not isinstance(v, Literal) and v not in perturb_vars))
+        found = frozenset().union(*(marks.get(v, frozenset()) for v in eqn.invars if _is_var(v)
+                                    and v not in perturb_vars))
         cut = update_group.get(id(eqn))
         if cut is not None:
             found = found - {cut}
@@ -243,10 +262,100 @@ def groups_read_past_update(
             for v in eqn.outvars:
                 marks[v] = found
     reached: set[int] = set()
-    for v in jaxpr.outvars[:minfo.num_var_out + minfo.num_var_state]:
-        if isinstance(v, Var) and not isinstance(v, Literal):
-            reached |= marks.get(v, frozenset())
+    for v in _step_outputs(perturbation, minfo):
+        reached |= marks.get(v, frozenset())
     return frozenset(reached)
+
+
+class LocalRelationWeights(NamedTuple):
+    """Weights whose one-step gradient is the same-step term of their eligibility trace.
+
+    Attributes
+    ----------
+    paths : frozenset
+        ``ParamState`` paths every leaf of which is used only as a trainable operand of local
+        relations (see :func:`local_relation_weights`).
+    keys : dict
+        ``relation index -> trainable keys`` of each local relation whose path is in ``paths``.
+    """
+
+    paths: frozenset[Path]
+    keys: dict[int, frozenset[str]]
+
+
+def local_relation_weights(
+    perturbation: HiddenPerturbation,
+    relations: Sequence[Any],
+    hidden_groups: Sequence[HiddenGroup],
+    minfo: ModuleInfo,
+    excluded_groups: frozenset[int] = frozenset(),
+) -> LocalRelationWeights:
+    """The weights for which the exact one-step gradient equals ``⟨∂L/∂h^t, x ⊗ df⟩``.
+
+    A relation ``y = op(x, W)`` is *local* when its output reaches the step's outputs only
+    through the new values of the hidden states it drives, along element-wise equations of
+    ``y``'s shape. The cotangent of ``y`` is then ``Σ_a df_a ⊙ ∂L/∂h^t_a`` exactly, so the part of
+    the one-step gradient that flows through ``y`` is the same-step term of the trace. A learner
+    whose history already holds that term may leave such a weight out of the one-step VJP, which
+    saves one product of the size of the weight per step. Relations inside descended scans,
+    with a ``while_loop`` in their tail, driving a group in ``excluded_groups`` or a group whose
+    members read each other's new values are never local; a weight qualifies only when every use
+    of every leaf is a trainable operand of a local relation.
+    """
+    jaxpr = perturbation.perturb_jaxpr.jaxpr
+    path_of_update = _update_paths(perturbation)
+    outputs = _step_outputs(perturbation, minfo)
+    local: dict[int, Any] = {}
+    for i, rel in enumerate(relations):
+        groups = {g.index for g in rel.hidden_groups}
+        if (
+            rel.control_flow_context is not None
+            or groups & excluded_groups
+            or any(g.reads_new_members() for g in rel.hidden_groups)
+            or any(contains_eqn(t, lambda e: e.primitive.name == "while") for t in rel.y_to_hidden_group_jaxprs)
+        ):
+            continue
+        reached = _updates_reached_elementwise(jaxpr, rel.y_var, path_of_update, outputs)
+        if reached is not None and reached == set(rel.connected_hidden_paths):
+            local[i] = rel
+    eqn_relation = {id(eqn): i for eqn in jaxpr.eqns for i, rel in local.items() if rel.y_var in eqn.outvars}
+    consumers: dict[Var, list[JaxprEqn]] = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if _is_var(v):
+                consumers.setdefault(v, []).append(eqn)
+
+    def trainable_use(v: Var, eqn: JaxprEqn) -> bool:
+        i = eqn_relation.get(id(eqn))
+        return i is not None and v in local[i].trainable_vars.values() and v is not local[i].x_var
+
+    paths = frozenset(
+        path for path, invars in minfo.weight_path_to_invars.items()
+        if any(v in consumers for v in invars)
+        and all(v not in outputs and all(trainable_use(v, e) for e in consumers.get(v, [])) for v in invars)
+    )
+    keys = {i: frozenset(k for k, p in rel.trainable_paths.items() if p in paths) for i, rel in local.items()}
+    return LocalRelationWeights(paths, {i: k for i, k in keys.items() if k})
+
+
+def _updates_reached_elementwise(
+    jaxpr: Jaxpr, y: Var, path_of_update: dict[int, Path], outputs: set[Var]
+) -> set[Path] | None:
+    """The hidden paths whose perturbation ``y`` reaches along element-wise equations of its
+    shape, or ``None`` when ``y`` reaches an output any other way."""
+    shape = shape_of(y)
+    marked = {y}
+    reached: set[Path] = set()
+    for eqn in jaxpr.eqns:
+        if not any(_is_var(v) and v in marked for v in eqn.invars):
+            continue
+        if id(eqn) in path_of_update:
+            reached.add(path_of_update[id(eqn)])
+            continue
+        if eqn.primitive.name not in ELEMENTWISE_PRIMITIVES or any(shape_of(o) != shape for o in eqn.outvars):
+            return None
+        marked.update(eqn.outvars)
+    return None if marked & outputs else reached
 
 
 def add_hidden_perturbation_from_minfo(

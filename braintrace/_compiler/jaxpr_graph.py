@@ -24,6 +24,7 @@ from jax.extend.core import ClosedJaxpr, DebugInfo, DropVar, Jaxpr, JaxprEqn, Li
 
 __all__ = [
     "CONTROL_FLOW_PRIMITIVES",
+    "ELEMENTWISE_PRIMITIVES",
     "is_jit",
     "subjaxprs",
     "contains_eqn",
@@ -39,6 +40,18 @@ __all__ = [
 #: Primitives whose bodies the compiler treats as (opaque) control flow.
 CONTROL_FLOW_PRIMITIVES = ("scan", "while", "cond")
 _JIT_NAMES = ("jit", "pjit")
+
+#: Primitives that act position by position: each output element reads only the same-index
+#: elements of its operands.
+ELEMENTWISE_PRIMITIVES = frozenset({
+    "abs", "acos", "acosh", "add", "and", "asin", "asinh", "atan", "atan2", "atanh", "cbrt",
+    "ceil", "clamp", "convert_element_type", "copy", "copy_p", "cos", "cosh", "div", "eq",
+    "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "integer_pow",
+    "is_finite", "le", "lgamma", "digamma", "log", "log1p", "logistic", "lt", "max", "min",
+    "mul", "ne", "neg", "nextafter", "not", "or", "pow", "reduce_precision", "rem", "round",
+    "rsqrt", "select_n", "sign", "sin", "sinh", "sqrt", "square", "stop_gradient", "sub", "tan",
+    "tanh", "xor", "real", "imag", "conj",
+})
 
 
 def is_jit(eqn: JaxprEqn) -> bool:

@@ -46,22 +46,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn, Literal, Var
 
-from braintrace._compiler.jaxpr_graph import subjaxprs
+from braintrace._compiler.jaxpr_graph import ELEMENTWISE_PRIMITIVES, subjaxprs
 
 __all__ = ["MixingRule", "BlockDiagonalPlan", "block_diagonal_plan", "structured_block_diagonal"]
 
 Array = jax.Array
 
-# Ops that act position by position (one output element from the same-index input elements).
-_ELEMENTWISE = frozenset({
-    "abs", "acos", "acosh", "add", "and", "asin", "asinh", "atan", "atan2", "atanh", "cbrt",
-    "ceil", "clamp", "convert_element_type", "copy", "copy_p", "cos", "cosh", "div", "eq",
-    "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "integer_pow",
-    "is_finite", "le", "lgamma", "digamma", "log", "log1p", "logistic", "lt", "max", "min",
-    "mul", "ne", "neg", "nextafter", "not", "or", "pow", "reduce_precision", "rem", "round",
-    "rsqrt", "select_n", "sign", "sin", "sinh", "sqrt", "square", "stop_gradient", "sub", "tan",
-    "tanh", "xor", "real", "imag", "conj",
-})
 # Ops that only move elements; their position labels are the op applied to the labels.
 _STRUCTURAL = frozenset({
     "broadcast_in_dim", "concatenate", "expand_dims", "pad", "reshape", "rev", "slice", "split",
@@ -169,7 +159,7 @@ def _eqn_labels(
 ) -> list[_Label]:
     name = eqn.primitive.name
     mixed = any(lab.mixed for lab in ins if lab is not None)
-    if name in _ELEMENTWISE:
+    if name in ELEMENTWISE_PRIMITIVES:
         return [_Label(_merge(eqn, ins), mixed) for _ in eqn.outvars]
     if name in _STRUCTURAL:
         return [_Label(ids, mixed) for ids in _structural(eqn, ins)]

@@ -36,6 +36,7 @@ __all__ = [
     "no_hooks",
     "propagate_df",
     "pullback",
+    "sum_leading",
     "sum_over_states",
     "strip_hooks",
     "sum_rows",
@@ -155,6 +156,31 @@ def sum_over_states(signal: Array, trace: Array) -> Array:
     """
     terms = [signal[..., a] * trace[..., a] for a in range(trace.shape[-1])]
     return functools.reduce(operator.add, terms)
+
+
+def sum_leading(x: Array, num_axes: int = 1) -> Array:
+    """``x`` summed over its ``num_axes`` leading axes, as a pairwise tree of slices and adds.
+
+    On CPU, XLA hands a reduction over a leading (batch) axis whose operand is a product of
+    several arrays to a library fusion that can be one to two orders of magnitude slower than
+    the element-wise adds of a halving tree, which fuse into one pass with their producers.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp
+    >>> sum_leading(jnp.arange(12.0).reshape(3, 2, 2), 2)
+    Array([30., 36.], dtype=float32)
+    """
+    x = jnp.reshape(x, (-1, *x.shape[num_axes:]))
+    if x.shape[0] == 0:
+        return jnp.zeros(x.shape[1:], x.dtype)
+    while x.shape[0] > 1:
+        half = x.shape[0] // 2
+        folded = x[:half] + x[half : 2 * half]
+        if x.shape[0] % 2:
+            folded = jnp.concatenate([folded[:1] + x[2 * half :], folded[1:]])
+        x = folded
+    return x[0]
 
 
 def sum_rows(solve_row: Callable[[Array, dict[str, Array]], dict[str, Array]],

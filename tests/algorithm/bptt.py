@@ -82,7 +82,12 @@ def num_steps(xs: Any) -> int:
 
 
 def _to_numpy(grads: Any) -> Grads:
-    return {tuple(p): np.asarray(g) for p, g in dict(grads).items()}
+    """``{path: array}``; a pytree-valued parameter gives one entry per leaf (its key path appended)."""
+    return {
+        (*tuple(p), *(str(k) for k in keys)): np.asarray(leaf)
+        for p, g in dict(grads).items()
+        for keys, leaf in jax.tree_util.tree_flatten_with_path(g)[0]
+    }
 
 
 def bptt_grads(
@@ -146,7 +151,7 @@ def single_step_run(
             grads, out = step(*inputs)
             return jax.tree.map(jnp.add, acc, grads), out
 
-        zeros = {p: jnp.zeros_like(st.value) for p, st in params.items()}
+        zeros = {p: jax.tree.map(jnp.zeros_like, st.value) for p, st in params.items()}
         return brainstate.transform.scan(body, zeros, (xs, jnp.arange(num_steps(xs))))
 
     grads, outs = _run(run, True)
