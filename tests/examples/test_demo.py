@@ -19,3 +19,10 @@ def test_demo_runs_and_reports_each_method(tmp_path: Path) -> None:
     for r in results.values():
         assert r["final_loss"] > 0 and 0 <= r["accuracy"] <= 1
     assert plot.exists()
+
+
+def test_every_method_learns_the_task(tmp_path: Path) -> None:
+    """80 iterations at the default size: chance is a loss of ln 2 ≈ 0.69 and accuracy ≈ 0.5."""
+    results = online_learning_demo.main(["--iterations", "80", "--plot", str(tmp_path / "demo.png")])
+    for name, r in results.items():
+        assert r["final_loss"] < 0.2 and r["accuracy"] > 0.9, (name, r)
