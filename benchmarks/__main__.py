@@ -64,7 +64,7 @@ def bptt_step(setting: Setting, batch: int) -> Callable[[jax.Array, jax.Array], 
     def step(xs: jax.Array, ys: jax.Array) -> Any:
         grads = brainstate.transform.grad(loss_fn, params)(xs, ys)
         for p, g in grads.items():
-            params[p].value = params[p].value - 1e-3 * g
+            params[p].value = jax.tree.map(lambda v, d: v - 1e-3 * d, params[p].value, g)
         return jax.tree.leaves(grads)[0]
 
     return step
@@ -93,10 +93,10 @@ def online_step(setting: Setting, batch: int, algorithm: str, window: int, **opt
             t = xs.shape[0]
             xs = xs.reshape(t // window, window, *xs.shape[1:])
             ys = ys.reshape(t // window, window, *ys.shape[1:])
-        zeros = {p: jnp.zeros_like(st.value) for p, st in params.items()}
+        zeros = {p: jax.tree.map(jnp.zeros_like, st.value) for p, st in params.items()}
         grads, _ = brainstate.transform.scan(one, zeros, (xs, ys))
         for p, g in grads.items():
-            params[p].value = params[p].value - 1e-3 * g
+            params[p].value = jax.tree.map(lambda v, d: v - 1e-3 * d, params[p].value, g)
         return jax.tree.leaves(grads)[0]
 
     return step, learner

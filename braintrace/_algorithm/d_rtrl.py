@@ -56,6 +56,7 @@ from braintrace._algorithm.base import EligibilityTrace, ETraceVjpAlgorithm
 from braintrace._algorithm.graph_executor import detached_df_key, df_key, history_jacobian_key, trace_key
 from braintrace._compiler import ControlFlowPolicy
 from braintrace._op import _registries as reg
+from braintrace._op._rule_helpers import mix_states
 
 __all__ = ["ParamDimVjpAlgorithm", "D_RTRL", "init_rule_kwargs"]
 
@@ -76,9 +77,7 @@ def init_rule_kwargs(rule: Any, **available: Any) -> dict[str, Any]:
 
 def transpose_signal(signal: jax.Array, diag: jax.Array) -> jax.Array:
     """``Dᵀ g`` per position: ``g'[..., c] = Σ_a g[..., a] D[..., a, c]``."""
-    if diag.shape[-1] == 1:
-        return signal * diag[..., 0, :]
-    return jnp.einsum("...a,...ac->...c", signal, diag)
+    return mix_states(jnp.swapaxes(diag, -1, -2), signal)
 
 
 class BackwardTrace(NamedTuple):

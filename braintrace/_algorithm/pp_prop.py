@@ -62,7 +62,7 @@ from braintrace._algorithm.base import EligibilityTrace, ETraceVjpAlgorithm
 from braintrace._algorithm.graph_executor import df_key
 from braintrace._compiler import ControlFlowPolicy
 from braintrace._op import _registries as reg
-from braintrace._op._rule_helpers import shape_of
+from braintrace._op._rule_helpers import mix_states, shape_of, sum_states
 from braintrace._op.elemwise import etp_elemwise_p
 
 __all__ = ["IODimVjpAlgorithm", "pp_prop", "ES_D_RTRL", "parse_decay_or_rank"]
@@ -109,13 +109,6 @@ def parse_decay_or_rank(decay_or_rank: Any) -> float:
             )
         return (decay_or_rank - 1) / (decay_or_rank + 1)
     raise ValueError(_DECAY_OR_RANK_MSG + f"Got {decay_or_rank!r} of type {type(decay_or_rank).__name__}.")
-
-
-def mix_states(diag: jax.Array, trace: jax.Array) -> jax.Array:
-    """``(D ⊙ ε)[..., a] = Σ_c D[..., a, c] ε[..., c]`` per position."""
-    if diag.shape[-1] == 1:
-        return diag[..., 0, :] * trace
-    return jnp.einsum("...ac,...c->...a", diag, trace)
 
 
 class IODimVjpAlgorithm(ETraceVjpAlgorithm):
@@ -458,7 +451,7 @@ class IODimVjpAlgorithm(ETraceVjpAlgorithm):
         """
         rule = reg.ETP_RULES_XY_TO_DW[rel.primitive]
         if self.fast_solve:
-            out: dict[str, jax.Array] = rule(x, delta.sum(axis=-1), weights, **rel.eqn_params)
+            out: dict[str, jax.Array] = rule(x, sum_states(delta), weights, **rel.eqn_params)
             return out
         parts = [rule(x, delta[..., a], weights, **rel.eqn_params) for a in range(delta.shape[-1])]
         return {k: sum((p[k] for p in parts[1:]), parts[0][k]) for k in parts[0]}

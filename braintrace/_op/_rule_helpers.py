@@ -33,11 +33,13 @@ __all__ = [
     "drtrl_dtype",
     "hook_pullback",
     "hooked_matmul_solve_drtrl",
+    "mix_states",
     "no_hooks",
     "propagate_df",
     "pullback",
     "sum_leading",
     "sum_over_states",
+    "sum_states",
     "strip_hooks",
     "sum_rows",
     "zeros_pp",
@@ -73,7 +75,7 @@ def hook_pullback(hook: WeightFn | None, value: Array, cotangent: Array) -> Arra
     shape = tuple(value.shape)
     extra = cotangent.ndim - len(shape)
     if extra > 0:
-        cotangent = cotangent.sum(axis=tuple(range(extra)))
+        cotangent = sum_leading(cotangent, extra)
     kept = tuple(i for i, (n, c) in enumerate(zip(shape, cotangent.shape)) if n == 1 and c != 1)
     if kept:
         cotangent = cotangent.sum(axis=kept, keepdims=True)
@@ -148,6 +150,22 @@ def zeros_pp(
     return jnp.zeros((*shape_of(y_var), num_hidden_state), dtype_of(y_var))
 
 
+def sum_states(x: Array) -> Array:
+    """``Σ_a x[..., a]`` over the trailing (hidden-state) axis, as a sum of slices.
+
+    A reduction over that small axis, fused with the products that feed it, goes to the same
+    slow CPU library fusion as :func:`sum_leading` describes; slices and adds fuse as
+    element-wise work.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp
+    >>> sum_states(jnp.arange(6.0).reshape(3, 2))
+    Array([1., 5., 9.], dtype=float32)
+    """
+    return functools.reduce(operator.add, [x[..., a] for a in range(x.shape[-1])])
+
+
 def sum_over_states(signal: Array, trace: Array) -> Array:
     """``Σ_a signal[..., a] * trace[..., a]`` (broadcasting) as a sum of element-wise products.
 
@@ -183,6 +201,24 @@ def sum_leading(x: Array, num_axes: int = 1) -> Array:
     return x[0]
 
 
+def mix_states(diag: Array, vec: Array) -> Array:
+    """``out[..., a] = Σ_b diag[..., a, b] · vec[..., b]`` (broadcasting), spelled out per state.
+
+    As an einsum this contraction over the small state axis lowers to a batched matrix product
+    with one tiny product per position, much slower on CPU than the element-wise products and
+    sums, which fuse into one pass over ``vec``.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp
+    >>> mix_states(jnp.array([[0.0, 1.0], [2.0, 0.0]]), jnp.array([3.0, 4.0]))
+    Array([4., 6.], dtype=float32)
+    """
+    if vec.shape[-1] == 1:
+        return diag[..., 0, :] * vec
+    return jnp.stack([sum_over_states(diag[..., a, :], vec) for a in range(vec.shape[-1])], axis=-1)
+
+
 def sum_rows(solve_row: Callable[[Array, dict[str, Array]], dict[str, Array]],
              signal: Array, trace: dict[str, Array]) -> dict[str, Array]:
     """``Σ_b solve_row(signal[b], trace[b])`` over the leading (batch) axis, one row at a time.
@@ -198,9 +234,7 @@ def sum_rows(solve_row: Callable[[Array, dict[str, Array]], dict[str, Array]],
 
 def propagate_df(p_seq: Array, df_seq: Array, num_state: int) -> Array:
     """``P_s df_s`` for every step of a window: ``(T, ..., S, S)`` times ``(T, ..., S)``."""
-    if num_state == 1:
-        return p_seq[..., 0] * df_seq
-    return jnp.einsum("t...ab,t...b->t...a", p_seq, df_seq)
+    return mix_states(p_seq, df_seq)
 
 
 def hooked_matmul_solve_drtrl(

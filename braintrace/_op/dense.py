@@ -50,7 +50,9 @@ from braintrace._op._rule_helpers import (
     apply_hook,
     bias_trainable_invars,
     drtrl_dtype,
+    hook_pullback,
     hooked_matmul_solve_drtrl,
+    mix_states,
     no_hooks,
     propagate_df,
     pullback,
@@ -118,7 +120,10 @@ def _matmul_xy_to_dw(
     x: Array, hidden_dim: Array, weights: dict[str, Array], **params: Any
 ) -> dict[str, Array]:
     """Pull ``hidden_dim`` back to the raw parameters: ``f_W'ᵀ(xᵀ hd)`` and ``f_b'ᵀ(Σ hd)``."""
-    return pullback(_etp_matmul_impl, x, hidden_dim, weights, params)
+    out = pullback(_etp_matmul_impl, x, hidden_dim, {"weight": weights["weight"]}, {**params, "has_bias": False})
+    if "bias" in weights:
+        out["bias"] = hook_pullback(params.get("bias_fn"), weights["bias"], hidden_dim)
+    return out
 
 
 def _matmul_instant_drtrl(
@@ -189,9 +194,9 @@ def _dense_fast_recurrent(
         if "bias" in old:
             out["bias"] = old["bias"] * d[..., None]
         return out
-    out = {"weight": jnp.einsum("...kab,...ikb->...ika", diag, old["weight"])}
+    out = {"weight": mix_states(diag[..., None, :, :, :], old["weight"])}
     if "bias" in old:
-        out["bias"] = jnp.einsum("...kab,...kb->...ka", diag, old["bias"])
+        out["bias"] = mix_states(diag, old["bias"])
     return out
 
 
@@ -201,9 +206,9 @@ def _dense_fast_solve(
     """``∇W[i, o] = Σ_a g[..., o, a] ε_W[..., i, o, a]`` (also over the batch when folding)."""
     if fold_batch:
         return sum_rows(_dense_solve_row, signal, trace)
-    out = {"weight": jnp.einsum("...ka,...ika->...ik", signal, trace["weight"])}
+    out = {"weight": sum_over_states(signal[..., None, :, :], trace["weight"])}
     if "bias" in trace:
-        out["bias"] = jnp.einsum("...ka,...ka->...k", signal, trace["bias"])
+        out["bias"] = sum_over_states(signal, trace["bias"])
     return out
 
 

@@ -34,9 +34,11 @@ from braintrace._op._rule_helpers import (
     apply_hook,
     drtrl_dtype,
     dtype_of,
+    mix_states,
     no_hooks,
     propagate_df,
     shape_of,
+    sum_over_states,
 )
 from braintrace._typing import Array, ArrayLike, WeightFn
 
@@ -142,9 +144,7 @@ def _elemwise_fast_instant(x: Array | None, df: Array, has_bias: bool) -> dict[s
 
 def _elemwise_fast_recurrent(diag: Array, old: dict[str, Array], num_state: int) -> dict[str, Array]:
     """``ε[..., a] ← Σ_b D[..., a, b] ε[..., b]``."""
-    if num_state == 1:
-        return {"weight": diag[..., 0, :] * old["weight"]}
-    return {"weight": jnp.einsum("...ab,...b->...a", diag, old["weight"])}
+    return {"weight": mix_states(diag, old["weight"])}
 
 
 def _elemwise_fast_solve(
@@ -152,7 +152,7 @@ def _elemwise_fast_solve(
 ) -> dict[str, Array]:
     if fold_batch:
         return {"weight": jnp.einsum("b...a,b...a->...", signal, trace["weight"])}
-    return {"weight": jnp.einsum("...a,...a->...", signal, trace["weight"])}
+    return {"weight": sum_over_states(signal, trace["weight"])}
 
 
 def _elemwise_fast_chunk(

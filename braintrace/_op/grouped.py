@@ -49,6 +49,7 @@ from braintrace._op._rule_helpers import (
     bias_trainable_invars,
     drtrl_dtype,
     hooked_matmul_solve_drtrl,
+    mix_states,
     no_hooks,
     pullback,
     shape_of,
@@ -184,9 +185,9 @@ def _grouped_fast_recurrent(
         if "bias" in old:
             out["bias"] = old["bias"] * d[..., None]
         return out
-    out = {"weight": jnp.einsum("...gnab,...gknb->...gkna", diag, old["weight"])}
+    out = {"weight": mix_states(diag[..., :, None, :, :, :], old["weight"])}
     if "bias" in old:
-        out["bias"] = jnp.einsum("...gnab,...gnb->...gna", diag, old["bias"])
+        out["bias"] = mix_states(diag, old["bias"])
     return out
 
 
@@ -196,9 +197,9 @@ def _grouped_fast_solve(
     """``∇W[g, k, n] = Σ_a s[..., g, n, a] ε_W[..., g, k, n, a]`` (and over the batch when folding)."""
     if fold_batch:
         return sum_rows(_grouped_solve_row, signal, trace)
-    out = {"weight": jnp.einsum("...gna,...gkna->...gkn", signal, trace["weight"])}
+    out = {"weight": sum_over_states(signal[..., :, None, :, :], trace["weight"])}
     if "bias" in trace:
-        out["bias"] = jnp.einsum("...gna,...gna->...gn", signal, trace["bias"])
+        out["bias"] = sum_over_states(signal, trace["bias"])
     return out
 
 
