@@ -193,16 +193,22 @@ class ETraceAlgorithm(brainstate.nn.Module):
                 if not processing:
                     continue
                 operand = rel.trainable_vars[key]
-                chain = None if rel.control_flow_context is not None else operand_chain(
-                    minfo.closed_jaxpr, operand, minfo.invar_to_weight_path, minfo.weight_path_to_invars)
+                where = (f"The {key!r} operand of {rel.primitive.name} (parameter {rel.trainable_paths[key]}) "
+                         f"is computed through {[p.name for p in processing]}")
+                if rel.control_flow_context is not None:
+                    raise NotSupportedError(
+                        f"{where} inside a descended scan, where its eligibility trace cannot be "
+                        f"credited back through that computation. Pass the parameter to the operation "
+                        f"as it is (a transform can go in weight_fn), or unroll the scan."
+                    )
+                chain = operand_chain(minfo.closed_jaxpr, operand, minfo.invar_to_weight_path,
+                                      minfo.weight_path_to_invars)
                 if chain is None:
                     raise NotSupportedError(
-                        f"The {key!r} operand of {rel.primitive.name} (parameter "
-                        f"{rel.trainable_paths[key]}) is computed from values that change from step "
-                        f"to step (through {[p.name for p in processing]}), so its eligibility trace "
-                        f"cannot be credited to the parameter. Compute the operand from parameters "
-                        f"and constants only, or move the step-dependent part into weight_fn or "
-                        f"out of the operand."
+                        f"{where} from values that change from step to step, so its eligibility "
+                        f"trace cannot be credited to the parameter. Compute the operand from "
+                        f"parameters and constants only, or move the step-dependent part into "
+                        f"weight_fn or out of the operand."
                     )
                 chains[id(operand)] = chain
         return chains
@@ -225,8 +231,7 @@ class ETraceAlgorithm(brainstate.nn.Module):
         Leading axes of ``g`` beyond the operand's (the batch an element-wise weight broadcasts
         over) are summed first.
         """
-        operand = self._relation_operands(rel, weight_vals)[key]
-        extra = g.ndim - jnp.ndim(operand)
+        extra = g.ndim - len(shape_of(rel.trainable_vars[key]))
         if extra > 0:
             g = sum_leading(g, extra)
         chain = self._operand_chains.get(id(rel.trainable_vars[key]))

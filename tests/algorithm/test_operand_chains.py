@@ -19,6 +19,7 @@ import pytest
 
 import braintrace
 from tests.algorithm.bptt import bptt_grads, max_rel_err, normal, single_step_grads, window_grads, x64
+from tests.compiler import control_flow_models as cf
 
 __all__ = ["x64"]  # the fixture is used by name
 
@@ -132,5 +133,19 @@ class StepDependent(brainstate.nn.Module):
 @pytest.mark.parametrize("algorithm", [braintrace.D_RTRL, braintrace.pp_prop])
 def test_step_dependent_operand_is_refused(algorithm: Any) -> None:
     options = {"decay_or_rank": 0.9} if algorithm is braintrace.pp_prop else {}
-    with pytest.raises(braintrace.NotSupportedError, match=r"'weight' operand of etp_mm .*\('w',\).*change"):
+    message = r"'weight' operand of etp_mm \(parameter \('w',\)\) is computed through .* change from step"
+    with pytest.raises(braintrace.NotSupportedError, match=message):
         compile_learner(StepDependent(), algorithm, jnp.ones((2, 3)), **options)
+
+
+class ScaledSubsteps(cf.SubstepModel):
+    """A descended scan whose body computes the operand: ``matmul(x_k, 2 W)``."""
+
+    def substep(self, h: Any, x_k: Any) -> Any:
+        leak = braintrace.element_wise(self.tau.value, weight_fn=jax.nn.sigmoid)
+        return leak * h + 0.1 * jnp.tanh(braintrace.matmul(x_k, 2.0 * self.w.value))
+
+
+def test_operand_computed_inside_a_descended_scan_is_refused() -> None:
+    with pytest.raises(braintrace.NotSupportedError, match=r"computed through \['mul'\] inside a descended scan"):
+        compile_learner(ScaledSubsteps(length=20), braintrace.D_RTRL, jnp.ones((1, 3)))
