@@ -272,3 +272,15 @@ def test_a_state_reset_to_another_shape_is_a_clear_error(quiet: None) -> None:
         learner(jnp.ones((2, 3)))
     brainstate.nn.reset_all_states(cell, batch_size=2)
     assert learner(jnp.ones((2, 3))).shape == (2, 4)
+
+
+def test_vmap_pp_prop_equals_the_batched_learner(quiet: None) -> None:
+    xs = normal(6, (3, B, I))
+    vmapped = braintrace.compile(Leaky(), braintrace.pp_prop, xs[0], batch_size=B, vmap=True, decay_or_rank=0.9)
+    batched = braintrace.compile(Leaky(), braintrace.pp_prop, xs[0], batch_size=B, decay_or_rank=0.9)
+    g_v, out_v = single_step_run(vmapped, xs, params=vmapped.module.param_states)
+    g_b, out_b = single_step_run(batched, xs)
+    np.testing.assert_allclose(out_v, out_b, rtol=1e-6, atol=1e-6)
+    assert set(g_v) == set(g_b)
+    for p in g_b:
+        np.testing.assert_allclose(g_v[p], g_b[p], rtol=1e-5, atol=1e-6)
