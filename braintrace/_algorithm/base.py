@@ -485,13 +485,21 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         """Single step: the weights left out of the one-step VJP (see :attr:`_history_holds_same_step`)."""
         if self._local_weights is None:
             perturb = self.graph.hidden_perturb
-            if not self._history_holds_same_step or perturb is None:
+            # A subclass defined elsewhere that replaces the gradient may rely on the one-step
+            # gradient of every weight.
+            library_rule = self._defined_in_library("_trace_for_backward", "_solve_weight_gradients")
+            if not (self._history_holds_same_step and library_rule) or perturb is None:
                 self._local_weights = LocalRelationWeights(frozenset(), {})
             else:
                 self._local_weights = local_relation_weights(
                     perturb, self.graph.hidden_param_op_relations, self.graph.hidden_groups,
                     self.graph.module_info, excluded_groups=self._groups_read_past_update())
         return self._local_weights
+
+    def _defined_in_library(self, *methods: str) -> bool:
+        """Whether this learner's ``methods`` are the library's (not overridden by user code)."""
+        cls = type(self)
+        return all(getattr(cls, name).__module__.startswith("braintrace._algorithm") for name in methods)
 
     def _with_previous_signal(self, trace_for_bwd: Any, previous: list[Any]) -> Any:
         """Single step: give the backward residual ``∂L/∂h^{t-1}`` per group (default: unused).

@@ -441,11 +441,7 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
         a subclass defined elsewhere that overrides how traces are rolled (to clip or filter
         them) gets the history from the entering trace, as the rolled-trace hooks describe.
         """
-        cls = type(self)
-        return all(
-            getattr(cls, name).__module__.startswith("braintrace._algorithm")
-            for name in ("_update_etrace_data", "_step_all", "_step_relation")
-        )
+        return self._defined_in_library("_update_etrace_data", "_step_all", "_step_relation")
 
     def _with_previous_signal(self, trace_for_bwd: Any, previous: list[Any]) -> Any:
         read_past = self._groups_read_past_update()

@@ -169,3 +169,18 @@ def test_first_step_equals_bptt(x64: None, model: Any) -> None:
     xs = normal(9, (1, 2, 3))
     ref = bptt_grads(model(), xs, batch_size=2)
     assert max_rel_err(ref, single_step_grads(compile_pp(model(), 2), xs)) < EXACT
+
+
+class OwnGradient(braintrace.pp_prop):
+    """A rule defined outside the library that replaces the gradient (here: the library's, scaled)."""
+
+    def _solve_weight_gradients(self, *args: Any) -> Any:
+        return jax.tree.map(lambda g: 2.0 * g, super()._solve_weight_gradients(*args))
+
+
+def test_rules_defined_elsewhere_keep_every_one_step_gradient(x64: None) -> None:
+    learner = compile_pp(Leaky(), 2, OwnGradient)
+    assert detached_paths(compile_pp(Leaky(), 2)) and not learner._local_relation_weights().paths
+    xs = normal(10, (3, 2, 3))
+    plain = single_step_grads(compile_pp(Leaky(), 2, PlainPP), xs)
+    assert max_rel_err({k: 2.0 * v for k, v in plain.items()}, single_step_grads(learner, xs)) < EXACT
