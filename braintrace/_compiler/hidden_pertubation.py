@@ -35,7 +35,13 @@ from braintrace._compiler.base import JaxprEvaluation, check_unsupported_op
 from braintrace._compiler.control_flow_policy import DEFAULT_CONTROL_FLOW_POLICY, ControlFlowPolicy
 from braintrace._compiler.diagnostics import DiagnosticKind, DiagnosticLevel, emit
 from braintrace._compiler.hidden_group import HiddenGroup
-from braintrace._compiler.jaxpr_graph import ELEMENTWISE_PRIMITIVES, contains_eqn, fresh_var, new_jaxpr
+from braintrace._compiler.jaxpr_graph import (
+    ELEMENTWISE_PRIMITIVES,
+    build_consumer_map,
+    contains_eqn,
+    fresh_var,
+    new_jaxpr,
+)
 from braintrace._compatible_imports import ShapedArray
 from braintrace._compiler.module_info import ModuleInfo, Path, extract_module_info
 from braintrace._op._rule_helpers import dtype_of, shape_of
@@ -301,6 +307,22 @@ def local_relation_weights(
     with a ``while_loop`` in their tail, driving a group in ``excluded_groups`` or a group whose
     members read each other's new values are never local; a weight qualifies only when every use
     of every leaf is a trainable operand of a local relation.
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> class Leaky(brainstate.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.w = brainstate.ParamState(jnp.ones((2, 2)))
+    ...         self.h = brainstate.HiddenState(jnp.zeros(2))
+    ...     def update(self, x):
+    ...         self.h.value = 0.5 * self.h.value + jnp.tanh(braintrace.matmul(x, self.w.value))
+    ...         return self.h.value
+    >>> graph = braintrace.compile_etrace_graph(Leaky(), jnp.ones(2))
+    >>> local_relation_weights(graph.hidden_perturb, graph.hidden_param_op_relations, graph.hidden_groups,
+    ...                        graph.module_info)
+    LocalRelationWeights(paths=frozenset({('w',)}), keys={0: frozenset({'weight'})})
     """
     jaxpr = perturbation.perturb_jaxpr.jaxpr
     path_of_update = _update_paths(perturbation)
@@ -319,11 +341,7 @@ def local_relation_weights(
         if reached is not None and reached == set(rel.connected_hidden_paths):
             local[i] = rel
     eqn_relation = {id(eqn): i for eqn in jaxpr.eqns for i, rel in local.items() if rel.y_var in eqn.outvars}
-    consumers: dict[Var, list[JaxprEqn]] = {}
-    for eqn in jaxpr.eqns:
-        for v in eqn.invars:
-            if _is_var(v):
-                consumers.setdefault(v, []).append(eqn)
+    consumers = build_consumer_map(jaxpr)
 
     def trainable_use(v: Var, eqn: JaxprEqn) -> bool:
         i = eqn_relation.get(id(eqn))
