@@ -287,7 +287,7 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
     _include_recurrent_mixing = False
     #: Single step: whether the rule's history term of a relation already holds this step's
     #: ``⟨∂L/∂h^t, x ⊗ df⟩``. The engine then leaves the weights for which that term is the whole
-    #: one-step gradient (:func:`~braintrace._compiler.local_relation_weights`) out of the step's
+    #: one-step gradient (``braintrace._compiler.local_relation_weights``) out of the step's
     #: VJP, and the rule must not subtract the term for them.
     _history_holds_same_step = False
 

@@ -21,7 +21,11 @@ What a call adds to the engine's gradient (see :mod:`.base`):
   ``W -> y -> h^t``; the rule adds the *history* part of its estimate, i.e. the estimate at the
   new trace minus the same-step term ``xy_to_dw(x̃_t, Σ_a df_t[..., a] g[..., a])``. At the
   first step after a reset the two cancel, so a single step from a reset equals
-  backpropagation through time for every parameter;
+  backpropagation through time for every parameter. A weight whose relation reaches the
+  step's outputs only element-wise through its hidden states
+  (``braintrace._compiler.local_relation_weights``) has no other one-step path: it is left
+  out of the one-step VJP and gets the whole estimate, which is the same sum with two
+  weight-sized products fewer;
 * multi-step: the exact gradient within the window plus the estimate at the trace entering
   the window (zero for the first window after a reset, so one window over the whole
   sequence equals backpropagation through time).
