@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--long-steps", type=int, default=1000)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
