@@ -491,10 +491,17 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
             if not (self._history_holds_same_step and library_rule) or perturb is None:
                 self._local_weights = LocalRelationWeights(frozenset(), {})
             else:
+                relations = self.graph.hidden_param_op_relations
                 self._local_weights = local_relation_weights(
-                    perturb, self.graph.hidden_param_op_relations, self.graph.hidden_groups,
-                    self.graph.module_info, excluded_groups=self._groups_read_past_update())
+                    perturb, relations, self.graph.hidden_groups, self.graph.module_info,
+                    excluded_groups=self._groups_read_past_update(),
+                    candidates=frozenset(i for i, rel in enumerate(relations) if self._same_step_in_history(rel)))
         return self._local_weights
+
+    def _same_step_in_history(self, rel: Any) -> bool:
+        """Single step: whether the history term of ``rel`` holds ``⟨∂L/∂h^t, x ⊗ df⟩`` (when
+        :attr:`_history_holds_same_step`; a rule may narrow it down per relation)."""
+        return True
 
     def _defined_in_library(self, *methods: str) -> bool:
         """Whether this learner's ``methods`` are the library's (not overridden by user code)."""

@@ -9,7 +9,11 @@ the trace ``ε_W ≈ ∂h^t / ∂W`` (one entry per parameter and hidden state, 
 with ``D^t`` the per-position hidden Jacobian of the group and ``df^t`` the Jacobian of the
 ``y -> h`` tail. The gradient of a loss at step ``t`` is the exact one-step gradient plus the
 history term ``⟨∂L/∂h^t, D^t ε^{t-1}⟩`` (with ``D^t`` taken with in-step reads of other members'
-new values held fixed, since ``∂L/∂h^t`` already contains those paths).
+new values held fixed, since ``∂L/∂h^t`` already contains those paths). A weight whose relation
+reaches the step's outputs only element-wise through its hidden states
+(``braintrace._compiler.local_relation_weights``) has no one-step path besides
+``⟨∂L/∂h^t, x^t ⊗ df^t⟩``: it is left out of the one-step VJP and gets ``⟨∂L/∂h^t, ε^t⟩``, the
+same sum read off the new trace.
 
 Between sequences, reset the model's states in place (``brainstate.nn.reset_all_states(model)``,
 which calls each module's ``reset_state``) and the traces with :meth:`reset_state`; re-running
@@ -140,6 +144,7 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
     """
 
     _supports_scan_descent = True
+    _history_holds_same_step = True
 
     def __init__(
         self,
@@ -434,6 +439,16 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
                     instant[key] = (None if rel.x_var is None else xs[id(rel.x_var)], dfs[df_key(rel, group)])
         return BackwardTrace(traces, history, through_while, instant)
 
+    def _same_step_in_history(self, rel: Any) -> bool:
+        # The history is read off the new trace (ε^t − x ⊗ df) only for fast-path relations of
+        # plainly rolled traces whose groups contract the signal with D itself.
+        return (
+            self._rolls_plainly()
+            and self._defined_in_library("_solve_history_from_new", "_solve_relation")
+            and self._fast_path(rel) is not None
+            and all(g.descent is None and not g.reads_new_members() for g in rel.hidden_groups)
+        )
+
     def _rolls_plainly(self) -> bool:
         """Whether new traces are the plain roll ``D ε + x ⊗ df`` of the entering ones.
 
@@ -455,13 +470,15 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
     ) -> dict[Path, Any]:
         etrace, Ds, through_while, instant, read_past = BackwardTrace(*etrace_h2w_at_t)
         grads = dict(dl_to_etws_at_t)
-        for rel in self.graph.hidden_param_op_relations:
+        local_keys = self._local_relation_weights().keys
+        for index, rel in enumerate(self.graph.hidden_param_op_relations):
             weights = self._relation_operands(rel, weight_vals)
             for group in rel.hidden_groups:
                 key = trace_key(rel, group)
                 signal = dl_to_hidden_groups[group.index]
                 if key in instant:
-                    per_key = self._solve_history_from_new(rel, signal, etrace[key], *instant[key], weights)
+                    per_key = self._solve_history_from_new(
+                        rel, signal, etrace[key], *instant[key], weights, local_keys.get(index, frozenset()))
                 elif group.index in read_past:
                     per_key = self._solve_relation(rel, read_past[group.index], etrace[key], weights)
                 else:
@@ -480,19 +497,23 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
         return grads
 
     def _solve_history_from_new(
-        self, rel: Any, signal: jax.Array, new: Trace, x: Any, df: jax.Array, weights: Trace
+        self, rel: Any, signal: jax.Array, new: Trace, x: Any, df: jax.Array, weights: Trace,
+        covered: frozenset[str] = frozenset(),
     ) -> Trace:
         """``⟨g, D ε^{t-1}⟩ = ⟨g, ε^t⟩ − ⟨g, x ⊗ df⟩`` for a trace rolled by a fast path.
 
-        The barrier keeps XLA from recomputing ``ε^t`` from ``ε^{t-1}`` inside the contraction,
-        which would give the entering trace a second reader and cost a copy of it.
+        For the ``covered`` keys (weights left out of the one-step VJP) the whole ``⟨g, ε^t⟩``
+        is the gradient. The barrier keeps XLA from recomputing ``ε^t`` from ``ε^{t-1}`` inside
+        the contraction, which would give the entering trace a second reader and cost a copy of it.
         """
         fp = self._fast_path(rel)
         assert fp is not None
-        inst = fp.instant(x, df, bool(rel.eqn_params.get("has_bias", False)))
         total = self._solve_relation(rel, signal, jax.lax.optimization_barrier(new), weights)
+        if not set(total) - covered:
+            return total
+        inst = fp.instant(x, df, bool(rel.eqn_params.get("has_bias", False)))
         current = self._solve_relation(rel, signal, inst, weights)
-        return {k: total[k] - current[k] for k in total}
+        return {k: v if k in covered else v - current[k] for k, v in total.items()}
 
     def _solve_relation(self, rel: Any, signal: jax.Array, trace: Trace, weights: Trace) -> Trace:
         fp = self._fast_path(rel)

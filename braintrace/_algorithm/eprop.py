@@ -75,6 +75,8 @@ class LearningSignalDRTRL(ParamDimVjpAlgorithm):
     """
 
     kappa: float = 0.0
+    # The trace term reads a filtered trace and a replaced signal, not ⟨∂L/∂h^t, x ⊗ df⟩.
+    _history_holds_same_step = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

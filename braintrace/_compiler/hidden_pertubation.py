@@ -295,6 +295,7 @@ def local_relation_weights(
     hidden_groups: Sequence[HiddenGroup],
     minfo: ModuleInfo,
     excluded_groups: frozenset[int] = frozenset(),
+    candidates: frozenset[int] | None = None,
 ) -> LocalRelationWeights:
     """The weights for which the exact one-step gradient equals ``⟨∂L/∂h^t, x ⊗ df⟩``.
 
@@ -305,8 +306,9 @@ def local_relation_weights(
     whose history already holds that term may leave such a weight out of the one-step VJP, which
     saves one product of the size of the weight per step. Relations inside descended scans,
     with a ``while_loop`` in their tail, driving a group in ``excluded_groups`` or a group whose
-    members read each other's new values are never local; a weight qualifies only when every use
-    of every leaf is a trainable operand of a local relation.
+    members read each other's new values are never local, nor, when ``candidates`` (relation
+    indices) is given, relations outside it; a weight qualifies only when every use of every leaf
+    is a trainable operand of a local relation.
 
     Examples
     --------
@@ -331,7 +333,8 @@ def local_relation_weights(
     for i, rel in enumerate(relations):
         groups = {g.index for g in rel.hidden_groups}
         if (
-            rel.control_flow_context is not None
+            (candidates is not None and i not in candidates)
+            or rel.control_flow_context is not None
             or groups & excluded_groups
             or any(g.reads_new_members() for g in rel.hidden_groups)
             or any(contains_eqn(t, lambda e: e.primitive.name == "while") for t in rel.y_to_hidden_group_jaxprs)

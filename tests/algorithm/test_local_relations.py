@@ -1,7 +1,7 @@
 """Weights whose one-step gradient is the same-step term of their trace (``local_relation_weights``).
 
-pp_prop leaves such weights out of the one-step VJP and does not subtract the same-step term
-for them. These tests pin which relations qualify, and that the gradients are those of the
+pp_prop and D_RTRL leave such weights out of the one-step VJP and do not subtract the same-step
+term for them. These tests pin which relations qualify, and that the gradients are those of the
 plain form (one-step VJP minus the same-step term) step after step, in float64.
 """
 
@@ -97,9 +97,10 @@ class Reshaped(_Cell):
 
 def compile_pp(model: brainstate.nn.Module, batch: int | None, cls: Any = braintrace.pp_prop) -> Any:
     x0 = jnp.ones((3,) if batch is None else (batch, 3))
+    options = {} if issubclass(cls, braintrace.D_RTRL) else {"decay_or_rank": 0.8}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return braintrace.compile(model, cls, x0, batch_size=batch, decay_or_rank=0.8)
+        return braintrace.compile(model, cls, x0, batch_size=batch, **options)
 
 
 class PlainPP(braintrace.pp_prop):
@@ -108,10 +109,22 @@ class PlainPP(braintrace.pp_prop):
     _history_holds_same_step = False
 
 
+class PlainDRTRL(braintrace.D_RTRL):
+    """D_RTRL without the shortcut."""
+
+    _history_holds_same_step = False
+
+
+#: (learner with the shortcut, the same learner without it)
+RULES = [pytest.param(braintrace.pp_prop, PlainPP, id="pp_prop"), pytest.param(braintrace.D_RTRL, PlainDRTRL, id="D_RTRL")]
+
+
 def detached_paths(learner: Any) -> set[tuple[str, ...]]:
     graph = learner.graph
-    found = local_relation_weights(graph.hidden_perturb, graph.hidden_param_op_relations, graph.hidden_groups,
-                                   graph.module_info, excluded_groups=learner._groups_read_past_update())
+    relations = graph.hidden_param_op_relations
+    candidates = frozenset(i for i, rel in enumerate(relations) if learner._same_step_in_history(rel))
+    found = local_relation_weights(graph.hidden_perturb, relations, graph.hidden_groups, graph.module_info,
+                                   excluded_groups=learner._groups_read_past_update(), candidates=candidates)
     used = learner._local_relation_weights()
     assert used == (found if learner._history_holds_same_step else (frozenset(), {}))
     return set(used.paths)
@@ -129,21 +142,28 @@ def detached_paths(learner: Any) -> set[tuple[str, ...]]:
         (Reshaped, 2, set()),
     ],
 )
-def test_which_weights_are_local(model: Any, batch: int | None, expected: set[Any]) -> None:
-    assert detached_paths(compile_pp(model(), batch)) == expected
+@pytest.mark.parametrize("rule, plain", RULES)
+def test_which_weights_are_local(model: Any, batch: int | None, expected: set[Any], rule: Any, plain: Any) -> None:
+    if rule is braintrace.D_RTRL:
+        # D_RTRL reads the history off the new trace only for operations with a closed-form
+        # kernel; a hooked element-wise weight has none.
+        expected = expected - {("tau",)}
+    assert detached_paths(compile_pp(model(), batch, rule)) == expected
 
 
-def test_plain_form_detaches_nothing() -> None:
-    assert detached_paths(compile_pp(Leaky(), 2, PlainPP)) == set()
+@pytest.mark.parametrize("rule, plain", RULES)
+def test_plain_form_detaches_nothing(rule: Any, plain: Any) -> None:
+    assert detached_paths(compile_pp(Leaky(), 2, plain)) == set()
 
 
 @pytest.mark.parametrize("model", [Leaky, DirectPath, SharedWeight, Mixing, ReadPast, Reshaped])
 @pytest.mark.parametrize("batch", [None, 2])
-def test_gradients_equal_the_plain_form(x64: None, model: Any, batch: int | None) -> None:
+@pytest.mark.parametrize("rule, plain", RULES)
+def test_gradients_equal_the_plain_form(x64: None, model: Any, batch: int | None, rule: Any, plain: Any) -> None:
     xs = normal(7, (5, 3) if batch is None else (5, batch, 3))
-    fast = single_step_grads(compile_pp(model(), batch), xs)
-    plain = single_step_grads(compile_pp(model(), batch, PlainPP), xs)
-    assert max_rel_err(plain, fast) < EXACT
+    fast = single_step_grads(compile_pp(model(), batch, rule), xs)
+    reference = single_step_grads(compile_pp(model(), batch, plain), xs)
+    assert max_rel_err(reference, fast) < EXACT
 
 
 @pytest.mark.parametrize("cell, has_local", [
@@ -151,24 +171,43 @@ def test_gradients_equal_the_plain_form(x64: None, model: Any, batch: int | None
     (braintrace.nn.ValinaRNNCell, False),  # relu is a custom_jvp function: not looked into
     (braintrace.nn.LSTMCell, False),  # its gates are slices of one product
 ])
-def test_nn_cells_equal_the_plain_form(cell: Any, has_local: bool) -> None:
+@pytest.mark.parametrize("rule, plain", RULES)
+def test_nn_cells_equal_the_plain_form(cell: Any, has_local: bool, rule: Any, plain: Any) -> None:
     def fresh() -> brainstate.nn.Module:
         brainstate.random.seed(1)  # the same initial weights for both learners
         return cell(3, 4)
 
     xs = normal(8, (4, 2, 3))
-    fast_learner = compile_pp(fresh(), 2)
+    fast_learner = compile_pp(fresh(), 2, rule)
     assert bool(detached_paths(fast_learner)) == has_local
     fast = single_step_grads(fast_learner, xs)
-    plain = single_step_grads(compile_pp(fresh(), 2, PlainPP), xs)
-    assert max_rel_err(plain, fast) < 1e-5  # the cells keep float32 weights
+    reference = single_step_grads(compile_pp(fresh(), 2, plain), xs)
+    assert max_rel_err(reference, fast) < 1e-5  # the cells keep float32 weights
 
 
 @pytest.mark.parametrize("model", [Leaky, DirectPath, SharedWeight])
-def test_first_step_equals_bptt(x64: None, model: Any) -> None:
+@pytest.mark.parametrize("rule, plain", RULES)
+def test_first_step_equals_bptt(x64: None, model: Any, rule: Any, plain: Any) -> None:
     xs = normal(9, (1, 2, 3))
     ref = bptt_grads(model(), xs, batch_size=2)
-    assert max_rel_err(ref, single_step_grads(compile_pp(model(), 2), xs)) < EXACT
+    assert max_rel_err(ref, single_step_grads(compile_pp(model(), 2, rule), xs)) < EXACT
+
+
+class Diagonal(_Cell):
+    """``h = σ(τ) h + tanh(x W)``: an element-wise recurrence, where D_RTRL equals BPTT."""
+
+    def update(self, x: Any) -> Any:
+        leak = braintrace.element_wise(self.tau.value, weight_fn=jax.nn.sigmoid)
+        self.h.value = leak * self.h.value + jnp.tanh(braintrace.matmul(x, self.w.value))
+        return self.h.value @ self.w_out.value + 0.0 * self.u.value.sum()
+
+
+def test_d_rtrl_with_local_weights_equals_bptt(x64: None) -> None:
+    xs = normal(11, (6, 2, 3))
+    learner = compile_pp(Diagonal(), 2, braintrace.D_RTRL)
+    assert detached_paths(learner) == {("w",)}
+    ref = bptt_grads(Diagonal(), xs, batch_size=2)
+    assert max_rel_err(ref, single_step_grads(learner, xs)) < EXACT
 
 
 class OwnGradient(braintrace.pp_prop):
