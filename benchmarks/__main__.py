@@ -109,9 +109,11 @@ def trace_bytes(learner: Any) -> int:
 
 def time_steps(steps: dict[str, Any], xs: jax.Array, ys: jax.Array, repeats: int) -> dict[str, float]:
     """Median seconds per call of each step, the steps taking turns so that drifts in the
-    machine's load reach every method alike."""
+    machine's load reach every method alike, after two warm-up calls each (the second call of a
+    step may still retrace)."""
     for step in steps.values():
-        jax.block_until_ready(step(xs, ys))
+        for _ in range(2):
+            jax.block_until_ready(step(xs, ys))
     samples: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):
         for name, step in steps.items():

@@ -20,15 +20,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import statistics
-import time
 import warnings
 from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks.__main__ import SETTINGS, Setting, bptt_step, online_step
+from benchmarks.__main__ import SETTINGS, Setting, bptt_step, online_step, time_steps
 from braintrace._compiler import hidden_group
 
 
@@ -37,22 +35,6 @@ def compiled_memory(step: Any, xs: jax.Array, ys: jax.Array) -> float:
     stats = step.lower(xs, ys).compile().memory_analysis()
     return float(stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes
                  - stats.alias_size_in_bytes)
-
-
-def interleaved_seconds(steps: dict[str, Any], xs: jax.Array, ys: jax.Array, repeats: int) -> dict[str, float]:
-    """Median wall time per step function, the repetitions interleaved across the functions
-    (so a load change on the machine hits every method alike), after two warm-up calls each
-    (the second call of a step may still retrace)."""
-    for step in steps.values():
-        for _ in range(2):
-            jax.block_until_ready(step(xs, ys))
-    samples: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
-            start = time.perf_counter()
-            jax.block_until_ready(step(xs, ys))
-            samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def _dense_blocks(fn: Callable[[jax.Array], jax.Array], hidden: jax.Array, forward: bool = False) -> jax.Array:
@@ -88,7 +70,7 @@ def measure(setting: Setting, batch: int, steps: int, repeats: int, with_dense: 
         "OSTLRecurrent": lambda: online_step(setting, batch, "ostl_recurrent", 1)[0],
     }
     steps = {name: build() for name, build in builders.items()}
-    seconds = interleaved_seconds(steps, xs, ys, repeats)
+    seconds = time_steps(steps, xs, ys, repeats)
     rows = {name: {"mem": compiled_memory(step, xs, ys), "seconds": seconds[name]} for name, step in steps.items()}
     if with_dense:
         with dense_jacobian_blocks():

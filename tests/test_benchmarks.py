@@ -1,0 +1,24 @@
+"""The benchmark scripts run end to end at tiny sizes and report every ratio (timings not checked)."""
+
+from __future__ import annotations
+
+import math
+
+from benchmarks import ostl_recurrent
+from benchmarks.__main__ import METHODS, main
+
+
+def test_learner_benchmark_reports_every_method() -> None:
+    results = main(["--quick", "--models", "lif256"])
+    rows = results["models"]["lif256"]
+    assert set(rows) == set(METHODS)
+    for row in rows.values():
+        assert row["vs_bptt"] > 0 and math.isfinite(row["vs_bptt"])
+    assert rows["D_RTRL single"]["vs_floor"] > 0
+    assert rows["D_RTRL single"]["trace_bytes"] > 0 and rows["BPTT"]["mem_growth"] > 1
+
+
+def test_ostl_benchmark_reports_every_method() -> None:
+    rows = ostl_recurrent.main(["--hidden", "16", "--batch", "2", "--steps", "5", "--repeats", "1", "--no-dense"])
+    assert set(rows) == {"BPTT", "D_RTRL", "OSTLRecurrent"}
+    assert all(r["mem_vs_bptt"] > 0 and r["time_vs_drtrl"] > 0 for r in rows.values())
