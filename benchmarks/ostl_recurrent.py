@@ -69,9 +69,9 @@ def measure(setting: Setting, batch: int, steps: int, repeats: int, with_dense: 
         "D_RTRL": lambda: online_step(setting, batch, "d_rtrl", 1)[0],
         "OSTLRecurrent": lambda: online_step(setting, batch, "ostl_recurrent", 1)[0],
     }
-    steps = {name: build() for name, build in builders.items()}
-    seconds = time_steps(steps, xs, ys, repeats)
-    rows = {name: {"mem": compiled_memory(step, xs, ys), "seconds": seconds[name]} for name, step in steps.items()}
+    step_fns = {name: build() for name, build in builders.items()}
+    seconds = time_steps(step_fns, xs, ys, repeats)
+    rows = {name: {"mem": compiled_memory(step, xs, ys), "seconds": seconds[name]} for name, step in step_fns.items()}
     if with_dense:
         with dense_jacobian_blocks():
             step = online_step(setting, batch, "ostl_recurrent", 1)[0]
