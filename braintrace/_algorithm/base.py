@@ -10,6 +10,10 @@ output) gives the online gradient of every ``ParamState``:
 * ``vjp_method='multi-step'``: the exact gradient within the window (backpropagation through
   the window), plus the trace term of the state entering the window.
 
+Where a primitive's rules were registered by the user, "exact" means "by the registered rule":
+every weight gradient through its output is ``xy_to_dw(x, ∂L/∂y, weights)`` (see
+:mod:`braintrace._algorithm.rule_vjp`).
+
 A learning rule is a subclass that fills in the trace hooks (:meth:`init_etrace_state`,
 :meth:`_update_etrace_data`, :meth:`_solve_weight_gradients`, ...); the engine is shared.
 """
@@ -36,6 +40,7 @@ from braintrace._compiler import (
 from braintrace._compatible_imports import CustomVJPPrimal, SymbolicZero, ad
 from braintrace._compiler.operand_chain import OperandChain, operand_chain
 from braintrace._errors import NotSupportedError
+from braintrace._op._registries import has_library_rules
 from braintrace._op._rule_helpers import shape_of, sum_leading
 
 __all__ = ["EligibilityTrace", "ETraceAlgorithm", "ETraceVjpAlgorithm"]
@@ -180,9 +185,21 @@ class ETraceAlgorithm(brainstate.nn.Module):
                 f"ControlFlowPolicy(scan_descent='off', scan_unroll_limit=N) with N at least the "
                 f"loop's length, so that the loop is unrolled."
             )
+        self._check_registered_rules_reachable()
         self._operand_chains = self._build_operand_chains()
         self.init_etrace_state(*args)
         self.is_compiled = True
+
+    def _check_registered_rules_reachable(self) -> None:
+        """Refuse user-registered rules where the learner cannot differentiate by them."""
+        for rel in self.graph.hidden_param_op_relations:
+            if rel.control_flow_context is not None and not has_library_rules(rel.primitive):
+                raise NotSupportedError(
+                    f"{rel.primitive.name} (parameter {rel.path}) has user-registered rules and sits "
+                    f"inside a descended scan, where the learner cannot differentiate it by its "
+                    f"registered xy_to_dw. Unroll the loop with ControlFlowPolicy(scan_descent='off', "
+                    f"scan_unroll_limit=N), N at least its length."
+                )
 
     def _build_operand_chains(self) -> dict[int, OperandChain]:
         """The chain of every trainable operand that is not a parameter leaf itself."""

@@ -58,6 +58,7 @@ import jax.numpy as jnp
 
 from braintrace._algorithm.base import EligibilityTrace, ETraceVjpAlgorithm
 from braintrace._algorithm.graph_executor import detached_df_key, df_key, history_jacobian_key, trace_key
+from braintrace._algorithm.input_data import get_single_step_data
 from braintrace._compiler import ControlFlowPolicy
 from braintrace._op import _registries as reg
 from braintrace._op._rule_helpers import mix_states
@@ -190,6 +191,32 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
                     value = {k: v.astype(self.trace_dtype) for k, v in value.items()}
                 traces[key] = EligibilityTrace(value)
         self.etrace_bwg = traces
+        self._allocate_final_shapes(*args)
+
+    def _allocate_final_shapes(self, *args: Any) -> None:
+        """Re-allocate traces that one step would broadcast to a larger shape.
+
+        An operation that sees no batch axis (``matmul`` of an unbatched input) driving a
+        batched hidden group gets one trace per sample once the group's per-sample Jacobian
+        meets it. The step is evaluated abstractly here, so every trace starts at the shape it
+        keeps and a scan can carry it.
+        """
+        if not args:
+            return
+        ex = self.vjp_executor
+        state_vals = {p: st.value for p, st in ex.states.items()}
+        weight_vals = {p: state_vals[p] for p in self.param_states}
+
+        def one_step() -> dict[Any, Trace]:
+            _, _, env = ex.run_step(get_single_step_data(*args), state_vals)
+            (xs, dfs), Ds = ex.extract_jacobians(env)
+            return self._step_all({k: st.value for k, st in self.etrace_bwg.items()}, xs, dfs, Ds, weight_vals)
+
+        stepped = jax.eval_shape(one_step)
+        for key, st in self.etrace_bwg.items():
+            grown = {k: v for k, v in stepped[key].items() if v.shape != st.value[k].shape}
+            if grown:
+                st.value = {k: jnp.zeros(grown[k].shape, v.dtype) if k in grown else v for k, v in st.value.items()}
 
     def _get_etrace_data(self) -> dict[Any, Trace]:
         return {k: st.value for k, st in self.etrace_bwg.items()}
@@ -201,12 +228,14 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
     def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
         """Zero every trace and the step counter (model states are not touched).
 
-        With ``batch_size``, traces of batched primitives get that leading batch size; traces of
-        unbatched primitives keep their shape.
+        With ``batch_size``, every trace that leads with the batch axis of its hidden group gets
+        that leading size (see :meth:`HiddenParamOpRelation.traces_lead_with_batch`); the others
+        keep their shape. The learner stays compiled for its example's shapes: calls at another
+        batch size need a learner compiled for it.
         """
         self.running_index.value = jnp.zeros_like(self.running_index.value)
         batched = {
-            trace_key(rel, g): reg.is_batched_primitive(rel.primitive)
+            trace_key(rel, g): rel.traces_lead_with_batch(g)
             for rel in self.graph.hidden_param_op_relations for g in rel.hidden_groups
         }
         for key, st in self.etrace_bwg.items():
@@ -219,6 +248,9 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
     def get_etrace_of(self, weight: Any) -> dict[Any, Trace]:
         """The traces of every relation that has ``weight`` (a ``ParamState`` or its path) as a key.
 
+        Each relation's whole trace: one entry per trainable key (``'weight'``, ``'bias'``, ...),
+        whichever of its parameters is asked for.
+
         Raises
         ------
         ValueError
@@ -227,11 +259,9 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
         path = weight if isinstance(weight, tuple) else self.state_id_to_path.get(id(weight))
         found = {}
         for rel in self.graph.hidden_param_op_relations:
-            keys = [k for k, p in rel.trainable_paths.items() if p == path]
-            if keys:
+            if path in rel.trainable_paths.values():
                 for g in rel.hidden_groups:
-                    tk = trace_key(rel, g)
-                    found[tk] = {k: self.etrace_bwg[tk].value[k] for k in keys}
+                    found[trace_key(rel, g)] = dict(self.etrace_bwg[trace_key(rel, g)].value)
         if not found:
             shown = f"a {type(weight).__name__} that is not a state of this model" if path is None else path
             raise ValueError(
@@ -247,6 +277,7 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
         self, rel: Any, group: Any, old: Trace, diag: jax.Array, x: Any, df: jax.Array, weights: Trace
     ) -> Trace:
         num_state = group.num_state
+        diag, df = rel.output_layout(group, diag), rel.output_layout(group, df)
         fp = self._fast_path(rel)
         if fp is not None:
             math_dtype = jnp.result_type(*[w.dtype for w in weights.values()], df.dtype)
@@ -394,9 +425,10 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
                 p_seq, m_full = suffix[group.index]
                 key = trace_key(rel, group)
                 old = etrace[key]
-                math_dtype = dfs[df_key(rel, group)].dtype
-                old_m = {k: v.astype(math_dtype) for k, v in old.items()}
-                new = fp.chunk(x_seq, dfs[df_key(rel, group)], p_seq, m_full, old_m, group.num_state)
+                df_seq = rel.output_layout(group, dfs[df_key(rel, group)], lead=1)
+                old_m = {k: v.astype(df_seq.dtype) for k, v in old.items()}
+                new = fp.chunk(x_seq, df_seq, rel.output_layout(group, p_seq, lead=1),
+                               rel.output_layout(group, m_full), old_m, group.num_state)
                 out[key] = {k: new[k].astype(old[k].dtype) for k in old}
         return out
 
@@ -436,7 +468,8 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
                 simple = history[group.index] is Ds[group.index] and group.index not in read_past
                 if simple and key not in through_while:
                     traces[key] = new_etrace[key]
-                    instant[key] = (None if rel.x_var is None else xs[id(rel.x_var)], dfs[df_key(rel, group)])
+                    x = None if rel.x_var is None else xs[id(rel.x_var)]
+                    instant[key] = (x, rel.output_layout(group, dfs[df_key(rel, group)]))
         return BackwardTrace(traces, history, through_while, instant)
 
     def _same_step_in_history(self, rel: Any) -> bool:
@@ -478,19 +511,22 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
                 signal = dl_to_hidden_groups[group.index]
                 if key in instant:
                     per_key = self._solve_history_from_new(
-                        rel, signal, etrace[key], *instant[key], weights, local_keys.get(index, frozenset()))
+                        rel, rel.output_layout(group, signal), etrace[key], *instant[key], weights,
+                        local_keys.get(index, frozenset()))
                 elif group.index in read_past:
-                    per_key = self._solve_relation(rel, read_past[group.index], etrace[key], weights)
+                    previous = rel.output_layout(group, read_past[group.index])
+                    per_key = self._solve_relation(rel, previous, etrace[key], weights)
                 else:
                     if Ds is not None:
                         signal = transpose_signal(signal, Ds[group.index])
-                    per_key = self._solve_relation(rel, signal, etrace[key], weights)
+                    per_key = self._solve_relation(rel, rel.output_layout(group, signal), etrace[key], weights)
                 if key in through_while:
                     x, df = through_while[key]
                     zero = {k: jnp.zeros_like(v) for k, v in etrace[key].items()}
                     no_history = jnp.zeros((*df.shape, df.shape[-1]), df.dtype)
                     inst = self._step_relation(rel, group, zero, no_history, x, df, weights)
-                    extra = self._solve_relation(rel, dl_to_hidden_groups[group.index], inst, weights)
+                    current = rel.output_layout(group, dl_to_hidden_groups[group.index])
+                    extra = self._solve_relation(rel, current, inst, weights)
                     per_key = {k: per_key[k] + extra[k] for k in per_key}
                 for k, g in per_key.items():
                     grads = self._add_operand_gradient(grads, rel, k, g, weight_vals)

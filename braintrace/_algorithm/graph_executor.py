@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import brainstate
 import jax
 import jax.numpy as jnp
-from jax.extend.core import DropVar, Literal, Var
+from jax.extend.core import DropVar, JaxprEqn, Literal, Var
 
 from braintrace._algorithm.input_data import (
     get_single_step_data,
@@ -38,6 +38,7 @@ from braintrace._algorithm.input_data import (
     sequence_length,
     split_input_data_types,
 )
+from braintrace._algorithm.rule_vjp import bind_by_registered_rule
 from braintrace._compiler import (
     CompilationReport,
     ControlFlowPolicy,
@@ -46,6 +47,7 @@ from braintrace._compiler import (
 )
 from braintrace._compiler.control_flow_policy import resolve_policy
 from braintrace._compiler.jaxpr_graph import contains_eqn
+from braintrace._op._registries import get_y_outvar_index, has_library_rules, is_etp_primitive
 
 __all__ = [
     "ETraceGraphExecutor", "ETraceVjpGraphExecutor", "StepJacobians", "df_key", "detached_df_key", "trace_key",
@@ -110,6 +112,8 @@ class ETraceGraphExecutor:
         self._state_id_to_path: dict[int, Path] | None = None
         self._out_treedef: Any = None
         self._compiled_signature: tuple[Any, tuple[tuple[int, ...], ...]] | None = None
+        # Outputs of the relation equations whose primitive has user-registered rules.
+        self._ruled_outputs: set[Var] = set()
 
     # --- compilation ----------------------------------------------------------------------
 
@@ -142,6 +146,10 @@ class ETraceGraphExecutor:
             control_flow=self.control_flow, **self._compile_kwargs(),
         )
         self._state_id_to_path = None
+        self._ruled_outputs = {
+            rel.y_var for rel in self._graph.hidden_param_op_relations
+            if rel.control_flow_context is None and not has_library_rules(rel.primitive)
+        }
         self._out_treedef = self._graph.module_info.stateful_model.get_out_treedef(*args)
         self._compiled_signature = _arg_signature(args)
 
@@ -171,6 +179,13 @@ class ETraceGraphExecutor:
 
     # --- one step -------------------------------------------------------------------------
 
+    def _bind(self, eqn: JaxprEqn, operands: list[Any]) -> list[Any]:
+        """Bind a step equation; relations with user-registered rules are differentiated by them."""
+        ruled = self._ruled_outputs and is_etp_primitive(eqn.primitive)
+        if ruled and eqn.outvars[get_y_outvar_index(eqn.primitive)] in self._ruled_outputs:
+            return bind_by_registered_rule(eqn, operands)
+        return bind_eqn(eqn, operands)
+
     def _flat_inputs(self, args: Sequence[Any], state_vals: dict[Path, Any]) -> list[Any]:
         minfo = self.graph.module_info
         values = [state_vals[minfo.state_id_to_path[id(st)]] for st in minfo.compiled_model_states]
@@ -191,13 +206,13 @@ class ETraceGraphExecutor:
         flat = self._flat_inputs(args, state_vals)
         if perturb is None:
             jaxpr, consts = minfo.jaxpr, minfo.closed_jaxpr.consts
-            outs = jax.core.eval_jaxpr(jaxpr, consts, *flat)
+            outs = eval_jaxpr(jaxpr, consts, flat, self._bind)
             invars = list(jaxpr.invars)
         else:
             assert graph.hidden_perturb is not None, "compiled without the hidden perturbation"
             closed = graph.hidden_perturb.perturb_jaxpr
             jaxpr, consts = closed.jaxpr, closed.consts
-            outs = jax.core.eval_jaxpr(jaxpr, consts, *flat, *perturb)
+            outs = eval_jaxpr(jaxpr, consts, [*flat, *perturb], self._bind)
             invars = list(jaxpr.invars)[: len(flat)]
         env: dict[Var, Any] = dict(zip(invars, flat))
         env.update((v, o) for v, o in zip(jaxpr.outvars, outs) if isinstance(v, Var) and not isinstance(v, Literal))
@@ -325,8 +340,18 @@ def detached_df_key(relation: Any, group: Any) -> tuple[int, str, str]:
     return (*df_key(relation, group), "through_while")
 
 
-def _eval_detaching_whiles(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
-    """Evaluate ``jaxpr`` with the inputs of every ``while`` equation behind ``stop_gradient``."""
+#: ``bind(eqn, operands) -> outputs``: how :func:`eval_jaxpr` evaluates one equation.
+EqnBinder = Callable[[JaxprEqn, list[Any]], list[Any]]
+
+
+def bind_eqn(eqn: JaxprEqn, operands: list[Any]) -> list[Any]:
+    """The outputs of ``eqn`` at ``operands``, as JAX itself would evaluate it."""
+    outs = eqn.primitive.bind(*operands, **eqn.primitive.get_bind_params(eqn.params))
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], bind: EqnBinder = bind_eqn) -> list[Any]:
+    """``jax.core.eval_jaxpr`` with every top-level equation evaluated by ``bind``."""
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
 
@@ -334,14 +359,16 @@ def _eval_detaching_whiles(jaxpr: Any, consts: Sequence[Any], *args: Any) -> lis
         return a.val if isinstance(a, Literal) else env[a]
 
     for eqn in jaxpr.eqns:
-        ins = [read(a) for a in eqn.invars]
-        if eqn.primitive.name == "while":
-            ins = [jax.lax.stop_gradient(v) for v in ins]
         with eqn.ctx.manager:
-            outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
-        outs = outs if eqn.primitive.multiple_results else [outs]
+            outs = bind(eqn, [read(a) for a in eqn.invars])
         env.update((v, o) for v, o in zip(eqn.outvars, outs) if not isinstance(v, DropVar))
     return [read(v) for v in jaxpr.outvars]
+
+
+def _bind_detaching_whiles(eqn: JaxprEqn, operands: list[Any]) -> list[Any]:
+    if eqn.primitive.name == "while":
+        operands = [jax.lax.stop_gradient(v) for v in operands]
+    return bind_eqn(eqn, operands)
 
 
 def _df_around_whiles(tail: Any, consts: Sequence[Any], y: Any, group: Any) -> Any:
@@ -353,7 +380,7 @@ def _df_around_whiles(tail: Any, consts: Sequence[Any], y: Any, group: Any) -> A
     """
 
     def fn(y: Any) -> Any:
-        return group.concat_hidden(_eval_detaching_whiles(tail, consts, y))
+        return group.concat_hidden(eval_jaxpr(tail, consts, [y], _bind_detaching_whiles))
 
     return jax.jvp(fn, (y,), (jnp.ones_like(y),))[1]
 

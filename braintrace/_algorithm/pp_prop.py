@@ -227,8 +227,10 @@ class IODimVjpAlgorithm(ETraceVjpAlgorithm):
     def _init_df_trace(rel: Any, group: Any) -> jax.Array:
         y_shape, varshape = shape_of(rel.y_var), tuple(group.varshape)
         elemwise = rel.primitive is etp_elemwise_p
-        # An element-wise weight may broadcast over leading (batch) axes of the hidden state.
-        fits = varshape[len(varshape) - len(y_shape):] == y_shape if elemwise else y_shape == varshape
+        # An element-wise weight may broadcast over leading (batch) axes of the hidden state; any
+        # output may add leading axes of size one (a layer's batch of one on an unbatched state).
+        fits = varshape[len(varshape) - len(y_shape):] == y_shape if elemwise else (
+            y_shape == varshape or rel.adds_unit_axes(group))
         if not fits:
             raise ValueError(
                 f"The shape of the hidden states should be the same as the output of the ETP "
@@ -245,6 +247,8 @@ class IODimVjpAlgorithm(ETraceVjpAlgorithm):
         extra = {"group": group} if elemwise else {}
         value = init(rel.x_var, rel.y_var, rel.trainable_vars, group.num_state, **extra)
         expected = (*varshape, group.num_state)
+        if tuple(getattr(value, "shape", ())) == (*y_shape, group.num_state):
+            value = jnp.reshape(value, expected)  # kept over the group's positions, like D
         if tuple(getattr(value, "shape", ())) != expected:
             raise ValueError(
                 f"init_pp of {rel.primitive.name} returned shape {getattr(value, 'shape', None)}; "
@@ -284,13 +288,12 @@ class IODimVjpAlgorithm(ETraceVjpAlgorithm):
 
     def _batched_trace_keys(self) -> tuple[set[int], set[tuple[int, str]]]:
         relations = self.graph.hidden_param_op_relations
-        batched_groups = set()
-        for rel in relations:
-            for group in rel.hidden_groups:
-                broadcast = len(shape_of(rel.y_var)) < len(group.varshape)
-                if reg.is_batched_primitive(rel.primitive) or broadcast:
-                    batched_groups.add(group.index)
-        xs = {id(r.x_var) for r in relations if r.x_var is not None and reg.is_batched_primitive(r.primitive)}
+        batched_groups = {g.index for r in relations for g in r.hidden_groups if r.traces_lead_with_batch(g)}
+        xs = {
+            id(r.x_var) for r in relations
+            if r.x_var is not None and reg.is_batched_primitive(r.primitive)
+            and any(r.traces_lead_with_batch(g) for g in r.hidden_groups)
+        }
         dfs = {df_key(r, g) for r in relations for g in r.hidden_groups if g.index in batched_groups}
         return xs, dfs
 
@@ -421,38 +424,42 @@ class IODimVjpAlgorithm(ETraceVjpAlgorithm):
                 key = df_key(rel, group)
                 signal = dl_to_hidden_groups[group.index]
                 if group.index in read_past:
-                    per_key = self._history_from_entering(rel, entering, key, read_past[group.index], weights)
+                    per_key = self._history_from_entering(rel, group, entering, read_past[group.index], weights)
                     for k, dw in per_key.items():
                         grads = self._add_operand_gradient(grads, rel, k, dw, weight_vals)
                     continue
                 eps_f = etrace["dfs"][key]
                 c = self._correction(etrace["steps"], jnp.result_type(eps_f, signal))
-                per_key = self._pull_back(rel, x_trace, (eps_f / c) * signal, weights)
+                per_key = self._pull_back(rel, group, x_trace, (eps_f / c) * signal, weights)
                 # The same-step term is subtracted where the one-step VJP holds it too.
                 covered = local_keys.get(index, frozenset())
                 if instant is not None and set(per_key) - covered:
                     x_t = None if rel.x_var is None else instant[0][id(rel.x_var)]
-                    same = self._pull_back(rel, x_t, instant[1][key] * signal, weights)
+                    same = self._pull_back(rel, group, x_t, instant[1][key] * signal, weights)
                     per_key = {k: v if k in covered else v - same[k] for k, v in per_key.items()}
                 for k, dw in per_key.items():
                     grads = self._add_operand_gradient(grads, rel, k, dw, weight_vals)
         return grads
 
     def _history_from_entering(
-        self, rel: Any, entering: IOTrace, key: Any, previous: jax.Array, weights: dict[str, jax.Array]
+        self, rel: Any, group: Any, entering: IOTrace, previous: jax.Array, weights: dict[str, jax.Array]
     ) -> dict[str, jax.Array]:
         """``⟨∂L/∂h^{t-1}, x̄^{t-1} ⊗ df̄^{t-1}⟩``, bias-corrected, from the traces entering the step."""
         x_trace = None if rel.x_var is None else entering["xs"][id(rel.x_var)]
-        eps_f = entering["dfs"][key]
+        eps_f = entering["dfs"][df_key(rel, group)]
         c = self._correction(entering["steps"], jnp.result_type(eps_f, previous))
-        return self._pull_back(rel, x_trace, (eps_f / c) * previous, weights)
+        return self._pull_back(rel, group, x_trace, (eps_f / c) * previous, weights)
 
-    def _pull_back(self, rel: Any, x: Any, delta: jax.Array, weights: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    def _pull_back(
+        self, rel: Any, group: Any, x: Any, delta: jax.Array, weights: dict[str, jax.Array]
+    ) -> dict[str, jax.Array]:
         """``xy_to_dw(x, Σ_a delta[..., a])``: the VJP of the primitive at input ``x``.
 
-        ``xy_to_dw`` is linear in its cotangent, so the fast path sums over the hidden states
-        first (one call); otherwise one call per state, summed.
+        ``delta`` is laid out over the group's positions, ``(*varshape, S)``. ``xy_to_dw`` is
+        linear in its cotangent, so the fast path sums over the hidden states first (one call);
+        otherwise one call per state, summed.
         """
+        delta = rel.output_layout(group, delta)
         rule = reg.ETP_RULES_XY_TO_DW[rel.primitive]
         if self.fast_solve:
             out: dict[str, jax.Array] = rule(x, sum_states(delta), weights, **rel.eqn_params)

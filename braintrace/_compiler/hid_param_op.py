@@ -50,6 +50,7 @@ from braintrace._op._registries import (
     get_trainable_invars,
     get_x_invar_index,
     get_y_outvar_index,
+    is_batched_primitive,
     is_etp_enable_gradient_primitive,
     is_etp_primitive,
 )
@@ -145,6 +146,54 @@ class HiddenParamOpRelation(NamedTuple):
             hs = jax.core.eval_jaxpr(jaxpr, consts, y_val)
             outs.append(group.concat_hidden(hs) if concat_hidden_vals else hs)
         return outs
+
+    def output_layout(self, group: HiddenGroup, value: Any, lead: int = 0) -> Any:
+        """``value``, laid out over ``group``'s positions, re-laid over the positions of ``y``.
+
+        ``value`` is ``(*lead axes, *group.varshape, *rest)`` (a ``df``, a hidden Jacobian, a
+        learning signal). Where ``y`` is the group's shape with extra leading axes of size one
+        (a layer that adds a batch of one to an unbatched state, ``(1, 28, 28, 8)`` driving
+        ``(28, 28, 8)``) the result is ``(*lead axes, *y.shape, *rest)``, the layout the
+        primitive's rules work in; otherwise ``value`` itself.
+
+        Examples
+        --------
+        >>> import brainstate, jax.numpy as jnp, braintrace
+        >>> class Squeezed(brainstate.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.w = brainstate.ParamState(jnp.ones((3, 2)))
+        ...         self.h = brainstate.HiddenState(jnp.zeros(2))
+        ...     def update(self, x):
+        ...         self.h.value = 0.5 * self.h.value + braintrace.matmul(x[None], self.w.value)[0]
+        ...         return self.h.value
+        >>> (rel,) = braintrace.find_hidden_param_op_relations_from_module(Squeezed(), jnp.ones(3))
+        >>> rel.output_layout(rel.hidden_groups[0], jnp.ones((2, 1))).shape  # (*varshape, S)
+        (1, 2, 1)
+        """
+        if not self.adds_unit_axes(group):
+            return value
+        shape, rank = tuple(value.shape), len(group.varshape)
+        return value.reshape(shape[:lead] + shape_of(self.y_var) + shape[lead + rank:])
+
+    def adds_unit_axes(self, group: HiddenGroup) -> bool:
+        """Whether ``y`` is ``group``'s shape with extra leading axes of size one (see :meth:`output_layout`)."""
+        y_shape, varshape = shape_of(self.y_var), tuple(group.varshape)
+        extra = len(y_shape) - len(varshape)
+        return extra > 0 and y_shape[extra:] == varshape and all(n == 1 for n in y_shape[:extra])
+
+    def traces_lead_with_batch(self, group: HiddenGroup) -> bool:
+        """Whether this relation's traces for ``group`` lead with the group's batch axis.
+
+        Assuming the group's leading axis is a batch (the caller knows): true when ``y``
+        broadcasts over the group's leading axes, or has the group's shape and comes from a
+        batched primitive; false when ``y`` adds leading axes of its own (see
+        :meth:`output_layout`) or the primitive is unbatched.
+        """
+        y_rank, rank = len(shape_of(self.y_var)), len(group.varshape)
+        if y_rank != rank:
+            return y_rank < rank
+        return is_batched_primitive(self.primitive)
 
     def dict(self) -> dict[str, Any]:
         return self._asdict()

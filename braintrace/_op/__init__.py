@@ -20,6 +20,7 @@ from braintrace._op._registries import (
     ETP_Y_OUTVAR_INDICES,
     GRADIENT_ENABLED_PRIMITIVES,
     FastPathRules,
+    freeze_library_rules,
     get_fast_path_rules,
     get_pp_x_repr,
     get_trainable_invars,
@@ -37,6 +38,9 @@ from braintrace._op.embedding import embedding, etp_emb_p, etp_emb_v_p
 from braintrace._op.grouped import etp_gmm_p, etp_gmv_p, grouped_matmul
 from braintrace._op.lora import etp_lora_mm_p, etp_lora_mv_p, lora_matmul
 from braintrace._op.sparse import etp_sp_mm_p, etp_sp_mv_p, sparse_matmul
+
+# Every rule registered from here on is a user's (see has_library_rules).
+freeze_library_rules()
 
 __all__ = [
     "ETPPrimitive",

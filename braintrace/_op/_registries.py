@@ -57,6 +57,8 @@ __all__ = [
     "get_instant_drtrl_rule",
     "get_solve_drtrl_rule",
     "get_pp_x_repr",
+    "freeze_library_rules",
+    "has_library_rules",
 ]
 
 Rule = Callable[..., Any]
@@ -211,18 +213,83 @@ def get_batched_counterpart(primitive: Primitive) -> Primitive | None:
 
 
 def get_fast_path_rules(primitive: Primitive) -> FastPathRules | None:
-    """The closed-form D-RTRL kernels of ``primitive``, or ``None``."""
-    return ETP_FAST_PATH_RULES.get(primitive)
+    """The closed-form D-RTRL kernels of ``primitive``, or ``None``.
+
+    ``None`` also when the kernels are the library's but a user replaced another rule of the
+    primitive: the kernels compute the library's rules, not the user's.
+    """
+    return _override(ETP_FAST_PATH_RULES, primitive)
 
 
 def get_instant_drtrl_rule(primitive: Primitive) -> Rule | None:
-    """The ``instant_drtrl`` override of ``primitive``, or ``None``."""
-    return ETP_RULES_INSTANT_DRTRL.get(primitive)
+    """The ``instant_drtrl`` override of ``primitive``, or ``None`` (see :func:`get_fast_path_rules`)."""
+    return _override(ETP_RULES_INSTANT_DRTRL, primitive)
 
 
 def get_solve_drtrl_rule(primitive: Primitive) -> Rule | None:
-    """The ``solve_drtrl`` override of ``primitive``, or ``None``."""
-    return ETP_RULES_SOLVE_DRTRL.get(primitive)
+    """The ``solve_drtrl`` override of ``primitive``, or ``None`` (see :func:`get_fast_path_rules`)."""
+    return _override(ETP_RULES_SOLVE_DRTRL, primitive)
+
+
+# --- whose rules are in force -------------------------------------------------------------
+
+#: Every table of eligibility-trace rules, in a fixed order (the layout of a rule snapshot).
+_RULE_TABLES: tuple[dict[Primitive, Any], ...] = (
+    ETP_RULES_DT_TO_T,
+    ETP_RULES_XY_TO_DW,
+    ETP_RULES_INIT_DRTRL,
+    ETP_RULES_INIT_PP,
+    ETP_RULES_PP_X_REPR,
+    ETP_RULES_INSTANT_DRTRL,
+    ETP_RULES_SOLVE_DRTRL,
+    ETP_FAST_PATH_RULES,
+)
+#: Per library primitive, its rules as the library installed them (see :func:`freeze_library_rules`).
+_LIBRARY_RULES: dict[Primitive, tuple[Any, ...]] = {}
+
+
+def _rules_of(primitive: Primitive) -> tuple[Any, ...]:
+    return tuple(table.get(primitive) for table in _RULE_TABLES)
+
+
+def freeze_library_rules() -> None:
+    """Record the rules of every primitive registered so far as the library's own.
+
+    Called once, when :mod:`braintrace._op` has registered its primitives; any later
+    registration (by user code) is then told apart by :func:`has_library_rules`.
+    """
+    for primitive in ETP_PRIMITIVES:
+        _LIBRARY_RULES.setdefault(primitive, _rules_of(primitive))
+
+
+def has_library_rules(primitive: Primitive) -> bool:
+    """Whether every rule in force for ``primitive`` is the one the library installed.
+
+    ``False`` for user primitives, and for library primitives on which user code registered a
+    rule. Learners take shortcuts that compute a primitive's rules in another way (closed-form
+    kernels, JAX's own derivative of the forward pass) only where this holds: a registered rule
+    is the contract for its primitive.
+
+    Examples
+    --------
+    >>> from braintrace._op import etp_mm_p, register_primitive
+    >>> has_library_rules(etp_mm_p)
+    True
+    >>> has_library_rules(register_primitive('doc_own_rules', lambda x, w: x * w))
+    False
+    """
+    frozen = _LIBRARY_RULES.get(primitive)
+    return frozen is not None and all(a is b for a, b in zip(frozen, _rules_of(primitive)))
+
+
+def _override(table: dict[Primitive, Any], primitive: Primitive) -> Any:
+    """``table[primitive]``, unless it is a library rule left in force beside a user's rule."""
+    rule = table.get(primitive)
+    frozen = _LIBRARY_RULES.get(primitive)
+    if rule is None or frozen is None or has_library_rules(primitive):
+        return rule
+    position = next(i for i, t in enumerate(_RULE_TABLES) if t is table)
+    return None if rule is frozen[position] else rule
 
 
 def get_pp_x_repr(primitive: Primitive) -> Rule | None:

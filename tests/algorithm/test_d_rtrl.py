@@ -568,17 +568,18 @@ def test_reset_state_zeros_traces_and_the_step_counter(batched: bool) -> None:
     assert all(not np.any(np.asarray(v)) for st in learner.etrace_bwg.values() for v in st.value.values())
 
 
-def test_reset_state_with_batch_size_resizes_only_batched_traces() -> None:
+def test_reset_state_with_batch_size_resizes_every_trace_that_leads_with_the_batch() -> None:
     batched, _ = _stepped(B)
     learner, _ = _stepped(None)
-    before = _trace_shapes(batched)
     batched.reset_state(batch_size=5)
     (mm_key,) = batched.get_etrace_of(("w",))
+    (leak_key,) = batched.get_etrace_of(("leak",))
     assert _trace_shapes(batched)[mm_key] == {"weight": (5, I, O, 1), "bias": (5, O, 1)}
-    leak_keys = [k for k in before if k != mm_key]
-    assert all(_trace_shapes(batched)[k] == before[k] for k in leak_keys), "element_wise trace kept"
+    # The element-wise leak broadcasts over the batched hidden state: one trace per sample.
+    assert _trace_shapes(batched)[leak_key] == {"weight": (5, O, 1)}
+    batched(dense_x(5)[0])  # the next call at the new batch size
 
-    # Unbatched primitives (etp_mv, etp_elemwise) have no batch axis: axis 0 is never touched.
+    # An unbatched model's traces have no batch axis: axis 0 is never touched.
     unbatched = _trace_shapes(learner)
     assert {n for s in unbatched.values() for n in s} == {"weight", "bias"}
     learner.reset_state(batch_size=5)
@@ -592,13 +593,14 @@ def test_get_etrace_of_by_state_by_path_and_for_a_separate_bias_state() -> None:
     by_path = learner.get_etrace_of(("w",))
     assert by_state.keys() == by_path.keys() and len(by_state) == 1
     (leaves,) = by_state.values()
-    assert set(leaves) == {"weight"} and leaves["weight"].shape == (B, I, O, 1)
+    # The relation's whole trace, its bias entry included.
+    assert set(leaves) == {"weight", "bias"} and leaves["weight"].shape == (B, I, O, 1)
     assert np.any(np.asarray(leaves["weight"]) != 0)
     # The bias lives in its own ParamState: a secondary key of the same relation.
     bias = learner.get_etrace_of(model.b)
     assert bias.keys() == by_state.keys()
     (bias_leaves,) = bias.values()
-    assert set(bias_leaves) == {"bias"} and bias_leaves["bias"].shape == (B, O, 1)
+    assert set(bias_leaves) == {"weight", "bias"} and bias_leaves["bias"].shape == (B, O, 1)
     (leak_leaves,) = learner.get_etrace_of(model.leak).values()
     assert leak_leaves["weight"].shape == (B, O, 1)
 
