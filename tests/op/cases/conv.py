@@ -37,29 +37,26 @@ def _bias_index(bias_shape: tuple[int, ...], y_shape: tuple[int, ...], channel: 
 
 def conv_trace(fn: Any, x: Any, ws: dict, params: dict) -> dict:
     """``ε_K[b, *s, κ] = ∂y[b, s, o(κ)]/∂K[κ]``; ``ε_b[b, pos] = ∂y[b, pos]/∂b[β(pos)]``."""
-    # One compilation of the whole selection instead of one per eager op.
-    return jax.jit(partial(_select_trace, fn, params))(x, ws)  # type: ignore[no-any-return]
-
-
-def _select_trace(fn: Any, params: dict, x: Any, ws: dict) -> dict:
-    j = jac(fn, x, ws)
+    # The Jacobian in one compilation; the selection in NumPy (XLA on CPU, jaxlib 0.10.2, corrupts
+    # memory when it fuses this masked reduction with the Jacobian).
+    j = jax.tree.map(np.asarray, jax.jit(partial(jac, fn))(x, ws))
     kernel = ws["weight"]
     dn = lax.conv_dimension_numbers(x.shape, kernel.shape, params["dimension_numbers"])
     channel, k_out = dn.out_spec[1], dn.rhs_spec[0]
     jk = j["weight"]
     y_ndim = jk.ndim - kernel.ndim
-    jk = jnp.moveaxis(jk, channel, y_ndim - 1)  # (B, *s, C_out, *K)
+    jk = np.moveaxis(jk, channel, y_ndim - 1)  # (B, *s, C_out, *K)
     c_out = jk.shape[y_ndim - 1]
     own = np.arange(c_out).reshape([c_out] + [1] * kernel.ndim) == np.arange(
         kernel.shape[k_out]
     ).reshape([1] + [kernel.shape[k_out] if a == k_out else 1 for a in range(kernel.ndim)])
-    out = {"weight": (jk * own).sum(axis=y_ndim - 1)}
+    out = {"weight": jnp.asarray((jk * own).sum(axis=y_ndim - 1))}
     if "bias" in ws:
         jb = j["bias"]
         y_shape = jb.shape[:y_ndim]
         idx = _bias_index(ws["bias"].shape, y_shape, channel)
         flat = jb.reshape(*y_shape, -1)
-        out["bias"] = jnp.take_along_axis(flat, jnp.asarray(idx)[..., None], axis=-1)[..., 0]
+        out["bias"] = jnp.asarray(np.take_along_axis(flat, idx[..., None], axis=-1)[..., 0])
     return out
 
 
