@@ -32,6 +32,7 @@ from braintrace._algorithm import (
     OTTT,
     EProp,
     ETraceAlgorithm,
+    ETraceVmap,
     OSTLFeedforward,
     OSTLRecurrent,
     pp_prop,
@@ -74,6 +75,13 @@ def _resolve(algorithm: Any) -> type[ETraceAlgorithm]:
     )
 
 
+def _one_sample(example: Any) -> Any:
+    """The example input of one sample: axis 0 dropped (from a shape, or indexed from an array)."""
+    if isinstance(example, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(example.shape[1:], example.dtype)
+    return example[0]
+
+
 @contextlib.contextmanager
 def _seeded(seed: int | None) -> Iterator[None]:
     if seed is None:
@@ -102,7 +110,8 @@ def compile(
     algorithm : ETraceAlgorithm subclass or str
         The learning rule, or its case-insensitive name (see :data:`~braintrace._compile.ALGORITHM_NAMES`).
     *example_inputs
-        Inputs of one step (with the batch on axis 0 when batched).
+        Inputs of one step (with the batch on axis 0 when batched): arrays, or
+        ``jax.ShapeDtypeStruct`` shapes.
     batch_size : int, optional
         Batch size the states are initialised with.
     seed : int, optional
@@ -110,14 +119,14 @@ def compile(
     verbose : {0, 1, 2}
         Print the compilation report at this level.
     vmap : bool
-        Build per-sample states and return ``brainstate.nn.Vmap(learner, vmap_states='new')``;
-        requires ``batch_size``.
+        Build per-sample states and return :class:`~braintrace.ETraceVmap`
+        ``(learner, vmap_states='new')`` (a ``brainstate.nn.Vmap``); requires ``batch_size``.
     **options
         Forwarded to the algorithm's constructor (e.g. ``decay_or_rank`` for ``pp_prop``).
 
     Returns
     -------
-    ETraceAlgorithm or brainstate.nn.Vmap
+    ETraceAlgorithm or ETraceVmap
 
     Raises
     ------
@@ -137,7 +146,7 @@ def compile(
     >>> vmapped = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL,
     ...                              jnp.ones((2, 3)), batch_size=2, vmap=True)
     >>> type(vmapped).__name__, vmapped(jnp.ones((2, 3))).shape
-    ('Vmap', (2, 4))
+    ('ETraceVmap', (2, 4))
     """
     cls = _resolve(algorithm)
     if not example_inputs:
@@ -150,7 +159,7 @@ def compile(
         raise ValueError("compile: vmap=True needs the batch_size to build per-sample states.")
     if vmap:
         learner = cls(model, **options)
-        unbatched = jax.tree.map(lambda a: a[0], example_inputs)
+        unbatched = jax.tree.map(_one_sample, example_inputs)
 
         def init_per_sample() -> None:
             # Runs twice (a discovery probe, then the mapped pass); compile_graph skips the probe.
@@ -159,7 +168,7 @@ def compile(
 
         with _seeded(seed):
             brainstate.transform.vmap_new_states(init_per_sample, state_tag="new", axis_size=batch_size)()
-        result: Any = brainstate.nn.Vmap(learner, vmap_states="new")
+        result: Any = ETraceVmap(learner, vmap_states="new")
     else:
         with _seeded(seed):
             brainstate.nn.init_all_states(model, batch_size=batch_size)

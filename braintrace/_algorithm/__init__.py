@@ -9,6 +9,8 @@ from braintrace._algorithm.base import EligibilityTrace, ETraceAlgorithm, ETrace
 from braintrace._algorithm.d_rtrl import D_RTRL, ParamDimVjpAlgorithm
 from braintrace._algorithm.graph_executor import ETraceGraphExecutor, ETraceVjpGraphExecutor
 from braintrace._algorithm.input_data import MultiStepData, SingleStepData
+from braintrace._algorithm.sequence import SequenceDriverMixin
+from braintrace._algorithm.vmap import ETraceVmap
 from braintrace._algorithm.pp_prop import ES_D_RTRL, IODimVjpAlgorithm, pp_prop
 from braintrace._algorithm.eprop import EProp
 from braintrace._algorithm.ostl import OSTLFeedforward, OSTLRecurrent
@@ -19,6 +21,8 @@ from braintrace._algorithm.snn_helpers import FixedRandomFeedback, KappaFilter, 
 
 __all__ = [
     "ETraceAlgorithm",
+    "SequenceDriverMixin",
+    "ETraceVmap",
     "EligibilityTrace",
     "ETraceVjpAlgorithm",
     "ETraceGraphExecutor",

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from braintrace._algorithm.graph_executor import ETraceGraphExecutor, ETraceVjpGraphExecutor
 from braintrace._algorithm.input_data import has_multistep_data
+from braintrace._algorithm.sequence import SequenceDriverMixin
 from braintrace._compiler import (
     CompilationReport,
     ControlFlowPolicy,
@@ -64,7 +65,7 @@ class EligibilityTrace(brainstate.ShortTermState):
 EligibilityTrace.__module__ = "braintrace"
 
 
-class ETraceAlgorithm(brainstate.nn.Module):
+class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
     """A model wrapped with an eligibility-trace learning rule.
 
     Parameters

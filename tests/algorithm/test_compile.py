@@ -236,6 +236,7 @@ def test_vmap_learner_equals_the_batched_learner(quiet: None) -> None:
     vmapped = braintrace.compile(Leaky(), braintrace.D_RTRL, xs[0], batch_size=B, vmap=True)
     batched = braintrace.compile(Leaky(), braintrace.D_RTRL, xs[0], batch_size=B)
     assert isinstance(vmapped, brainstate.nn.Vmap) and isinstance(vmapped.module, braintrace.D_RTRL)
+    assert type(vmapped) is braintrace.ETraceVmap
     # Per-sample traces: one lane per sample on axis 0, each the unbatched (etp_mv) layout.
     (lane_shapes,) = [
         {k: v.shape for k, v in st.value.items()}
@@ -250,6 +251,15 @@ def test_vmap_learner_equals_the_batched_learner(quiet: None) -> None:
     assert set(g_v) == set(g_b)
     for p in g_b:
         np.testing.assert_allclose(g_v[p], g_b[p], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("vmap", [False, True])
+def test_a_shape_only_example_input(quiet: None, vmap: bool) -> None:
+    example = jax.ShapeDtypeStruct((B, I), jnp.float32)
+    learner = braintrace.compile(Leaky(), braintrace.D_RTRL, example, batch_size=B, vmap=vmap)
+    assert learner.hidden_states[("h",)].value.shape == (B, O)
+    out = brainstate.transform.jit(lambda: learner(jnp.ones((B, I))))()
+    assert out.shape == (B, O)
 
 
 def test_vmap_with_seed_is_reproducible(quiet: None) -> None:

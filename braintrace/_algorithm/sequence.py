@@ -1,0 +1,467 @@
+"""Sequence drivers: :class:`SequenceDriverMixin` with ``etrace_grad`` and ``etrace_evolve``.
+
+A learner's call is one step (or one :class:`~braintrace.MultiStepData` window), and
+``brainstate.transform.grad`` of a loss of its output is that call's online estimate. The drivers
+own the time loop around that contract: they slice the sequences along their leading axis, call
+a user ``step_fn`` once per step or window inside ``brainstate.transform.scan``, sum the per-call
+estimates, weight the losses by a per-step ``mask`` and reduce. They own no numerics: whatever
+the learner computes for one call, the driver adds up.
+
+Data are positional sequences (inputs, targets, modulators ...), sliced in lockstep. The host
+class provides four hooks (defaults are those of :class:`~braintrace.ETraceAlgorithm`):
+
+* ``_seq_call`` — the callable ``etrace_evolve`` drives when it has no ``step_fn``;
+* ``_seq_param_states`` — the ``path -> ParamState`` mapping differentiated by default;
+* ``_seq_vjp_method`` — ``'single-step'``, ``'multi-step'`` or ``None``; window mode of
+  ``etrace_grad`` requires ``'multi-step'``;
+* ``_seq_is_vmapped`` (class flag) — a vmapped learner refuses window mode.
+
+Both drivers continue from the learner's current hidden states, traces and ``running_index``
+and leave the final ones installed; nothing is reset. Failure is transactional: the loop body is
+traced into a functional scan, which restores every state it touched when tracing fails and
+writes the final values back only once the whole loop has run, so an exception raised by
+``step_fn`` leaves the learner exactly as it was.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar, Mapping, NamedTuple
+
+import brainstate
+import brainunit as u
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from braintrace._algorithm.input_data import ETraceInputData, MultiStepData
+
+__all__ = ["SequenceDriverMixin"]
+
+Path = tuple[Any, ...]
+#: ``path -> gradient`` keyed like the ``weights`` that were differentiated.
+Grads = dict[Path, Any]
+#: ``step_fn(*slices) -> loss`` (or ``(loss, aux)``): calls the learner once and scores its output.
+StepFn = Callable[..., Any]
+
+_REDUCTIONS = ("mean", "sum")
+_LOSS_OUTPUTS = ("per_step", "masked", "scalar")
+
+
+class _Drive(NamedTuple):
+    """A validated request: ``T`` steps, driven in windows of ``window`` steps (``None``: plain)."""
+
+    length: int
+    window: int | None
+
+
+class SequenceDriverMixin:
+    """``etrace_grad`` and ``etrace_evolve``: drive a learner over whole sequences.
+
+    Every learner (:class:`~braintrace.ETraceAlgorithm`) and the vmapped learner
+    (:class:`~braintrace.ETraceVmap`) has both methods. See :meth:`etrace_grad` for the contract
+    of ``step_fn``: it must call **this** learner exactly once per step (or window).
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL, jnp.ones(3))
+    >>> isinstance(learner, braintrace.SequenceDriverMixin)
+    True
+    >>> learner.etrace_evolve(jnp.ones((5, 3)))  # five steps, no gradient
+    >>> int(learner.running_index.value)
+    5
+    """
+
+    #: Whether the host maps its calls over a batch axis (window mode is then refused).
+    _seq_is_vmapped: ClassVar[bool] = False
+
+    @property
+    def _seq_call(self) -> Any:
+        """The callable ``etrace_evolve`` drives when it is given no ``step_fn``."""
+        return self
+
+    @property
+    def _seq_param_states(self) -> Mapping[Path, Any]:
+        """The ``path -> ParamState`` mapping ``etrace_grad`` differentiates by default."""
+        return getattr(self, "param_states")  # the host class provides it
+
+    @property
+    def _seq_vjp_method(self) -> str | None:
+        """The learner's ``vjp_method`` (``None`` when it has none)."""
+        return getattr(self, "vjp_method", None)
+
+    # --- the drivers ------------------------------------------------------------------------
+
+    def etrace_grad(
+        self,
+        *sequences: Any,
+        step_fn: StepFn,
+        mask: Any = None,
+        chunk_size: int | None = None,
+        weights: Mapping[Path, Any] | None = None,
+        reduction: str = "mean",
+        loss_output: str = "per_step",
+        has_aux: bool = False,
+        return_value: bool = False,
+    ) -> Any:
+        """The learner's online estimate of ``∇J`` for a masked sequence loss ``J``, summed over its calls.
+
+        **step_fn must call this learner exactly once per invocation** (for a vmapped learner:
+        the :class:`~braintrace.ETraceVmap` wrapper, never its ``.module``). Zero calls
+        leave the traces behind for that step; two calls advance them twice. Either way the
+        result is a plausible-looking, wrong estimate, and nothing can detect it. ``step_fn``
+        is traced once inside ``brainstate.transform.scan`` (Python side effects happen once),
+        must not mutate states the learner reads, and must not call the learner conditionally
+        (weight the loss with ``mask`` instead).
+
+        For each call ``c`` the learner's online estimate ``ĝ_c`` of the gradient of
+        ``J_c = Σ_{t in call c} mask_t · loss_t`` is taken with ``brainstate.transform.grad``;
+        the driver returns ``G = Σ_c ĝ_c``, divided once by ``max(Σ_t mask_t, 1)`` under
+        ``reduction='mean'``. ``G`` is the rule's online estimate of ``∇J``: equal to it where
+        the rule's trace is exact, an approximation otherwise. Parameters outside the
+        eligibility-trace relations get the exact gradient within each call (a readout is exact,
+        earlier calls are not reached).
+
+        Parameters
+        ----------
+        *sequences : pytree
+            One or more pytrees whose leaves share the leading time length ``T``; they are
+            sliced in lockstep and handed to ``step_fn`` positionally, in this order. Pass bare
+            arrays (wrap them in ``MultiStepData`` inside ``step_fn``); close over constants.
+        step_fn : callable
+            ``step_fn(*slices) -> loss`` (``(loss, aux)`` with ``has_aux``): calls the learner
+            once and returns a scalar loss (plain mode) or one loss per step, shape ``(k,)``
+            (window mode).
+        mask : array, optional
+            ``(T,)`` per-step loss weights (any real values; default all ones). The learner
+            still runs at every step; only the loss is weighted.
+        chunk_size : int, optional
+            ``None`` or ``1``: one learner call per step, slices ``seq[t]``. ``k >= 2``: one call
+            per window of ``k`` steps, slices ``seq[t:t+k]`` (requires
+            ``vjp_method='multi-step'`` and ``T % k == 0``); ``step_fn`` then calls
+            ``learner(braintrace.MultiStepData(x))``.
+        weights : dict, optional
+            ``path -> ParamState`` to differentiate (default: the learner's ``param_states``).
+            A subset freezes the others.
+        reduction : {'mean', 'sum'}
+            ``'mean'`` divides by the total mask weight ``max(Σ mask, 1)``; ``'sum'`` does not.
+        loss_output : {'per_step', 'masked', 'scalar'}
+            With ``return_value``: the raw per-step losses ``(T,)``, the masked ones ``(T,)``,
+            or the reduced objective ``()``.
+        has_aux : bool
+            ``step_fn`` returns ``(loss, aux)``; ``aux`` is stacked over calls.
+        return_value : bool
+            Also return the losses.
+
+        Returns
+        -------
+        grads, or (grads, losses), (grads, aux), (grads, losses, aux)
+            ``grads`` is keyed like ``weights`` and carries each weight's unit; ``aux`` has a
+            leading axis of ``T`` calls (plain) or ``T // k`` (window).
+
+        Raises
+        ------
+        TypeError
+            For a non-integer ``chunk_size``, a sequence holding ``SingleStepData`` or
+            ``MultiStepData``, or a ``step_fn`` result that is not a pair under ``has_aux``.
+        ValueError
+            For a bad ``reduction`` / ``loss_output`` / ``chunk_size`` value, missing, empty,
+            scalar or ragged sequences, window mode on a vmapped or single-step learner or with
+            ``T % k != 0``, a ``mask`` not of shape ``(T,)``, or a loss of the wrong shape.
+
+        Examples
+        --------
+        >>> import brainstate, jax.numpy as jnp, braintrace
+        >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL, jnp.ones(3))
+        >>> xs, ys = jnp.ones((6, 3)), jnp.zeros((6, 4))
+        >>> def step_fn(x, y):  # one call of this learner per step
+        ...     return jnp.mean((learner(x) - y) ** 2)
+        >>> grads, losses = learner.etrace_grad(xs, ys, step_fn=step_fn, return_value=True)
+        >>> grads[('W', 'weight')]['weight'].shape, losses.shape, int(learner.running_index.value)
+        ((7, 4), (6,), 6)
+
+        Windows of two steps on a multi-step learner (one call, and one loss per step, a window):
+
+        >>> windowed = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL, jnp.ones(3),
+        ...                               vjp_method='multi-step')
+        >>> def window_fn(x, y):  # x: (2, 3), returns (2,)
+        ...     return jnp.mean((windowed(braintrace.MultiStepData(x)) - y) ** 2, axis=-1)
+        >>> grads = windowed.etrace_grad(xs, ys, step_fn=window_fn, chunk_size=2, reduction='sum')
+        >>> int(windowed.running_index.value)  # three calls
+        3
+        """
+        if reduction not in _REDUCTIONS:
+            raise ValueError(
+                f"etrace_grad: reduction must be one of {_REDUCTIONS}, got {reduction!r}. Use 'mean' "
+                f"to divide by the total mask weight or 'sum' to add the steps' contributions."
+            )
+        if loss_output not in _LOSS_OUTPUTS:
+            raise ValueError(
+                f"etrace_grad: loss_output must be one of {_LOSS_OUTPUTS}, got {loss_output!r} "
+                f"(raw per-step losses, mask-weighted losses, or the reduced objective)."
+            )
+        drive = self._seq_validate("etrace_grad", sequences, chunk_size, needs_multi_step=True)
+        mask = _check_mask(mask, drive.length)
+        weights = self._seq_param_states if weights is None else weights
+        if not isinstance(weights, Mapping):
+            raise TypeError(
+                f"etrace_grad: weights must be a mapping path -> ParamState (like learner.param_states), "
+                f"got {type(weights).__name__}."
+            )
+        grads, losses, aux = _GradRun(step_fn, dict(weights), drive.window, has_aux)(sequences, mask)
+        denom = jnp.maximum(jnp.sum(mask), 1.0)
+        if reduction == "mean":
+            grads = jax.tree.map(lambda g: g / denom.astype(g.dtype), grads)
+        losses = jnp.reshape(losses, (drive.length,))
+        if loss_output == "masked":
+            losses = mask * losses
+        elif loss_output == "scalar":
+            losses = jnp.sum(mask * losses)
+            losses = losses / denom if reduction == "mean" else losses
+        out: tuple[Any, ...] = (grads, losses) if return_value else (grads,)
+        out = (*out, aux) if has_aux else out
+        return out[0] if len(out) == 1 else out
+
+    def etrace_evolve(
+        self,
+        *sequences: Any,
+        step_fn: StepFn | None = None,
+        chunk_size: int | None = None,
+        return_outputs: bool = False,
+    ) -> Any:
+        """Advance hidden states and traces over sequences as :meth:`etrace_grad` would, without a gradient.
+
+        Parameters
+        ----------
+        *sequences : pytree
+            One or more pytrees whose leaves share the leading time length ``T``.
+        step_fn : callable, optional
+            ``step_fn(*slices)``, which must call **this** learner exactly once; its result is
+            the per-call output. Default: the learner itself, ``learner(*slices)``, with each
+            window slice wrapped in ``MultiStepData`` in window mode (a custom ``step_fn``
+            wraps for itself).
+        chunk_size : int, optional
+            ``None`` or ``1``: one call per step; ``k >= 2``: one call per window of ``k`` steps
+            (any ``vjp_method``; ``T % k == 0``).
+        return_outputs : bool
+            Return the per-call outputs stacked on a leading axis of ``T`` (plain) or
+            ``T // k`` (window; each element the window's own ``(k, ...)`` output). Default:
+            return ``None`` and stack nothing.
+
+        Returns
+        -------
+        None or pytree
+
+        Raises
+        ------
+        TypeError, ValueError
+            For the argument errors of :meth:`etrace_grad` that concern ``chunk_size`` and the
+            sequences.
+
+        Examples
+        --------
+        >>> import jax.numpy as jnp, braintrace
+        >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL, jnp.ones(3))
+        >>> learner.etrace_evolve(jnp.ones((6, 3)), chunk_size=2, return_outputs=True).shape
+        (3, 2, 4)
+        >>> int(learner.running_index.value)  # one call per window
+        3
+        """
+        drive = self._seq_validate("etrace_evolve", sequences, chunk_size, needs_multi_step=False)
+        if step_fn is not None:
+            call = step_fn
+        elif drive.window is None:
+            call = self._seq_call
+        else:
+            learner = self._seq_call
+
+            def call(*slices: Any) -> Any:
+                return learner(*(MultiStepData(s) for s in slices))
+
+        def body(*slices: Any) -> Any:
+            out = call(*slices)
+            return out if return_outputs else None
+
+        return brainstate.transform.for_loop(body, *_windows(sequences, drive.window))
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    def _seq_validate(
+        self, call: str, sequences: tuple[Any, ...], chunk_size: Any, needs_multi_step: bool
+    ) -> _Drive:
+        """Checks every argument before tracing (rows 3-13 of the driver contract, in order)."""
+        if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)):
+            raise TypeError(
+                f"{call}: chunk_size must be None or a Python int >= 1, got {chunk_size!r} of type "
+                f"{type(chunk_size).__name__}. Pass a plain int (int(k) converts a NumPy or JAX integer)."
+            )
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(
+                f"{call}: chunk_size must be >= 1, got {chunk_size}. Use None (or 1) for one learner "
+                f"call per step, or k >= 2 for one call per window of k steps."
+            )
+        window = chunk_size if chunk_size is not None and chunk_size >= 2 else None
+        length = _check_sequences(call, sequences)
+        if window is not None and self._seq_is_vmapped:
+            raise ValueError(
+                f"{call}: window mode (chunk_size={window}) is refused on a vmapped learner "
+                f"(braintrace.ETraceVmap): the vmap maps axis 0 of every input, which in a window "
+                f"slice (k, batch, ...) is time. Use chunk_size=None to drive it one step per call, "
+                f"or compile the batched learner (vmap=False, batch_size=B) for window mode."
+            )
+        if window is not None and needs_multi_step and self._seq_vjp_method != "multi-step":
+            raise ValueError(
+                f"{call}: window mode (chunk_size={window}) needs a multi-step learner, but this "
+                f"learner's vjp_method is {self._seq_vjp_method!r}. Build it with "
+                f"braintrace.compile(..., vjp_method='multi-step'), or use chunk_size=None. "
+                f"(etrace_evolve drives any learner in window mode.)"
+            )
+        if window is not None and length % window != 0:
+            trimmed = length - length % window
+            advice = f"Trim the sequences to {trimmed} steps, or choose" if trimmed else "Choose"
+            raise ValueError(
+                f"{call}: chunk_size={window} does not divide the sequence length {length} (T must be "
+                f"a multiple of chunk_size; a ragged tail is never truncated). {advice} a chunk_size "
+                f"that divides {length}."
+            )
+        return _Drive(length, window)
+
+
+class _GradRun:
+    """The scan of :meth:`SequenceDriverMixin.etrace_grad`: ``(Σ_c ĝ_c, losses, aux)``."""
+
+    def __init__(self, step_fn: StepFn, weights: dict[Path, Any], window: int | None, has_aux: bool) -> None:
+        self.step_fn = step_fn
+        self.weights = weights
+        self.window = window
+        self.has_aux = has_aux
+
+    def __call__(self, sequences: tuple[Any, ...], mask: jax.Array) -> tuple[Grads, jax.Array, Any]:
+        xs = _windows(sequences, self.window)
+        mask_rows = mask if self.window is None else mask.reshape((-1, self.window))
+        zeros = {path: _zeros_like(st.value) for path, st in self.weights.items()}
+        grads, (losses, aux) = brainstate.transform.scan(self._body, zeros, (xs, mask_rows))
+        return grads, losses, aux
+
+    def _body(self, acc: Grads, inputs: tuple[tuple[Any, ...], jax.Array]) -> tuple[Grads, Any]:
+        slices, w = inputs
+
+        def objective() -> tuple[Any, tuple[Any, Any]]:
+            loss, aux = self._loss(self.step_fn(*slices))
+            return u.math.sum(w * loss), (loss, aux)
+
+        g, loss_aux = brainstate.transform.grad(objective, self.weights, has_aux=True)()
+        return jax.tree.map(lambda a, b: a + b, acc, g), loss_aux
+
+    def _loss(self, result: Any) -> tuple[Any, Any]:
+        """``(loss, aux)`` of one ``step_fn`` result, with the loss's shape checked."""
+        if self.has_aux:
+            if not (isinstance(result, (tuple, list)) and len(result) == 2):
+                raise TypeError(
+                    f"etrace_grad: has_aux=True, so step_fn must return a pair (loss, aux), got "
+                    f"{_describe(result)}. Return (loss, aux), or pass has_aux=False."
+                )
+            loss, aux = result
+        else:
+            loss, aux = result, None
+        shape = tuple(np.shape(loss))
+        if self.window is None and shape != ():
+            raise ValueError(
+                f"etrace_grad: with chunk_size None or 1, step_fn must return a scalar loss, got shape "
+                f"{shape}. Reduce it inside step_fn (e.g. jnp.mean), or weight steps with mask."
+            )
+        if self.window is not None and shape != (self.window,):
+            raise ValueError(
+                f"etrace_grad: in window mode step_fn must return one loss per step of the window: "
+                f"expected shape (k,) = ({self.window},), got shape {shape}. Reduce every axis but "
+                f"the window's time axis (e.g. jnp.mean(..., axis=-1)); spread a window-level "
+                f"objective v as jnp.broadcast_to(v / k, (k,))."
+            )
+        return loss, aux
+
+
+# --- argument checks --------------------------------------------------------------------------
+
+
+def _is_marker(x: Any) -> bool:
+    return isinstance(x, ETraceInputData)
+
+
+def _check_sequences(call: str, sequences: tuple[Any, ...]) -> int:
+    """The common leading length ``T`` of every leaf of every sequence (rows 5-10)."""
+    if not sequences:
+        raise ValueError(
+            f"{call}: no sequences given. Pass one or more sequences with a leading time axis, "
+            f"e.g. learner.{call}(xs, ys, step_fn=...)."
+        )
+    for i, seq in enumerate(sequences):
+        marker = next((m for m in jax.tree.leaves(seq, is_leaf=_is_marker) if _is_marker(m)), None)
+        if marker is not None:
+            raise TypeError(
+                f"{call}: sequence {i} is or contains a {type(marker).__name__}; the driver slices bare "
+                f"arrays. Pass the arrays and wrap inside step_fn, e.g. "
+                f"learner(braintrace.MultiStepData(x))."
+            )
+    reference: tuple[str, int] | None = None
+    for i, seq in enumerate(sequences):
+        leaves = jax.tree_util.tree_flatten_with_path(seq)[0]
+        if not leaves:
+            raise ValueError(
+                f"{call}: sequence {i} is an empty pytree ({seq!r}); every sequence needs at least one "
+                f"array with a leading time axis. Drop it, or close over it in step_fn."
+            )
+        for keypath, leaf in leaves:
+            where = f"sequences[{i}]{jax.tree_util.keystr(keypath)}"
+            if np.ndim(leaf) == 0:
+                raise ValueError(
+                    f"{call}: {where} is a scalar ({leaf!r}) with no time axis to slice. Close over "
+                    f"constants in step_fn instead of passing them as sequences."
+                )
+            n = int(np.shape(leaf)[0])
+            if reference is None:
+                reference = (where, n)
+            elif n != reference[1]:
+                raise ValueError(
+                    f"{call}: every leaf must have the same leading (time) length, but {reference[0]} "
+                    f"has length {reference[1]} and {where} has length {n}."
+                )
+    assert reference is not None
+    if reference[1] == 0:
+        raise ValueError(f"{call}: the sequences are empty (length 0 along the time axis); give at least one step.")
+    return reference[1]
+
+
+def _check_mask(mask: Any, length: int) -> jax.Array:
+    """The ``(T,)`` floating mask (all ones by default)."""
+    if mask is None:
+        return jnp.ones((length,), jnp.float32)
+    shape = tuple(np.shape(mask))
+    if shape != (length,):
+        raise ValueError(
+            f"etrace_grad: mask must have shape (T,) = ({length},), one loss weight per step, got "
+            f"shape {shape}."
+        )
+    mask = jnp.asarray(mask)
+    return mask if jnp.issubdtype(mask.dtype, jnp.floating) else mask.astype(jnp.float32)
+
+
+# --- loop plumbing ----------------------------------------------------------------------------
+
+
+def _windows(sequences: tuple[Any, ...], window: int | None) -> tuple[Any, ...]:
+    """The sequences, every leaf reshaped ``(T, ...) -> (T // k, k, ...)`` in window mode."""
+    if window is None:
+        return sequences
+    return jax.tree.map(lambda a: jnp.reshape(a, (-1, window, *np.shape(a)[1:])), sequences)
+
+
+def _zeros_like(value: Any) -> Any:
+    """Zeros shaped, typed and (for a ``brainunit`` quantity) unit-carrying like ``value``."""
+    return jax.tree.map(u.math.zeros_like, value, is_leaf=lambda x: isinstance(x, u.Quantity))
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of length {len(value)}"
+    shape = getattr(value, "shape", None)
+    return type(value).__name__ if shape is None else f"{type(value).__name__} of shape {tuple(shape)}"

@@ -1,0 +1,98 @@
+"""``ETraceVmap``: a learner mapped over a batch of independent samples, with the sequence drivers.
+
+``braintrace.compile(..., vmap=True)`` builds per-sample hidden states and traces and returns
+``ETraceVmap(learner, vmap_states='new')``. The parameters stay shared by all lanes, so the
+online estimate for a loss summed over lanes is the sum of the per-lane estimates.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Mapping
+
+import brainstate
+
+from braintrace._algorithm.sequence import Path, SequenceDriverMixin
+
+__all__ = ["ETraceVmap"]
+
+
+class ETraceVmap(SequenceDriverMixin, brainstate.nn.Vmap):
+    """A learner vectorised over the batch axis (``brainstate.nn.Vmap``) with the sequence drivers.
+
+    Call it with batched inputs ``(batch, ...)``; ``.module`` is the unbatched learner, whose
+    per-sample states are mapped. Drive whole sequences through **this wrapper**:
+    ``vmapped.etrace_grad(xs, ys, step_fn=...)`` with a ``step_fn`` that calls ``vmapped(x)``
+    once per step. Driving ``vmapped.module.etrace_grad(...)``, or calling ``.module`` inside
+    ``step_fn``, runs the unbatched learner on batched data and gives per-lane-wrong results.
+    Window mode (``chunk_size >= 2``) is refused: the map's ``in_axes=0`` would take a window's
+    time axis for the batch; use ``chunk_size=None``, or compile the batched learner
+    (``vmap=False``) for windows.
+
+    The read-only diagnostics ``graph``, ``report``, ``show_graph``, ``param_states``,
+    ``hidden_states`` and ``vjp_method`` are forwarded from ``.module``.
+
+    Parameters
+    ----------
+    module : ETraceAlgorithm
+        The compiled unbatched learner.
+    **kwargs
+        Forwarded to ``brainstate.nn.Vmap`` (``in_axes``, ``vmap_states``, ...).
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp, braintrace
+    >>> vmapped = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL, jnp.ones((2, 3)),
+    ...                              batch_size=2, vmap=True)
+    >>> type(vmapped).__name__, type(vmapped.module).__name__, vmapped.vjp_method
+    ('ETraceVmap', 'D_RTRL', 'single-step')
+    >>> def step_fn(x, y):  # sums the lanes' losses: the estimate is the sum of the per-lane estimates
+    ...     return jnp.sum((vmapped(x) - y) ** 2)
+    >>> grads = vmapped.etrace_grad(jnp.ones((5, 2, 3)), jnp.zeros((5, 2, 4)), step_fn=step_fn, reduction='sum')
+    >>> grads[('W', 'weight')]['weight'].shape  # the shared parameters
+    (7, 4)
+    """
+
+    _seq_is_vmapped: ClassVar[bool] = True
+
+    @property
+    def _seq_param_states(self) -> Mapping[Path, Any]:
+        return self.module.param_states
+
+    @property
+    def _seq_vjp_method(self) -> str | None:
+        # brainstate.nn.Vmap forwards no attributes: read the learner's, not the wrapper's.
+        return getattr(self.module, "vjp_method", None)
+
+    # --- read-only diagnostics of the wrapped learner ---------------------------------------
+
+    @property
+    def graph(self) -> Any:
+        """The wrapped learner's compiled :class:`~braintrace.ETraceGraph`."""
+        return self.module.graph
+
+    @property
+    def report(self) -> Any:
+        """The wrapped learner's :class:`~braintrace.CompilationReport`."""
+        return self.module.report
+
+    @property
+    def param_states(self) -> Mapping[Path, Any]:
+        """``path -> ParamState`` of the shared parameters (those of ``.module``)."""
+        return self.module.param_states
+
+    @property
+    def hidden_states(self) -> Mapping[Path, Any]:
+        """``path -> HiddenState`` of the wrapped learner (per-sample, batch on axis 0)."""
+        return self.module.hidden_states
+
+    @property
+    def vjp_method(self) -> Any:
+        """The wrapped learner's ``vjp_method``."""
+        return self.module.vjp_method
+
+    def show_graph(self, verbose: bool = True, return_msg: bool = False) -> str | None:
+        """The wrapped learner's :meth:`~braintrace.ETraceAlgorithm.show_graph`."""
+        return self.module.show_graph(verbose=verbose, return_msg=return_msg)
+
+
+ETraceVmap.__module__ = "braintrace"
