@@ -32,6 +32,7 @@ from braintrace._algorithm import (
     pp_prop,
 )
 from braintrace._compile import compile
+from braintrace._checkpoint import load_checkpoint, save_checkpoint
 from braintrace._compiler import (
     CompilationRecord,
     CompilationReport,
@@ -145,6 +146,8 @@ __all__ = [
     "NotSupportedError",
     "CompilationError",
     "nn",
+    "save_checkpoint",
+    "load_checkpoint",
 ]
 
 # deprecated v0.1 names, served lazily by __getattr__ with a one-time DeprecationWarning

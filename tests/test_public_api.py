@@ -1,4 +1,4 @@
-"""The top-level namespace is exactly upstream 0.2.4's."""
+"""The top-level namespace is exactly upstream 0.2.4's, plus 0.2.5's sequence drivers and checkpoints."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import braintrace
 
 EXPECTED_ALL = [
     "__version__", "__version_info__",
-    "ETraceAlgorithm", "EligibilityTrace", "ETraceVjpAlgorithm", "ETraceVjpGraphExecutor",
+    "ETraceAlgorithm", "SequenceDriverMixin", "ETraceVmap",
+    "EligibilityTrace", "ETraceVjpAlgorithm", "ETraceVjpGraphExecutor",
     "ParamDimVjpAlgorithm", "D_RTRL", "pp_prop", "ES_D_RTRL", "IODimVjpAlgorithm",
     "compile",
     "matmul", "grouped_matmul", "embedding", "einsum", "element_wise", "conv", "sparse_matmul", "lora_matmul",
@@ -27,12 +28,13 @@ EXPECTED_ALL = [
     "FixedRandomFeedback", "KappaFilter", "PresynapticTrace",
     "NotSupportedError", "CompilationError",
     "nn",
+    "save_checkpoint", "load_checkpoint",
 ]
 
 
 def test_all_is_exactly_upstreams() -> None:
     assert braintrace.__all__ == EXPECTED_ALL
-    assert len(EXPECTED_ALL) == 56
+    assert len(EXPECTED_ALL) == 60
     for name in EXPECTED_ALL:
         assert hasattr(braintrace, name), name
 

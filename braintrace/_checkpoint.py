@@ -1,0 +1,530 @@
+"""Checkpoints: a learner's whole training state, saved mid-stream and resumed elsewhere.
+
+:func:`save_checkpoint` writes every state of a compiled learner (the model's parameters,
+hidden states and other states, the eligibility traces, the learner's step counters and
+filters), optionally the states of a ``braintools.optim`` optimizer, and a pytree of the user's
+own (``extra``). :func:`load_checkpoint` writes them back, in place, into a learner (and
+optimizer) built the same way, in this process or another; the run then goes on bit for bit as
+if it had not stopped.
+
+Every value is stored under a stable name:
+
+* ``model/<path>``: a state of the model, by its path in the model (``model/W``);
+* ``learner/<path>``: a state the learner keeps (``learner/running_index``);
+* ``optimizer/<path>``: a state of the optimizer, by attribute (``optimizer/opt_state``);
+
+followed by the key path of the leaf inside the state's value (``model/W['weight']``). Learners
+key their trace dicts by the ``id`` of jaxpr variables, which differs from process to process.
+In a name such an ``id`` becomes the index of its relation in
+``learner.graph.hidden_param_op_relations`` (the same for the same model and example input):
+``relation3.y`` (the output of relation 3), ``relation3.x`` (its input), ``relation3.weight``
+(its trainable operand ``'weight'``). The other path elements are kept.
+
+The file is a ``braintools.file`` msgpack file holding a header (format and version, the learner
+and optimizer classes, and the shape, dtype and unit of every entry), the entries, and ``extra``.
+Arrays are stored as raw bytes, so values come back bit for bit; ``brainunit`` quantities keep
+their unit, and a unit that differs from the target state's is refused.
+
+Not saved: the global random state (``brainstate.random``); save ``brainstate.random.get_key()``
+in ``extra`` and set it back with ``brainstate.random.set_key`` if the run draws from it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Hashable, NamedTuple
+
+import brainstate
+import braintools
+import brainunit as u
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from braintrace._algorithm import ETraceAlgorithm, ETraceVmap
+from braintrace._errors import NotSupportedError
+
+__all__ = ["save_checkpoint", "load_checkpoint"]
+
+#: The ``format`` field of a checkpoint's header.
+FORMAT = "braintrace.checkpoint"
+#: The version of the checkpoint layout this module writes and reads.
+VERSION = 1
+
+#: A state's path as brainstate lists it: attribute names, dict keys, list indices.
+StatePath = tuple[Hashable, ...]
+#: ``id`` of a jaxpr variable -> its stable name in checkpoints (``'relation3.y'``).
+StableIds = dict[int, str]
+#: A file path.
+PathLike = str | os.PathLike[str]
+
+_QUANTITY_FIELDS = frozenset({"mantissa", "scale", "base", "dim", "factor"})
+#: Path keys at least this large are object ids (addresses), never a list index or a user key.
+_ID_LIKE = 2**32
+_PYTHON_SCALARS = (bool, int, float, complex)
+
+
+class Entry(NamedTuple):
+    """One leaf of one state: what a checkpoint stores under one name."""
+
+    state: brainstate.State
+    position: int  # of the leaf among the state's leaves (a Quantity is one leaf)
+    leaf: Any  # its current value
+
+
+class LeafSpec(NamedTuple):
+    """What a stored leaf must match: shape, dtype and unit (``None``: a plain number)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    unit: Any
+
+    def __str__(self) -> str:
+        unit = "" if self.unit is None else f" [{self.unit}]"
+        return f"{self.shape} {self.dtype}{unit}"
+
+
+# --- stable names --------------------------------------------------------------------------
+
+
+def _algorithm_of(learner: Any, call: str) -> ETraceAlgorithm:
+    """The compiled :class:`ETraceAlgorithm` of ``learner`` (itself, or the one a vmap wraps)."""
+    algo = learner.module if isinstance(learner, ETraceVmap) else learner
+    if not isinstance(algo, ETraceAlgorithm):
+        raise TypeError(
+            f"{call}: the learner must be a compiled braintrace learner (what braintrace.compile "
+            f"returns), got {type(learner).__name__}."
+        )
+    if not algo.is_compiled:
+        raise ValueError(
+            f"{call}: the {type(algo).__name__} learner is not compiled; build it with "
+            f"braintrace.compile(model, algorithm, x0, ...) first."
+        )
+    return algo
+
+
+def _learner_kind(learner: Any) -> str:
+    if isinstance(learner, ETraceVmap):
+        return f"ETraceVmap({type(learner.module).__name__})"
+    return type(learner).__name__
+
+
+def _stable_ids(algo: ETraceAlgorithm) -> StableIds:
+    """Every relation's variables by the relation's index (first use wins, in graph order)."""
+    names: StableIds = {}
+    for i, rel in enumerate(algo.graph.hidden_param_op_relations):
+        names.setdefault(id(rel.y_var), f"relation{i}.y")
+        if rel.x_var is not None:
+            names.setdefault(id(rel.x_var), f"relation{i}.x")
+        for key, var in rel.trainable_vars.items():
+            names.setdefault(id(var), f"relation{i}.{key}")
+    return names
+
+
+def _element(e: Any, ids: StableIds, path: StatePath, call: str) -> str:
+    if isinstance(e, str):
+        return e
+    if isinstance(e, int) and not isinstance(e, bool):
+        if e in ids:
+            return ids[e]
+        if abs(e) >= _ID_LIKE:
+            raise NotSupportedError(
+                f"{call}: the state at {path!r} is keyed by {e}, the id() of an object that is no "
+                f"relation's input, output or operand; ids differ between processes, so it cannot "
+                f"get a stable name. Key the state by a relation's variable or by a fixed name."
+            )
+        return str(e)
+    if isinstance(e, tuple):
+        return "(" + ", ".join(_element(x, ids, path, call) for x in e) + ")"
+    return repr(e)
+
+
+def _name(prefix: str, path: StatePath, ids: StableIds, call: str) -> str:
+    return prefix + "/" + "/".join(_element(e, ids, path, call) for e in path)
+
+
+def _is_quantity(x: Any) -> bool:
+    return isinstance(x, u.Quantity)
+
+
+def _add_state(entries: dict[str, Entry], name: str, state: brainstate.State, call: str) -> None:
+    flat, _ = jax.tree_util.tree_flatten_with_path(state.value, is_leaf=_is_quantity)
+    for position, (keys, leaf) in enumerate(flat):
+        full = name + jax.tree_util.keystr(keys)
+        if full in entries:
+            raise NotSupportedError(
+                f"{call}: two states get the checkpoint name {full!r}; give them keys that differ "
+                f"in more than their type (such as 1 and '1')."
+            )
+        if isinstance(leaf, jax.core.Tracer):
+            raise ValueError(
+                f"{call}: the state {full!r} holds a traced value; call it outside jit / for_loop, "
+                f"between steps."
+            )
+        entries[full] = Entry(state, position, leaf)
+
+
+def _learner_entries(learner: Any, call: str) -> dict[str, Entry]:
+    """``name -> Entry`` of every leaf of every state of the learner."""
+    algo = _algorithm_of(learner, call)
+    ids = _stable_ids(algo)
+    entries: dict[str, Entry] = {}
+    in_model: set[int] = set()
+    # The model's states by their path in the model: the learner reaches them by several paths
+    # (its model, and caches filled on demand), and the first of those is not stable.
+    for path, state in brainstate.graph.states(algo.model4compile).items():
+        in_model.add(id(state))
+        _add_state(entries, _name("model", path, ids, call), state, call)
+    for path, state in brainstate.graph.states(learner).items():
+        if id(state) not in in_model:
+            _add_state(entries, _name("learner", path, ids, call), state, call)
+    return entries
+
+
+def _optimizer_entries(optimizer: Any, skip: set[int], call: str) -> dict[str, Entry]:
+    """``name -> Entry`` of the states of a ``braintools.optim`` optimizer and its schedulers.
+
+    States in ``skip`` (the learner's parameters it updates) are left out: they are saved as
+    the learner's. The walk goes through the optimizer's and its schedulers' attributes (in name
+    order) and through dicts, lists and tuples, so it finds ``opt_state``, ``step_count``, the
+    learning rates, the per-group states and every scheduler's counters.
+    """
+    if not isinstance(optimizer, braintools.optim.Optimizer):
+        raise TypeError(
+            f"{call}: optimizer must be a braintools.optim optimizer (e.g. braintools.optim.Adam), "
+            f"got {type(optimizer).__name__}."
+        )
+    if getattr(optimizer, "opt_state", True) is None:
+        raise ValueError(
+            f"{call}: the {type(optimizer).__name__} optimizer has no state yet; call "
+            f"optimizer.register_trainable_weights(learner.param_states) first."
+        )
+    found: dict[StatePath, brainstate.State] = {}
+    seen: set[int] = set()
+    containers = (dict, list, tuple, braintools.optim.Optimizer, braintools.optim.LRScheduler)
+
+    def visit(obj: Any, path: StatePath) -> None:
+        if id(obj) in seen:
+            return
+        if isinstance(obj, brainstate.State):
+            seen.add(id(obj))
+            if id(obj) not in skip:
+                found[path] = obj
+        elif isinstance(obj, containers):
+            seen.add(id(obj))
+            if isinstance(obj, dict):
+                items: list[tuple[Hashable, Any]] = list(obj.items())
+            elif isinstance(obj, (list, tuple)):
+                items = list(enumerate(obj))
+            else:
+                items = [(name, vars(obj)[name]) for name in sorted(vars(obj))]
+            for key, value in items:
+                visit(value, (*path, key))
+
+    visit(optimizer, ())
+    entries: dict[str, Entry] = {}
+    for path, state in found.items():
+        _add_state(entries, _name("optimizer", path, {}, call), state, call)
+    return entries
+
+
+# --- leaves --------------------------------------------------------------------------------
+
+
+def _spec(leaf: Any) -> LeafSpec:
+    unit = None
+    if isinstance(leaf, u.Quantity):
+        unit, leaf = leaf.unit, leaf.mantissa
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):  # arrays and NumPy scalars
+        return LeafSpec(tuple(leaf.shape), np.dtype(leaf.dtype).name, unit)
+    if isinstance(leaf, _PYTHON_SCALARS):
+        # A Python number is stored as it is; it matches the array JAX would make of it.
+        return LeafSpec((), np.dtype(jax.dtypes.canonicalize_dtype(type(leaf))).name, unit)
+    return LeafSpec((), type(leaf).__name__, unit)
+
+
+def _decode(raw: Any) -> Any:
+    """A stored leaf as a value: ``braintools`` writes a Quantity as its mantissa and unit."""
+    if isinstance(raw, dict) and set(raw) == _QUANTITY_FIELDS:
+        # 'ignore': take the stored unit; the caller compares it with the target's.
+        return braintools.file.msgpack_from_state_dict(u.Quantity(0.0), raw, mismatch="ignore")
+    return raw
+
+
+def _restored(template: Any, found: Any) -> Any:
+    """``found`` (a checked stored leaf) in the form of the target leaf ``template``."""
+    if isinstance(found, u.Quantity):
+        # The units are equal (checked); the target's unit object keeps its name ('mV').
+        unit = template.unit if isinstance(template, u.Quantity) else found.unit
+        mantissa = template.mantissa if isinstance(template, u.Quantity) else template
+        return u.Quantity(_restored(mantissa, found.mantissa), unit=unit)
+    if isinstance(template, np.ndarray):
+        return np.array(found, dtype=template.dtype)
+    if isinstance(template, np.generic):
+        return template.dtype.type(found)
+    if isinstance(template, _PYTHON_SCALARS) and isinstance(found, _PYTHON_SCALARS):
+        return found
+    if isinstance(found, (np.ndarray, np.generic, *_PYTHON_SCALARS)):
+        return jnp.asarray(found, dtype=template.dtype if isinstance(template, jax.Array) else None)
+    return found
+
+
+def _header_entry(spec: LeafSpec) -> dict[str, Any]:
+    # The shape as text: braintools would store a list as a dict of its items.
+    return {"shape": str(spec.shape), "dtype": spec.dtype, "unit": None if spec.unit is None else str(spec.unit)}
+
+
+# --- the public calls ------------------------------------------------------------------------
+
+
+def save_checkpoint(path: PathLike, learner: Any, *, optimizer: Any = None, extra: Any = None) -> str:
+    """Write the whole training state of ``learner`` (and ``optimizer``) to ``path``.
+
+    Saved: every state of the learner under a stable name (parameters, hidden states, the
+    model's other states, eligibility traces, step counters, filters: see
+    :mod:`braintrace._checkpoint`), the states of ``optimizer`` (its ``opt_state``, step count,
+    learning rates and scheduler counters), and ``extra``. Call it between steps, outside
+    ``jit``. The file is written to a temporary name and renamed, so a crash never leaves a
+    half-written checkpoint; an existing file at ``path`` is replaced.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The file to write (its folder is created if needed).
+    learner : ETraceAlgorithm or ETraceVmap
+        A compiled learner (what :func:`braintrace.compile` returns).
+    optimizer : braintools.optim.Optimizer, optional
+        An optimizer registered on ``learner.param_states`` (a ``braintools.optim.Adam``, ...).
+    extra : pytree, optional
+        Anything else to keep with the run: dicts, lists, tuples, named tuples, numbers,
+        strings, NumPy or JAX arrays, ``brainunit`` quantities (``braintools.file`` stores it).
+
+    Returns
+    -------
+    str
+        The path written.
+
+    Raises
+    ------
+    TypeError
+        If ``learner`` is not a braintrace learner or ``optimizer`` not a ``braintools.optim`` one.
+    ValueError
+        If the learner is not compiled, the optimizer has no registered weights, or a state
+        holds a traced value (a call inside ``jit``).
+
+    Examples
+    --------
+    >>> import os, tempfile, jax.numpy as jnp, braintrace
+    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL,
+    ...                              jnp.ones((2, 3)), batch_size=2)
+    >>> _ = learner(jnp.ones((2, 3)))
+    >>> path = os.path.join(tempfile.mkdtemp(), 'run.ckpt')
+    >>> braintrace.save_checkpoint(path, learner, extra={'epoch': 3}) == path
+    True
+    """
+    call = "save_checkpoint"
+    entries = _learner_entries(learner, call)
+    if optimizer is not None:
+        entries.update(_optimizer_entries(optimizer, {id(e.state) for e in entries.values()}, call))
+    header = {
+        "format": FORMAT,
+        "version": VERSION,
+        "learner": _learner_kind(learner),
+        "optimizer": None if optimizer is None else type(optimizer).__name__,
+        "has_extra": extra is not None,
+        "entries": {name: _header_entry(_spec(e.leaf)) for name, e in entries.items()},
+    }
+    payload = {"header": header, "entries": {name: e.leaf for name, e in entries.items()}, "extra": extra}
+    written: str = braintools.file.msgpack_save(os.fspath(path), payload)
+    return written
+
+
+def load_checkpoint(path: PathLike, learner: Any, *, optimizer: Any = None, extra: Any = None) -> Any:
+    """Restore a checkpoint of :func:`save_checkpoint` into ``learner`` (and ``optimizer``), in place.
+
+    Build the learner (and optimizer) exactly as the saved one was built (the same model,
+    algorithm and options, example input and ``batch_size``; the optimizer registered on
+    ``learner.param_states``), then load: every state object keeps its identity and gets the
+    saved value, bit for bit, so jitted step functions and the optimizer keep working on them.
+    Everything is checked before anything is written: on a mismatch nothing is restored.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        A file written by :func:`save_checkpoint`.
+    learner : ETraceAlgorithm or ETraceVmap
+        A compiled learner of the same class, model and shapes as the saved one.
+    optimizer : braintools.optim.Optimizer, optional
+        Give it exactly when the checkpoint was saved with one: an optimizer of the same class,
+        registered on ``learner.param_states``.
+    extra : pytree, optional
+        A template of the saved ``extra``: the result has its structure and key types, its
+        array leaves are JAX or NumPy arrays like the template's (``State`` leaves of the
+        template are restored in place). Without it, the stored ``extra`` comes back raw:
+        dict keys as strings, tuples and lists as ``{'0': ..., '1': ...}``, arrays as NumPy
+        arrays.
+
+    Returns
+    -------
+    pytree or None
+        The restored ``extra`` (``None`` if none was saved and no template given).
+
+    Raises
+    ------
+    FileNotFoundError
+        If there is no file at ``path``.
+    ValueError
+        If the file is no braintrace checkpoint, or the checkpoint does not fit: another
+        learner class, other state names, shapes, dtypes or units, an optimizer or an
+        ``extra`` template given for a checkpoint saved without one (or missing for one saved
+        with one). The message lists every mismatching entry.
+
+    Examples
+    --------
+    >>> import os, tempfile, numpy as np, jax.numpy as jnp, braintrace
+    >>> def build():
+    ...     return braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL,
+    ...                               jnp.ones((2, 3)), batch_size=2, seed=0)
+    >>> learner = build()
+    >>> _ = learner(jnp.ones((2, 3)))
+    >>> path = braintrace.save_checkpoint(os.path.join(tempfile.mkdtemp(), 'run.ckpt'), learner,
+    ...                                   extra={'epoch': 3})
+    >>> resumed = build()
+    >>> braintrace.load_checkpoint(path, resumed, extra={'epoch': 0})
+    {'epoch': 3}
+    >>> np.array_equal(resumed(jnp.ones((2, 3))), learner(jnp.ones((2, 3))))
+    True
+    >>> other = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 5), braintrace.D_RTRL,
+    ...                            jnp.ones((2, 3)), batch_size=2)
+    >>> braintrace.load_checkpoint(path, other)
+    Traceback (most recent call last):
+    ...
+    ValueError: load_checkpoint: the checkpoint ... does not fit this learner; nothing was restored.
+      - model/W/weight['bias']: expected (5,) float32, found (4,) float32
+      - model/W/weight['weight']: expected (8, 5) float32, found (7, 4) float32
+    ...
+    """
+    call = "load_checkpoint"
+    filename = os.fspath(path)
+    raw = _read(filename)
+    header = raw["header"]
+    expected = _learner_entries(learner, call)
+    problems: list[str] = []
+    kind = _learner_kind(learner)
+    if header.get("learner") != kind:
+        problems.append(f"learner class: expected {kind}, found {header.get('learner')}")
+    saved_optimizer = header.get("optimizer")
+    if optimizer is not None:
+        optimizer_entries = _optimizer_entries(optimizer, {id(e.state) for e in expected.values()}, call)
+        if saved_optimizer is None:
+            problems.append(
+                f"optimizer: an optimizer ({type(optimizer).__name__}) was given, but the checkpoint "
+                f"holds no optimizer state (it was saved without optimizer=); load without optimizer="
+            )
+        else:
+            expected.update(optimizer_entries)
+            if saved_optimizer != type(optimizer).__name__:
+                problems.append(f"optimizer class: expected {type(optimizer).__name__}, found {saved_optimizer}")
+    elif saved_optimizer is not None:
+        problems.append(
+            f"optimizer: the checkpoint holds the states of an optimizer ({saved_optimizer}), but "
+            f"none was given; pass optimizer=, a braintools.optim.{saved_optimizer} registered on "
+            f"learner.param_states"
+        )
+    found = {name: _decode(leaf) for name, leaf in raw["entries"].items()}
+    if optimizer is None or saved_optimizer is None:
+        found = {name: v for name, v in found.items() if not name.startswith("optimizer/")}
+    problems += _entry_problems(expected, found, header.get("entries") or {})
+    restored_extra = _restore_extra(raw, extra, problems)
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise ValueError(
+            f"{call}: the checkpoint {filename!r} does not fit this learner; nothing was restored.\n"
+            f"{lines}\n"
+            f"Build the learner exactly as the saved one was built (the same model and sizes, "
+            f"algorithm and options, example input and batch_size), with the same optimizer "
+            f"registered on learner.param_states and the same extra template, then load again."
+        )
+    _write(expected, found)
+    return restored_extra
+
+
+def _read(filename: str) -> dict[str, Any]:
+    if not os.path.isfile(filename):
+        raise FileNotFoundError(
+            f"load_checkpoint: there is no checkpoint file at {filename!r}; give the path "
+            f"save_checkpoint wrote (it returns it)."
+        )
+    try:
+        raw = braintools.file.msgpack_load(filename, parallel=False)
+    except braintools.file.InvalidCheckpointPath as err:
+        raise ValueError(f"load_checkpoint: {filename!r} cannot be read as a checkpoint ({err}).") from err
+    header = raw.get("header") if isinstance(raw, dict) else None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise ValueError(
+            f"load_checkpoint: {filename!r} is not a braintrace checkpoint (no {FORMAT!r} header); "
+            f"write checkpoints with braintrace.save_checkpoint."
+        )
+    if header.get("version") != VERSION:
+        raise ValueError(
+            f"load_checkpoint: {filename!r} has checkpoint format version {header.get('version')!r}; "
+            f"this braintrace reads version {VERSION}. Load it with the braintrace that wrote it."
+        )
+    entries = raw.get("entries")
+    result: dict[str, Any] = {**raw, "entries": {} if entries is None else entries}
+    return result
+
+
+def _entry_problems(expected: dict[str, Entry], found: dict[str, Any], saved: dict[str, Any]) -> list[str]:
+    """One line per entry that is missing, unexpected, or of another shape, dtype or unit.
+
+    ``saved`` is the header's description of the stored entries; its unit names (``'mV'``)
+    read better than those of units rebuilt from their dimensions and scale.
+    """
+
+    def shown(name: str, spec: LeafSpec) -> LeafSpec:
+        unit = saved.get(name, {}).get("unit") if spec.unit is not None else None
+        return spec if unit is None else spec._replace(unit=unit)
+
+    problems = []
+    for name, entry in expected.items():
+        want = _spec(entry.leaf)
+        if name not in found:
+            problems.append(f"{name}: expected {want}, missing from the checkpoint")
+        else:
+            got = _spec(found[name])
+            if got != want:
+                problems.append(f"{name}: expected {want}, found {shown(name, got)}")
+    for name, value in found.items():
+        if name not in expected:
+            owner = "optimizer" if name.startswith("optimizer/") else "learner"
+            problems.append(f"{name}: not in this {owner}, found {shown(name, _spec(value))}")
+    return problems
+
+
+def _restore_extra(raw: dict[str, Any], template: Any, problems: list[str]) -> Any:
+    stored = raw.get("extra")
+    if template is None:
+        return jax.tree.map(lambda x: np.array(x) if isinstance(x, np.ndarray) else x, stored)
+    if not raw["header"].get("has_extra"):
+        problems.append("extra: a template was given, but the checkpoint holds no extra (saved without extra=)")
+        return None
+    try:
+        restored = braintools.file.msgpack_from_state_dict(template, stored, mismatch="error")
+    except (ValueError, TypeError, KeyError) as err:
+        problems.append(f"extra: the saved extra does not fit the template: {err}")
+        return None
+    try:
+        return jax.tree.map(_restored, template, restored, is_leaf=_is_quantity)
+    except (ValueError, TypeError):
+        return restored  # the template holds States or odd leaves: as braintools restored it
+
+
+def _write(expected: dict[str, Entry], found: dict[str, Any]) -> None:
+    per_state: dict[int, tuple[brainstate.State, dict[int, Any]]] = {}
+    for name, entry in expected.items():
+        _, new = per_state.setdefault(id(entry.state), (entry.state, {}))
+        new[entry.position] = _restored(entry.leaf, found[name])
+    for state, new in per_state.values():
+        old, treedef = jax.tree.flatten(state.value, is_leaf=_is_quantity)
+        state.value = jax.tree.unflatten(treedef, [new.get(i, v) for i, v in enumerate(old)])
