@@ -173,6 +173,7 @@ def compile(
         with _seeded(seed):
             brainstate.nn.init_all_states(model, batch_size=batch_size)
         learner = cls(model, **options)
+        learner.batch_size = batch_size
         learner.compile_graph(*example_inputs)
         result = learner
     if len(learner.graph.hidden_param_op_relations) == 0:

@@ -89,6 +89,9 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
         ``path -> state`` of the other states the model step touches.
     is_compiled : bool
         Whether :meth:`compile_graph` has run.
+    batch_size : int or None
+        The batch size the model's states were initialised with by :func:`braintrace.compile`
+        (``None``: unbatched, or compiled by hand); :meth:`reset` uses it.
 
     Examples
     --------
@@ -111,6 +114,8 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
         self.model4compile = model
         self.graph_executor = graph_executor
         self.running_index = brainstate.LongTermState(jnp.asarray(0, dtype=jnp.int32))
+        #: The batch size the model's states were initialised with (set by braintrace.compile).
+        self.batch_size: int | None = None
         self.is_compiled = False
         self._split_cache: tuple[dict[Path, Any], dict[Path, Any], dict[Path, Any]] | None = None
         # id(operand var) -> how a relation's trainable operand is computed from parameters.
@@ -262,6 +267,68 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
             grads[path] = add_to_leaf(grads[path], leaf, dg)
         return grads
 
+    def reset(self, batch_size: int | None = None) -> None:
+        """Start a new sequence: the model's states as initialised, the traces and counters zero.
+
+        The model's states are reset **in place**: ``reset_state`` and then ``init_state`` run
+        on the model (``brainstate.nn.reset_all_states`` / ``init_all_states``), and every
+        value ``init_state`` produces is written into the state object the learner was compiled
+        with, which stays in the model. Calling ``init_all_states`` yourself instead would put
+        new state objects in the model, which the compiled learner never reads: a silent
+        detachment. Parameters are not touched. Works eagerly and inside ``jit``.
+
+        Parameters
+        ----------
+        batch_size : int, optional
+            The batch size to initialise the states with; default, the one the learner was
+            compiled for (:attr:`batch_size`).
+
+        Raises
+        ------
+        ValueError
+            If a reset hidden state does not have the shape the learner was compiled for.
+
+        Examples
+        --------
+        >>> import jax.numpy as jnp, braintrace
+        >>> learner = braintrace.compile(braintrace.nn.GRUCell(3, 4), braintrace.D_RTRL, jnp.ones((2, 3)),
+        ...                              batch_size=2)
+        >>> _ = learner(jnp.ones((2, 3)))
+        >>> learner.reset()
+        >>> float(abs(learner.hidden_states[('h',)].value).sum()), int(learner.running_index.value)
+        (0.0, 0)
+        """
+        batch_size = self.batch_size if batch_size is None else batch_size
+        model = self.model4compile
+        compiled = self.graph.module_info.retrieved_model_states
+        brainstate.nn.reset_all_states(model, batch_size=batch_size)
+        brainstate.nn.init_all_states(model, batch_size=batch_size)
+        now = model.states()
+        for path, state in compiled.items():
+            fresh = now.get(path)
+            if fresh is None or fresh is state:
+                continue
+            if not isinstance(state, brainstate.ParamState):
+                state.value = fresh.value
+            _put_at(model, path, state)
+        self._check_hidden_shapes({p: st.value for p, st in self.hidden_states.items()})
+        self.reset_state(batch_size=batch_size)
+
+    def _check_hidden_shapes(self, hidden_vals: dict[Path, Any]) -> None:
+        """Hidden states must keep the shapes the learner was compiled for."""
+        compiled = self.graph.module_info.hidden_path_to_invar
+        for path, value in hidden_vals.items():
+            expected = shape_of(compiled[path]) if path in compiled else None
+            got = tuple(jax.numpy.shape(u.get_mantissa(value)))
+            if expected is not None and got != expected:
+                raise ValueError(
+                    f"The hidden state {path} has shape {got}, but the learner was compiled for "
+                    f"{expected}. Resetting states without the batch size (e.g. "
+                    f"brainstate.nn.reset_all_states(model) on braintrace.nn cells) makes them "
+                    f"unbatched: reset with learner.reset(), which keeps the compiled batch size "
+                    f"(or pass the batch size the learner was compiled for), or compile again."
+                )
+
     def show_graph(self, verbose: bool = True, return_msg: bool = False) -> str | None:
         return self.graph_executor.show_graph(verbose=verbose, return_msg=return_msg)
 
@@ -365,21 +432,6 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         ri = self.running_index.value + 1
         self.running_index.value = jax.lax.stop_gradient(jnp.where(ri >= 0, ri, 0))
         return out
-
-    def _check_hidden_shapes(self, hidden_vals: dict[Path, Any]) -> None:
-        """Hidden states must keep the shapes the learner was compiled for."""
-        compiled = self.graph.module_info.hidden_path_to_invar
-        for path, value in hidden_vals.items():
-            expected = shape_of(compiled[path]) if path in compiled else None
-            got = tuple(jax.numpy.shape(u.get_mantissa(value)))
-            if expected is not None and got != expected:
-                raise ValueError(
-                    f"The hidden state {path} has shape {got}, but the learner was compiled for "
-                    f"{expected}. Resetting states without the batch size (e.g. "
-                    f"brainstate.nn.reset_all_states(model) on braintrace.nn cells) makes them "
-                    f"unbatched: reset with the batch size the learner was compiled for "
-                    f"(brainstate.nn.reset_all_states(model, batch_size=B)), or compile again."
-                )
 
     # --- the custom VJP -------------------------------------------------------------------
 
@@ -552,3 +604,15 @@ def add_to_leaf(tree: Any, leaf_index: int, value: Any) -> Any:
     leaves, treedef = jax.tree.flatten(tree)
     leaves[leaf_index] = leaves[leaf_index] + value.astype(leaves[leaf_index].dtype)
     return jax.tree.unflatten(treedef, leaves)
+
+
+def _put_at(root: Any, path: Path, obj: Any) -> None:
+    """Place ``obj`` at ``path`` (attribute names, list indices, dict keys) under ``root``."""
+    node = root
+    for key in path[:-1]:
+        node = node[key] if isinstance(key, int) or isinstance(node, dict) else getattr(node, key)
+    last = path[-1]
+    if isinstance(last, int) or isinstance(node, dict):
+        node[last] = obj
+    else:
+        setattr(node, last, obj)

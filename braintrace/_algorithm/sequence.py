@@ -1,4 +1,4 @@
-"""Sequence drivers: :class:`SequenceDriverMixin` with ``etrace_grad`` and ``etrace_evolve``.
+"""Sequence drivers: :class:`SequenceDriverMixin` with ``etrace_grad``, ``etrace_evolve`` and ``etrace_train``.
 
 A learner's call is one step (or one :class:`~braintrace.MultiStepData` window), and
 ``brainstate.transform.grad`` of a loss of its output is that call's online estimate. The drivers
@@ -16,7 +16,10 @@ class provides four hooks (defaults are those of :class:`~braintrace.ETraceAlgor
   ``etrace_grad`` requires ``'multi-step'``;
 * ``_seq_is_vmapped`` (class flag) — a vmapped learner refuses window mode.
 
-Both drivers continue from the learner's current hidden states, traces and ``running_index``
+``etrace_train`` runs the same loop and applies an optimizer every ``update_every`` steps while
+the stream runs, without resetting anything: online learning in the strict sense.
+
+The drivers continue from the learner's current hidden states, traces and ``running_index``
 and leave the final ones installed; nothing is reset. Failure is transactional: the loop body is
 traced into a functional scan, which restores every state it touched when tracing fails and
 writes the final values back only once the whole loop has run, so an exception raised by
@@ -35,7 +38,7 @@ import numpy as np
 
 from braintrace._algorithm.input_data import ETraceInputData, MultiStepData
 
-__all__ = ["SequenceDriverMixin"]
+__all__ = ["SequenceDriverMixin", "TrainResult"]
 
 Path = tuple[Any, ...]
 #: ``path -> gradient`` keyed like the ``weights`` that were differentiated.
@@ -47,6 +50,25 @@ _REDUCTIONS = ("mean", "sum")
 _LOSS_OUTPUTS = ("per_step", "masked", "scalar")
 
 
+class TrainResult(NamedTuple):
+    """What :meth:`SequenceDriverMixin.etrace_train` returns.
+
+    Attributes
+    ----------
+    losses : array
+        The raw per-step losses, ``(T,)``.
+    aux : pytree or None
+        ``step_fn``'s auxiliary outputs stacked over calls (``has_aux``), else ``None``.
+    optimizer : braintools.optim.OptaxOptimizer
+        The optimizer holding the training state (the one given, or the wrapper built around
+        an optax transformation): pass it back to continue with the same state.
+    """
+
+    losses: jax.Array
+    aux: Any
+    optimizer: Any
+
+
 class _Drive(NamedTuple):
     """A validated request: ``T`` steps, driven in windows of ``window`` steps (``None``: plain)."""
 
@@ -55,7 +77,7 @@ class _Drive(NamedTuple):
 
 
 class SequenceDriverMixin:
-    """``etrace_grad`` and ``etrace_evolve``: drive a learner over whole sequences.
+    """``etrace_grad``, ``etrace_evolve`` and ``etrace_train``: drive a learner over whole sequences.
 
     Every learner (:class:`~braintrace.ETraceAlgorithm`) and the vmapped learner
     (:class:`~braintrace.ETraceVmap`) has both methods. See :meth:`etrace_grad` for the contract
@@ -190,28 +212,19 @@ class SequenceDriverMixin:
         >>> int(windowed.running_index.value)  # three calls
         3
         """
-        if reduction not in _REDUCTIONS:
-            raise ValueError(
-                f"etrace_grad: reduction must be one of {_REDUCTIONS}, got {reduction!r}. Use 'mean' "
-                f"to divide by the total mask weight or 'sum' to add the steps' contributions."
-            )
+        _check_reduction("etrace_grad", reduction)
         if loss_output not in _LOSS_OUTPUTS:
             raise ValueError(
                 f"etrace_grad: loss_output must be one of {_LOSS_OUTPUTS}, got {loss_output!r} "
                 f"(raw per-step losses, mask-weighted losses, or the reduced objective)."
             )
         drive = self._seq_validate("etrace_grad", sequences, chunk_size, needs_multi_step=True)
-        mask = _check_mask(mask, drive.length)
-        weights = self._seq_param_states if weights is None else weights
-        if not isinstance(weights, Mapping):
-            raise TypeError(
-                f"etrace_grad: weights must be a mapping path -> ParamState (like learner.param_states), "
-                f"got {type(weights).__name__}."
-            )
-        grads, losses, aux = _GradRun(step_fn, dict(weights), drive.window, has_aux)(sequences, mask)
+        mask = _check_mask("etrace_grad", mask, drive.length)
+        weights = self._seq_weights("etrace_grad", weights)
+        grads, losses, aux = _GradRun("etrace_grad", step_fn, weights, drive.window, has_aux)(sequences, mask)
         denom = jnp.maximum(jnp.sum(mask), 1.0)
         if reduction == "mean":
-            grads = jax.tree.map(lambda g: g / denom.astype(g.dtype), grads)
+            grads = _divided(grads, denom)
         losses = jnp.reshape(losses, (drive.length,))
         if loss_output == "masked":
             losses = mask * losses
@@ -284,7 +297,134 @@ class SequenceDriverMixin:
 
         return brainstate.transform.for_loop(body, *_windows(sequences, drive.window))
 
+
+    def etrace_train(
+        self,
+        *sequences: Any,
+        step_fn: StepFn,
+        optimizer: Any,
+        update_every: int | None = None,
+        mask: Any = None,
+        chunk_size: int | None = None,
+        weights: Mapping[Path, Any] | None = None,
+        reduction: str = "mean",
+        has_aux: bool = False,
+    ) -> TrainResult:
+        """Learn online while the sequences stream: apply the optimizer every ``update_every`` steps.
+
+        One scan runs over the whole stream. It accumulates the learner's online estimate
+        exactly as :meth:`etrace_grad` does (same ``step_fn`` contract: **one call of this
+        learner per step or window**), and every ``update_every`` steps hands the accumulated
+        estimate to ``optimizer`` (divided by the span's total mask weight ``max(Σ mask, 1)``
+        under ``reduction='mean'``), clears it and goes on. Hidden states and traces are never
+        reset: the weights move while the stream runs, as in a model fitted to one long
+        recording or a controller that adapts while it acts. Steps left over after the last
+        full span are applied once at the end.
+
+        Once the weights move, a trace is the sensitivity of the hidden state to the weights
+        *under the weights that were in force at each past step*, not under the current ones:
+        the standard approximation of real-time recurrent learning, which vanishes as the step
+        size goes to zero. ``update_every=None`` updates once, at the end, and then equals
+        :meth:`etrace_grad` followed by one optimizer step; ``update_every=1`` with SGD equals
+        the hand-written per-step loop (call, gradient, update).
+
+        Parameters
+        ----------
+        *sequences : pytree
+            As in :meth:`etrace_grad`: leaves with a common leading time length ``T``.
+        step_fn : callable
+            ``step_fn(*slices) -> loss`` (``(loss, aux)`` with ``has_aux``): calls the learner
+            once; a scalar loss (plain mode) or ``(k,)`` losses (window mode).
+        optimizer : braintools.optim.OptaxOptimizer or optax.GradientTransformation
+            A ``braintools.optim`` optimizer (``SGD``, ``Adam``, ...), registered on the
+            weights here if it has no weights yet, or an optax transformation, which is wrapped
+            in ``braintools.optim.OptaxOptimizer``. Its state lives in ``brainstate`` states of
+            the returned :attr:`TrainResult.optimizer`: pass that back to continue the same
+            state, and to :func:`braintrace.save_checkpoint` to save it.
+        update_every : int, optional
+            Steps between updates (a multiple of ``chunk_size`` in window mode); ``None``: one
+            update at the end of the stream.
+        mask : array, optional
+            ``(T,)`` per-step loss weights (default all ones).
+        chunk_size : int, optional
+            ``None``/``1``: one learner call per step; ``k >= 2``: one call per window of ``k``
+            steps (multi-step learners, ``T % k == 0``).
+        weights : dict, optional
+            ``path -> ParamState`` to train (default: the learner's ``param_states``).
+        reduction : {'mean', 'sum'}
+            Whether each update divides the span's summed estimate by its total mask weight.
+        has_aux : bool
+            ``step_fn`` returns ``(loss, aux)``.
+
+        Returns
+        -------
+        TrainResult
+            ``losses`` (the raw per-step losses, ``(T,)``), ``aux`` (stacked over calls, or
+            ``None``) and ``optimizer`` (the optimizer that holds the training state).
+
+        Raises
+        ------
+        TypeError
+            For an ``optimizer`` of another type, a non-integer ``update_every``, and the
+            argument errors of :meth:`etrace_grad`.
+        ValueError
+            For ``update_every < 1`` or not a multiple of ``chunk_size``, an optimizer
+            registered on other weights, and the argument errors of :meth:`etrace_grad`.
+
+        Examples
+        --------
+        >>> import braintools, jax.numpy as jnp, numpy as np, braintrace
+        >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(2, 3), braintrace.D_RTRL, jnp.ones(2))
+        >>> xs = jnp.asarray(np.random.default_rng(0).normal(size=(200, 2)), jnp.float32)
+        >>> ys = jnp.tanh(xs[:, :1]) * jnp.ones((1, 3))
+        >>> def step_fn(x, y):  # one call of this learner per step
+        ...     return jnp.mean((learner(x) - y) ** 2)
+        >>> result = learner.etrace_train(xs, ys, step_fn=step_fn, optimizer=braintools.optim.SGD(lr=0.1),
+        ...                               update_every=1)
+        >>> result.losses.shape, bool(result.losses[-50:].mean() < result.losses[:50].mean())
+        ((200,), True)
+        """
+        _check_reduction("etrace_train", reduction)
+        drive = self._seq_validate("etrace_train", sequences, chunk_size, needs_multi_step=True)
+        mask = _check_mask("etrace_train", mask, drive.length)
+        weights = self._seq_weights("etrace_train", weights)
+        span = _check_update_every(update_every, drive)
+        optimizer = _registered_optimizer(optimizer, weights)
+        run = _GradRun("etrace_train", step_fn, weights, drive.window, has_aux)
+
+        def train_span(seqs: tuple[Any, ...], span_mask: jax.Array) -> tuple[jax.Array, Any]:
+            grads, losses, aux = run(seqs, span_mask)
+            if reduction == "mean":
+                grads = _divided(grads, jnp.maximum(jnp.sum(span_mask), 1.0))
+            optimizer.update(grads)
+            return jnp.reshape(losses, (-1,)), aux
+
+        full, rest = divmod(drive.length, span)
+        parts = []
+        if full == 1:
+            parts.append(train_span(_steps(sequences, 0, span), mask[:span]))
+        elif full > 1:
+            spans = jax.tree.map(lambda a: jnp.reshape(a[: full * span], (full, span, *np.shape(a)[1:])),
+                                 (sequences, mask))
+            losses, aux = brainstate.transform.scan(lambda _, inp: (None, train_span(*inp)), None, spans)[1]
+            parts.append((jnp.reshape(losses, (-1,)), jax.tree.map(_merge_leading, aux)))
+        if rest:
+            parts.append(train_span(_steps(sequences, full * span, drive.length), mask[full * span:]))
+        losses = jnp.concatenate([p[0] for p in parts])
+        aux = jax.tree.map(lambda *a: jnp.concatenate(a), *[p[1] for p in parts]) if has_aux else None
+        return TrainResult(losses, aux, optimizer)
+
     # --- helpers ----------------------------------------------------------------------------
+
+    def _seq_weights(self, call: str, weights: Mapping[Path, Any] | None) -> dict[Path, Any]:
+        """The ``path -> ParamState`` mapping to differentiate (default: the learner's parameters)."""
+        weights = self._seq_param_states if weights is None else weights
+        if not isinstance(weights, Mapping):
+            raise TypeError(
+                f"{call}: weights must be a mapping path -> ParamState (like learner.param_states), "
+                f"got {type(weights).__name__}."
+            )
+        return dict(weights)
 
     def _seq_validate(
         self, call: str, sequences: tuple[Any, ...], chunk_size: Any, needs_multi_step: bool
@@ -330,7 +470,10 @@ class SequenceDriverMixin:
 class _GradRun:
     """The scan of :meth:`SequenceDriverMixin.etrace_grad`: ``(Σ_c ĝ_c, losses, aux)``."""
 
-    def __init__(self, step_fn: StepFn, weights: dict[Path, Any], window: int | None, has_aux: bool) -> None:
+    def __init__(
+        self, call: str, step_fn: StepFn, weights: dict[Path, Any], window: int | None, has_aux: bool
+    ) -> None:
+        self.call = call
         self.step_fn = step_fn
         self.weights = weights
         self.window = window
@@ -358,7 +501,7 @@ class _GradRun:
         if self.has_aux:
             if not (isinstance(result, (tuple, list)) and len(result) == 2):
                 raise TypeError(
-                    f"etrace_grad: has_aux=True, so step_fn must return a pair (loss, aux), got "
+                    f"{self.call}: has_aux=True, so step_fn must return a pair (loss, aux), got "
                     f"{_describe(result)}. Return (loss, aux), or pass has_aux=False."
                 )
             loss, aux = result
@@ -367,12 +510,12 @@ class _GradRun:
         shape = tuple(np.shape(loss))
         if self.window is None and shape != ():
             raise ValueError(
-                f"etrace_grad: with chunk_size None or 1, step_fn must return a scalar loss, got shape "
+                f"{self.call}: with chunk_size None or 1, step_fn must return a scalar loss, got shape "
                 f"{shape}. Reduce it inside step_fn (e.g. jnp.mean), or weight steps with mask."
             )
         if self.window is not None and shape != (self.window,):
             raise ValueError(
-                f"etrace_grad: in window mode step_fn must return one loss per step of the window: "
+                f"{self.call}: in window mode step_fn must return one loss per step of the window: "
                 f"expected shape (k,) = ({self.window},), got shape {shape}. Reduce every axis but "
                 f"the window's time axis (e.g. jnp.mean(..., axis=-1)); spread a window-level "
                 f"objective v as jnp.broadcast_to(v / k, (k,))."
@@ -431,14 +574,70 @@ def _check_sequences(call: str, sequences: tuple[Any, ...]) -> int:
     return reference[1]
 
 
-def _check_mask(mask: Any, length: int) -> jax.Array:
+def _check_reduction(call: str, reduction: Any) -> None:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(
+            f"{call}: reduction must be one of {_REDUCTIONS}, got {reduction!r}. Use 'mean' "
+            f"to divide by the total mask weight or 'sum' to add the steps' contributions."
+        )
+
+
+def _check_update_every(update_every: Any, drive: _Drive) -> int:
+    """The steps between optimizer updates (the whole stream for ``None``)."""
+    if update_every is None:
+        return drive.length
+    if not isinstance(update_every, int) or isinstance(update_every, bool):
+        raise TypeError(
+            f"etrace_train: update_every must be None or a Python int >= 1, got {update_every!r} of "
+            f"type {type(update_every).__name__}."
+        )
+    if update_every < 1:
+        raise ValueError(
+            f"etrace_train: update_every must be >= 1 step, got {update_every}. Use None to update "
+            f"once, at the end of the stream."
+        )
+    if drive.window is not None and update_every % drive.window:
+        raise ValueError(
+            f"etrace_train: update_every={update_every} is not a multiple of chunk_size={drive.window}; "
+            f"updates happen between windows. Use a multiple of {drive.window}."
+        )
+    return update_every
+
+
+def _registered_optimizer(optimizer: Any, weights: dict[Path, Any]) -> Any:
+    """A ``braintools.optim.OptaxOptimizer`` registered on ``weights``."""
+    import braintools
+    import optax
+
+    if isinstance(optimizer, optax.GradientTransformation):
+        optimizer = braintools.optim.OptaxOptimizer(tx=optimizer)
+    if not isinstance(optimizer, braintools.optim.OptaxOptimizer):
+        raise TypeError(
+            f"etrace_train: optimizer must be a braintools.optim optimizer (braintools.optim.SGD, "
+            f"Adam, ...) or an optax.GradientTransformation, got {type(optimizer).__name__}."
+        )
+    if optimizer.opt_state is None:
+        optimizer.register_trainable_weights(weights)
+        return optimizer
+    registered = set(optimizer.param_states.to_pytree())
+    if registered != set(weights):
+        raise ValueError(
+            f"etrace_train: the optimizer is registered on other weights than it is asked to train: "
+            f"missing {sorted(map(str, set(weights) - registered))}, extra "
+            f"{sorted(map(str, registered - set(weights)))}. Pass a fresh optimizer (etrace_train "
+            f"registers it), or the weights it was registered on."
+        )
+    return optimizer
+
+
+def _check_mask(call: str, mask: Any, length: int) -> jax.Array:
     """The ``(T,)`` floating mask (all ones by default)."""
     if mask is None:
         return jnp.ones((length,), jnp.float32)
     shape = tuple(np.shape(mask))
     if shape != (length,):
         raise ValueError(
-            f"etrace_grad: mask must have shape (T,) = ({length},), one loss weight per step, got "
+            f"{call}: mask must have shape (T,) = ({length},), one loss weight per step, got "
             f"shape {shape}."
         )
     mask = jnp.asarray(mask)
@@ -453,6 +652,20 @@ def _windows(sequences: tuple[Any, ...], window: int | None) -> tuple[Any, ...]:
     if window is None:
         return sequences
     return jax.tree.map(lambda a: jnp.reshape(a, (-1, window, *np.shape(a)[1:])), sequences)
+
+
+def _steps(sequences: tuple[Any, ...], start: int, stop: int) -> tuple[Any, ...]:
+    """Steps ``start:stop`` of every sequence."""
+    return jax.tree.map(lambda a: a[start:stop], sequences)
+
+
+def _merge_leading(a: jax.Array) -> jax.Array:
+    """``(n, m, ...) -> (n * m, ...)``: calls stacked per span, then over spans."""
+    return jnp.reshape(a, (-1, *np.shape(a)[2:]))
+
+
+def _divided(grads: Grads, denom: jax.Array) -> Grads:
+    return jax.tree.map(lambda g: g / denom.astype(g.dtype), grads)
 
 
 def _zeros_like(value: Any) -> Any:
