@@ -291,7 +291,7 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
         Examples
         --------
         >>> import jax.numpy as jnp, braintrace
-        >>> learner = braintrace.compile(braintrace.nn.GRUCell(3, 4), braintrace.D_RTRL, jnp.ones((2, 3)),
+        >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL, jnp.ones((2, 3)),
         ...                              batch_size=2)
         >>> _ = learner(jnp.ones((2, 3)))
         >>> learner.reset()
