@@ -24,6 +24,7 @@ from typing import Any, Iterator
 
 import brainstate
 import jax
+import jax.numpy as jnp
 
 from braintrace._algorithm import (
     D_RTRL,
@@ -82,6 +83,46 @@ def _one_sample(example: Any) -> Any:
     return example[0]
 
 
+def _check_vmap_batch_axis(example_inputs: tuple[Any, ...], batch_size: int) -> None:
+    """Under ``vmap`` every example input is mapped over axis 0, which must be the batch."""
+    shapes = [tuple(jnp.shape(leaf)) for leaf in jax.tree.leaves(example_inputs)]
+    if all(s[:1] == (batch_size,) for s in shapes):
+        return
+    raise ValueError(
+        f"compile: batch_size={batch_size}, but the example input has shape "
+        f"{shapes[0] if len(shapes) == 1 else shapes}. vmap=True maps axis 0 of every example input "
+        f"over the batch, so every example input needs the batch on axis 0. {_one_step_hint(shapes, batch_size)}"
+    )
+
+
+def _batch_mismatch(example_inputs: tuple[Any, ...], batch_size: int | None) -> str | None:
+    """Why the example may not fit ``batch_size`` (``None``: it may well fit)."""
+    shapes = [tuple(jnp.shape(leaf)) for leaf in jax.tree.leaves(example_inputs)]
+    if batch_size is None or any(s[:1] == (batch_size,) for s in shapes):
+        return None
+    return (
+        f"batch_size={batch_size}, but no example input has the batch on axis 0 (shapes "
+        f"{shapes[0] if len(shapes) == 1 else shapes}). {_one_step_hint(shapes, batch_size)}"
+    )
+
+
+def _one_step_hint(shapes: list[tuple[int, ...]], batch_size: int) -> str:
+    if any(len(s) >= 2 and s[1] == batch_size for s in shapes):
+        return "It looks like a whole sequence (time, batch, ...): pass one step, xs[0]."
+    return "Give one step of a batch, shape (batch_size, ...), or the batch_size of the example."
+
+
+def _compile_graph(learner: ETraceAlgorithm, example_inputs: tuple[Any, ...], batch_size: int | None) -> None:
+    """``learner.compile_graph``; a failure that an example/batch mismatch explains says so."""
+    try:
+        learner.compile_graph(*example_inputs)
+    except (TypeError, ValueError) as err:
+        mismatch = _batch_mismatch(example_inputs, batch_size)
+        if mismatch is None:
+            raise
+        raise ValueError(f"compile: {mismatch} Compiling the step failed with: {err}") from err
+
+
 @contextlib.contextmanager
 def _seeded(seed: int | None) -> Iterator[None]:
     if seed is None:
@@ -122,7 +163,12 @@ def compile(
         Build per-sample states and return :class:`~braintrace.ETraceVmap`
         ``(learner, vmap_states='new')`` (a ``brainstate.nn.Vmap``); requires ``batch_size``.
     **options
-        Forwarded to the algorithm's constructor (e.g. ``decay_or_rank`` for ``pp_prop``).
+        Forwarded to the algorithm's constructor: ``vjp_method`` (``'single-step'`` or
+        ``'multi-step'``, the estimator; see :class:`~braintrace.ETraceVjpAlgorithm`),
+        ``control_flow``, ``fast_solve``; ``trace_dtype``, ``chunked_trace`` (D_RTRL and its
+        family); ``decay_or_rank`` (pp_prop, required); ``feedback``, ``kappa_filter_decay``
+        (EProp); ``leak`` (OTTT, OTPE, required); ... each learner's docstring lists its own. An
+        option the learner does not take is refused, naming the valid ones.
 
     Returns
     -------
@@ -131,8 +177,10 @@ def compile(
     Raises
     ------
     TypeError, ValueError
-        For a bad ``algorithm``, no example input, a ``verbose`` outside ``{0, 1, 2}``, or
-        ``vmap=True`` without ``batch_size``.
+        For a bad ``algorithm`` or option, no example input, a ``verbose`` outside ``{0, 1, 2}``,
+        ``vmap=True`` without ``batch_size``, an example input whose axis 0 is not
+        ``batch_size``, or a step that would change a hidden state's shape (a batched example
+        compiled without ``batch_size``).
     CompilationError
         When no weight of the model is routed through an ETP operation to a hidden state.
 
@@ -157,6 +205,8 @@ def compile(
         raise ValueError(f"compile: verbose must be 0, 1 or 2, got {verbose!r}.")
     if vmap and batch_size is None:
         raise ValueError("compile: vmap=True needs the batch_size to build per-sample states.")
+    if vmap and batch_size is not None:
+        _check_vmap_batch_axis(example_inputs, batch_size)
     if vmap:
         learner = cls(model, **options)
         unbatched = jax.tree.map(_one_sample, example_inputs)
@@ -174,7 +224,7 @@ def compile(
             brainstate.nn.init_all_states(model, batch_size=batch_size)
         learner = cls(model, **options)
         learner.batch_size = batch_size
-        learner.compile_graph(*example_inputs)
+        _compile_graph(learner, example_inputs, batch_size)
         result = learner
     if len(learner.graph.hidden_param_op_relations) == 0:
         raise CompilationError(

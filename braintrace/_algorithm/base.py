@@ -20,6 +20,8 @@ A learning rule is a subclass that fills in the trace hooks (:meth:`init_etrace_
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from typing import Any, Sequence
 
 import brainstate
@@ -105,6 +107,10 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
     [(0, [('h',)])]
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        check_constructor_keywords(cls, kwargs)
+        return super().__new__(cls)
+
     def __init__(self, model: brainstate.nn.Module, graph_executor: ETraceGraphExecutor, name: str | None = None) -> None:
         super().__init__(name=name)
         if not isinstance(model, brainstate.nn.Module):
@@ -118,6 +124,7 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
         self.batch_size: int | None = None
         self.is_compiled = False
         self._split_cache: tuple[dict[Path, Any], dict[Path, Any], dict[Path, Any]] | None = None
+        self._trace_shapes: Any = None
         # id(operand var) -> how a relation's trainable operand is computed from parameters.
         self._operand_chains: dict[int, OperandChain] = {}
 
@@ -191,10 +198,56 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
                 f"ControlFlowPolicy(scan_descent='off', scan_unroll_limit=N) with N at least the "
                 f"loop's length, so that the loop is unrolled."
             )
+        self._check_step_keeps_hidden_shapes()
         self._check_registered_rules_reachable()
         self._operand_chains = self._build_operand_chains()
         self.init_etrace_state(*args)
+        self._trace_shapes = self._current_trace_shapes()
         self.is_compiled = True
+
+    def _check_step_keeps_hidden_shapes(self) -> None:
+        """A step must write every hidden state back at its own shape.
+
+        An example input with a leading axis the states lack (a batch compiled without
+        ``batch_size``, states created in ``__init__``, or a whole sequence) would make the
+        step grow them; the next call would then fail.
+        """
+        minfo = self.graph.module_info
+        for path, invar in minfo.hidden_path_to_invar.items():
+            before, after = shape_of(invar), shape_of(minfo.hidden_path_to_outvar[path])
+            if before != after:
+                raise ValueError(
+                    f"The model step writes the hidden state {path} with shape {after}, but the state "
+                    f"has shape {before}: the example input has axes the state lacks. If they are a "
+                    f"batch, pass batch_size=B to braintrace.compile and create the state in "
+                    f"init_state(batch_size) with the batch on axis 0 (a state created in __init__ is "
+                    f"not resized); if the leading axis is time, pass one step (xs[0])."
+                )
+
+    def _current_trace_shapes(self) -> Any:
+        """The shapes of the traces as they are now (``None`` before they exist)."""
+        getter = getattr(self, "_get_etrace_data", None)
+        return None if getter is None else jax.tree.map(jnp.shape, getter())
+
+    def _check_traces_and_states(self) -> None:
+        """Refuse a call whose traces or model states are not the ones the learner was compiled for."""
+        if self._current_trace_shapes() != self._trace_shapes:
+            raise ValueError(
+                f"{type(self).__name__}: the eligibility traces no longer have the shapes this learner "
+                f"was compiled for (reset_state(batch_size=n) with another batch size resizes them). "
+                f"Reset them at the compiled batch size with learner.reset() (or "
+                f"reset_state(batch_size={self.batch_size})); a new batch size needs a new braintrace.compile."
+            )
+        model = self.model4compile
+        for path, state in self.graph.module_info.retrieved_model_states.items():
+            found = _state_at(model, path)
+            if isinstance(found, brainstate.State) and found is not state:
+                raise ValueError(
+                    f"The model's state {path} is not the state object this learner was compiled "
+                    f"with: brainstate.nn.init_all_states(model) after compiling puts new state objects "
+                    f"in the model, which the learner does not read. Reset in place with learner.reset() "
+                    f"(or brainstate.nn.reset_all_states(model)), or compile again."
+                )
 
     def _check_registered_rules_reachable(self) -> None:
         """Refuse user-registered rules where the learner cannot differentiate by them."""
@@ -356,6 +409,14 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
     model : brainstate.nn.Module
     name : str, optional
     vjp_method : {'single-step', 'multi-step'}
+        ``'single-step'`` (default): every call is one step, and the trace's history meets
+        ``∂L/∂h^t`` through the compiled per-position hidden Jacobian ``D^t``. ``'multi-step'``:
+        a call may be a window of steps (:class:`~braintrace.MultiStepData`), differentiated
+        exactly inside, and the trace entering the window meets the exact ``∂L/∂h`` at its
+        entry. Where the rule's trace is exact the two agree; for an approximate rule they are
+        different estimators, also for one-step calls: a multi-step learner given one step
+        back-propagates through that step exactly (cross-position mixing included) before it
+        meets the trace, where a single-step learner uses ``D^t``.
     control_flow : ControlFlowPolicy, optional
 
     Examples
@@ -415,6 +476,7 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
     def update(self, *args: Any) -> Any:
         """Run one call (a step, or a :class:`MultiStepData` window) and roll the traces."""
         self._assert_compiled()
+        self._check_traces_and_states()
         params, hidden, other = self._split_states()
         weight_vals = {p: st.value for p, st in params.items()}
         hidden_vals = {p: st.value for p, st in hidden.items()}
@@ -606,6 +668,17 @@ def add_to_leaf(tree: Any, leaf_index: int, value: Any) -> Any:
     return jax.tree.unflatten(treedef, leaves)
 
 
+def _state_at(root: Any, path: Path) -> Any:
+    """What sits at ``path`` (attribute names, list indices, dict keys) under ``root``, or ``None``."""
+    node = root
+    for key in path:
+        try:
+            node = node[key] if isinstance(key, int) or isinstance(node, dict) else getattr(node, key)
+        except (AttributeError, IndexError, KeyError, TypeError):
+            return None
+    return node
+
+
 def _put_at(root: Any, path: Path, obj: Any) -> None:
     """Place ``obj`` at ``path`` (attribute names, list indices, dict keys) under ``root``."""
     node = root
@@ -616,3 +689,42 @@ def _put_at(root: Any, path: Path, obj: Any) -> None:
         node[last] = obj
     else:
         setattr(node, last, obj)
+
+
+def constructor_options(cls: type) -> list[str]:
+    """The keyword options of ``cls``'s constructor, following ``**kwargs`` up to the base that
+    takes them (``model`` and ``*args`` excluded)."""
+    names: list[str] = []
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters.values()
+        names += [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                  and p.name not in ("self", "model") and p.name not in names]
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return names
+
+
+def check_constructor_keywords(cls: type, kwargs: dict[str, Any]) -> None:
+    """Refuse keywords ``cls`` does not take, naming its options and the closest match.
+
+    Raises
+    ------
+    TypeError
+        For an unknown keyword, e.g. ``EProp(model, kappa=0.5)``.
+    """
+    valid = constructor_options(cls)
+    unknown = [name for name in kwargs if name not in valid]
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        close = [v for v in valid if name in v or v in name] or difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+        if close:
+            hints.append(f" Did you mean {close[0]!r} for {name!r}?")
+    raise TypeError(
+        f"{cls.__name__} has no option {', '.join(map(repr, unknown))}; its options are {valid}."
+        + "".join(hints)
+    )

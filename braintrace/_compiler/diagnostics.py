@@ -88,6 +88,7 @@ class DiagnosticKind(str, Enum):
     HIDDEN_GROUP_MERGED = "hidden_group_merged"
     STATE_MISMATCH = "state_mismatch"
     WEIGHT_IN_CONTROL_FLOW = "weight_in_control_flow"
+    WEIGHT_DRIVES_HIDDEN_UNTRACED = "weight_drives_hidden_untraced"
 
 
 @dataclass(frozen=True)

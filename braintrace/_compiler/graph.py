@@ -40,6 +40,7 @@ from braintrace._compiler.hidden_group_discovery import find_hidden_groups_from_
 from braintrace._compiler.hidden_pertubation import HiddenPerturbation, add_hidden_perturbation_from_minfo
 from braintrace._compiler.module_info import ModuleInfo, Path, extract_module_info
 from braintrace._compiler.scan_descent import ScanDescentBundle, apply_scan_descent
+from braintrace._compiler.untraced_weights import warn_untraced_weights
 
 __all__ = ["ETraceGraph", "compile_etrace_graph"]
 
@@ -262,6 +263,7 @@ def compile_etrace_graph(
         flat = find_hidden_param_op_relations_from_minfo(minfo, hid_path_to_group, descended)
         _reject_relations_into_descent(flat)
         relations = (*flat, *descended_relations)
+        warn_untraced_weights(minfo, relations)
         minfo = minfo.add_jaxpr_outs(_hoisted_vars(minfo, groups, relations, bundles))
         perturb = add_hidden_perturbation_from_minfo(minfo, descended) if include_hidden_perturb else None
     return ETraceGraph(

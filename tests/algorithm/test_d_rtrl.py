@@ -577,7 +577,8 @@ def test_reset_state_with_batch_size_resizes_every_trace_that_leads_with_the_bat
     assert _trace_shapes(batched)[mm_key] == {"weight": (5, I, O, 1), "bias": (5, O, 1)}
     # The element-wise leak broadcasts over the batched hidden state: one trace per sample.
     assert _trace_shapes(batched)[leak_key] == {"weight": (5, O, 1)}
-    batched(dense_x(5)[0])  # the next call at the new batch size
+    with pytest.raises(ValueError, match="a new batch size needs a new braintrace.compile"):
+        batched(dense_x(B)[0])  # the traces no longer fit the compiled batch
 
     # An unbatched model's traces have no batch axis: axis 0 is never touched.
     unbatched = _trace_shapes(learner)

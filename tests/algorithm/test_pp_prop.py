@@ -459,8 +459,7 @@ def test_training_lowers_the_loss() -> None:
 
     @brainstate.transform.jit
     def epoch() -> Any:
-        brainstate.nn.init_all_states(model, batch_size=batch)
-        learner.reset_state()
+        learner.reset()
         total = jnp.zeros(())
         for t in range(n_steps):
             loss = lambda t=t: jnp.sum((learner(xs[t]) - target_seq[t]) ** 2) / batch  # noqa: E731
