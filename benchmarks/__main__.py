@@ -1,8 +1,9 @@
 """Run the learner benchmarks: ``python -m benchmarks [--quick] [--models lif256 ...]``.
 
-For each model and each method it times one jitted training step over a batch of sequences
-(states reset per batch) and reads XLA's compiled temporary memory at two sequence lengths.
-It prints ratios measured in this run:
+For each model and each method it times one jitted training step over a batch of sequences:
+states reset, the gradient of the sequence's mean loss (``jax.grad`` through time for BPTT,
+``learner.etrace_grad`` for the online learners), the same SGD update. It also reads XLA's
+compiled temporary memory at two sequence lengths, and prints ratios measured in this run:
 
 * ``vs BPTT``: the method's step time over the BPTT step time;
 * ``vs floor`` (D_RTRL single-step): step time over the trace's memory-traffic floor,
@@ -18,7 +19,7 @@ import statistics
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import brainstate
 import jax
@@ -50,7 +51,15 @@ def _loss(out: jax.Array, target: jax.Array) -> jax.Array:
     return jnp.mean((out - target) ** 2)
 
 
+def _sgd(params: Mapping[Any, brainstate.ParamState], grads: Mapping[Any, Any]) -> Any:
+    """The update every method applies: plain SGD in place; returns a leaf to block on."""
+    for p, g in grads.items():
+        params[p].value = jax.tree.map(lambda v, d: v - 1e-3 * d, params[p].value, g)
+    return jax.tree.leaves(grads)[0]
+
+
 def bptt_step(setting: Setting, batch: int) -> Callable[[jax.Array, jax.Array], Any]:
+    """From reset states, ``jax.grad`` of the sequence's mean loss, then SGD."""
     model = setting.model(setting.n_in, setting.hidden, setting.n_out)
     brainstate.nn.init_all_states(model, batch_size=batch)
     params = model.states(brainstate.ParamState)
@@ -62,42 +71,33 @@ def bptt_step(setting: Setting, batch: int) -> Callable[[jax.Array, jax.Array], 
 
     @brainstate.transform.jit
     def step(xs: jax.Array, ys: jax.Array) -> Any:
-        grads = brainstate.transform.grad(loss_fn, params)(xs, ys)
-        for p, g in grads.items():
-            params[p].value = jax.tree.map(lambda v, d: v - 1e-3 * d, params[p].value, g)
-        return jax.tree.leaves(grads)[0]
+        return _sgd(params, brainstate.transform.grad(loss_fn, params)(xs, ys))
 
     return step
 
 
 def online_step(setting: Setting, batch: int, algorithm: str, window: int, **options: Any) -> tuple[Any, Any]:
+    """From reset states, the learner's online gradient of the same loss (``etrace_grad``), then SGD.
+
+    ``window`` 1: one learner call per step (single-step); ``k``: one call per window of ``k``
+    steps (multi-step).
+    """
     model = setting.model(setting.n_in, setting.hidden, setting.n_out)
     vjp = "single-step" if window == 1 else "multi-step"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         learner = braintrace.compile(
             model, algorithm, jnp.zeros((batch, setting.n_in)), batch_size=batch, vjp_method=vjp, **options)
-    params = learner.param_states
 
-    def one(carry: Any, xy: tuple[jax.Array, jax.Array]) -> tuple[Any, None]:
-        x, y = xy
-        data = x if window == 1 else braintrace.MultiStepData(x)
-        grads = brainstate.transform.grad(lambda: _loss(learner(data), y), params)()
-        return jax.tree.map(jnp.add, carry, grads), None
+    def step_fn(x: jax.Array, y: jax.Array) -> jax.Array:
+        if window == 1:
+            return _loss(learner(x), y)
+        return jnp.mean((learner(braintrace.MultiStepData(x)) - y) ** 2, axis=(1, 2))  # one loss per step
 
     @brainstate.transform.jit
     def step(xs: jax.Array, ys: jax.Array) -> Any:
-        brainstate.nn.reset_all_states(model)
-        learner.reset_state()
-        if window > 1:
-            t = xs.shape[0]
-            xs = xs.reshape(t // window, window, *xs.shape[1:])
-            ys = ys.reshape(t // window, window, *ys.shape[1:])
-        zeros = {p: jax.tree.map(jnp.zeros_like, st.value) for p, st in params.items()}
-        grads, _ = brainstate.transform.scan(one, zeros, (xs, ys))
-        for p, g in grads.items():
-            params[p].value = jax.tree.map(lambda v, d: v - 1e-3 * d, params[p].value, g)
-        return jax.tree.leaves(grads)[0]
+        learner.reset()
+        return _sgd(learner.param_states, learner.etrace_grad(xs, ys, step_fn=step_fn, chunk_size=window))
 
     return step, learner
 

@@ -5,10 +5,10 @@ Every example trains a recurrent model on batches of sequences ``xs`` of shape
 per-step loss weight ``weights`` of shape ``(time,)`` (zero where a step is not scored). The
 trainers here turn that into one jitted training step:
 
-* :func:`online_trainer` compiles the model with a braintrace learning rule, resets the states,
-  scans over time taking one gradient per step (the learner supplies the eligibility-trace
-  history) and applies the summed gradient with Adam;
-* :func:`bptt_trainer` is the reference: one gradient of the whole sequence's loss.
+* :func:`online_trainer` compiles the model with a braintrace learning rule; each batch is
+  ``learner.reset()`` and one call of the sequence driver ``learner.etrace_train`` (one online
+  gradient per step, weighted, summed, divided by the total weight, one Adam step);
+* :func:`bptt_trainer` is the reference: one gradient of the whole sequence's weighted loss.
 
 Nothing here downloads anything; the data of every example is generated or read from a local file.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any, Callable, Iterable, Iterator, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import brainstate
 import braintools
@@ -34,7 +34,7 @@ __all__ = [
     "History",
     "Batch",
     "LIFNetwork",
-    "masked_cross_entropy",
+    "cross_entropy",
     "online_trainer",
     "bptt_trainer",
     "make_trainer",
@@ -56,9 +56,8 @@ __all__ = [
     "smooth",
 ]
 
-Params = dict[Any, brainstate.ParamState]
-Grads = dict[Any, jax.Array]
-StepLoss = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+#: ``step_loss(logits (batch, classes), labels (batch,)) -> loss ()``: the unweighted loss of one step.
+StepLoss = Callable[[jax.Array, jax.Array], jax.Array]
 #: One batch of sequences: inputs ``(time, batch, inputs)``, labels ``(time, batch)``, weights ``(time,)``.
 Batch = tuple[np.ndarray, np.ndarray, np.ndarray]
 
@@ -216,7 +215,7 @@ class LIFNetwork(brainstate.nn.Module):
         self.r = brainstate.HiddenState(jnp.zeros(shape(self.n_out)))
 
     def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
-        # In place: a compiled learner holds these very state objects.
+        # In place, for bptt_trainer's reset_all_states (learner.reset() re-initialises by itself).
         self.v.value = jnp.zeros_like(self.v.value)
         self.r.value = jnp.zeros_like(self.r.value)
 
@@ -235,9 +234,9 @@ class LIFNetwork(brainstate.nn.Module):
 
 # --- losses and metrics -----------------------------------------------------------------------
 
-def masked_cross_entropy(logits: jax.Array, labels: jax.Array, weight: jax.Array) -> jax.Array:
-    """``weight`` times the batch-mean cross-entropy of one step (``logits (batch, classes)``)."""
-    return weight * optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """The batch-mean cross-entropy of one step: ``logits (batch, classes)``, ``labels (batch,)``."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
 def window_accuracy(outs: np.ndarray, labels: np.ndarray, weights: np.ndarray) -> float:
@@ -274,39 +273,16 @@ class Trainer(NamedTuple):
     forward: Callable[[jax.Array], jax.Array]
 
 
-def _adam_updater(params: Params, lr: float) -> Callable[[Grads], None]:
-    """An Adam step applied in place to ``params`` (its moments live in a state)."""
-    opt = optax.adam(lr)
-    moments = brainstate.ShortTermState(opt.init({p: st.value for p, st in params.items()}))
-
-    def apply(grads: Grads) -> None:
-        values = {p: st.value for p, st in params.items()}
-        updates, moments.value = opt.update(grads, moments.value, values)
-        for p, upd in updates.items():
-            params[p].value = values[p] + upd
-
-    return apply
+def _adam(lr: float, params: Mapping[Any, brainstate.ParamState]) -> braintools.optim.Adam:
+    """Adam registered once on ``params``: its moments live in states and carry over from batch to batch."""
+    optimizer = braintools.optim.Adam(lr=lr)
+    optimizer.register_trainable_weights(dict(params))
+    return optimizer
 
 
-def _forward(model: brainstate.nn.Module) -> Callable[[jax.Array], jax.Array]:
-    @brainstate.transform.jit
-    def forward(xs: jax.Array) -> jax.Array:
-        brainstate.nn.reset_all_states(model)
-        return brainstate.transform.for_loop(model, xs)
-
-    return forward
-
-
-def _check_resets_in_place(model: brainstate.nn.Module) -> None:
-    """Every module that owns a hidden state must override ``reset_state`` (see :func:`online_trainer`)."""
-    for path, node in model.nodes(brainstate.nn.Module).items():
-        owns_hidden = any(isinstance(v, brainstate.HiddenState) for v in vars(node).values())
-        if owns_hidden and type(node).reset_state is brainstate.nn.Module.reset_state:
-            raise TypeError(
-                f"online_trainer: {type(node).__name__} (at {path or 'the top'}) owns hidden states but does not "
-                f"define reset_state; define it to zero them in place (self.h.value = jnp.zeros_like(self.h.value)) "
-                f"so each batch starts from reset states."
-            )
+def _weighted_mean(losses: jax.Array, weights: jax.Array) -> jax.Array:
+    """``Σ_t w_t loss_t / max(Σ_t w_t, 1)``: the objective whose gradient the trainers follow."""
+    return jnp.sum(weights * losses) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
 def online_trainer(
@@ -315,77 +291,71 @@ def online_trainer(
     batch_size: int,
     lr: float,
     x0: jax.Array,
-    step_loss: StepLoss = masked_cross_entropy,
+    step_loss: StepLoss = cross_entropy,
     **options: Any,
 ) -> Trainer:
     """Compile ``model`` with ``algorithm`` and build its online training step.
 
-    The step resets the model and the learner's traces, scans over time taking one gradient
-    of the step loss per time step, sums them and applies Adam once per batch (the gradient
-    is normalised by the total loss weight).
-
-    The model must reset its hidden states *in place* in ``reset_state`` (assign
-    ``state.value``); ``init_state`` creates new state objects, and the compiled learner keeps
-    reading and writing the ones that existed when it was compiled. ``x0`` is one step's input ``(batch, inputs)``;
-    ``options`` go to :func:`braintrace.compile` (e.g. ``decay_or_rank`` for ``pp_prop``).
+    Each batch starts from reset states (``learner.reset()``: in place, into the state objects
+    the learner was compiled with) and is one call of ``learner.etrace_train``: one learner call
+    and one online gradient of ``step_loss`` per step, weighted by ``weights``, summed, divided
+    by the total weight (the driver's ``'mean'`` reduction) and applied by Adam once per batch.
+    ``x0`` is one step's input ``(batch, inputs)``; ``options`` go to :func:`braintrace.compile`
+    (e.g. ``decay_or_rank`` for ``pp_prop``).
     """
     learner = braintrace.compile(model, algorithm, x0, batch_size=batch_size, **options)
-    _check_resets_in_place(model)  # after compile: init_state has created the hidden states
-    params = learner.param_states
-    apply = _adam_updater(params, lr)
+    optimizer = _adam(lr, learner.param_states)
 
-    def one_step(carry: Grads, inp: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[Grads, Any]:
-        x, label, weight = inp
-
-        def loss_fn() -> tuple[jax.Array, Any]:
-            out = learner(x)
-            loss = step_loss(out, label, weight)
-            return loss, (loss, out)
-
-        grads, (loss, out) = brainstate.transform.grad(loss_fn, params, has_aux=True, return_value=False)()
-        return jax.tree.map(jnp.add, carry, grads), (loss, out)
+    def step_fn(x: jax.Array, label: jax.Array) -> tuple[jax.Array, jax.Array]:
+        out = learner(x)  # the one learner call of this step
+        return step_loss(out, label), out
 
     @brainstate.transform.jit
     def train(xs: jax.Array, labels: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
-        # Reset in place (reset_state), never re-create the states (init_state): the compiled
-        # learner reads and writes the state objects that existed when it was compiled.
-        brainstate.nn.reset_all_states(model)
-        learner.reset_state()
-        zeros = {p: jnp.zeros_like(st.value) for p, st in params.items()}
-        grads, (losses, outs) = brainstate.transform.scan(one_step, zeros, (xs, labels, weights))
-        total = jnp.maximum(weights.sum(), 1e-8)
-        apply({p: g / total for p, g in grads.items()})
-        return losses.sum() / total, outs
+        learner.reset()
+        result = learner.etrace_train(xs, labels, step_fn=step_fn, optimizer=optimizer, mask=weights, has_aux=True)
+        return _weighted_mean(result.losses, weights), result.aux
+
+    @brainstate.transform.jit
+    def forward(xs: jax.Array) -> jax.Array:
+        learner.reset()
+        return learner.etrace_evolve(xs, return_outputs=True)
 
     name = algorithm if isinstance(algorithm, str) else algorithm.__name__
-    return Trainer(name, batch_size, train, _forward(model))
+    return Trainer(name, batch_size, train, forward)
 
 
 def bptt_trainer(
     model: brainstate.nn.Module,
     batch_size: int,
     lr: float,
-    step_loss: StepLoss = masked_cross_entropy,
+    step_loss: StepLoss = cross_entropy,
 ) -> Trainer:
-    """The reference: backpropagation through time of the weighted loss of whole sequences."""
+    """The reference: backpropagation through time of the weighted loss of whole sequences.
+
+    The model must reset its hidden states in ``reset_state`` (``brainstate.nn.reset_all_states``).
+    """
     brainstate.nn.init_all_states(model, batch_size=batch_size)
     params = model.states(brainstate.ParamState)
-    apply = _adam_updater(params, lr)
+    optimizer = _adam(lr, params)
+
+    def forward(xs: jax.Array) -> jax.Array:
+        brainstate.nn.reset_all_states(model)
+        return brainstate.transform.for_loop(model, xs)
 
     def loss_fn(xs: jax.Array, labels: jax.Array, weights: jax.Array) -> tuple[jax.Array, Any]:
-        brainstate.nn.reset_all_states(model)
-        outs = brainstate.transform.for_loop(model, xs)
-        loss = jax.vmap(step_loss)(outs, labels, weights).sum() / jnp.maximum(weights.sum(), 1e-8)
+        outs = forward(xs)
+        loss = _weighted_mean(jax.vmap(step_loss)(outs, labels), weights)
         return loss, (loss, outs)
 
     @brainstate.transform.jit
     def train(xs: jax.Array, labels: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
         grads, (loss, outs) = brainstate.transform.grad(loss_fn, params, has_aux=True, return_value=False)(
             xs, labels, weights)
-        apply(grads)
+        optimizer.update(grads)
         return loss, outs
 
-    return Trainer("bptt", batch_size, train, _forward(model))
+    return Trainer("bptt", batch_size, train, brainstate.transform.jit(forward))
 
 
 def make_trainer(
@@ -394,7 +364,7 @@ def make_trainer(
     batch_size: int,
     lr: float,
     x0: jax.Array,
-    step_loss: StepLoss = masked_cross_entropy,
+    step_loss: StepLoss = cross_entropy,
     **options: Any,
 ) -> Trainer:
     """``'bptt'`` or any name :func:`braintrace.compile` accepts (``'d_rtrl'``, ``'pp_prop'``, ``'eprop'`` ...)."""

@@ -8,6 +8,9 @@ evidence seen so far. Three learners train the same network from the same initia
 * D_RTRL: online, one gradient per step from the eligibility trace (memory independent of length);
 * pp_prop: online, the cheaper input/output-factored trace.
 
+The online learners run each batch through ``learner.etrace_train``, the sequence driver that
+takes one gradient per step inside a scan and applies the optimizer to their sum.
+
 The script prints progress, the final loss and accuracy of each method and the compiled memory
 of one training step, and saves the loss curves to ``online_learning_demo.png``.
 
@@ -19,13 +22,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import brainstate
+import braintools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import braintrace
 
@@ -47,7 +50,7 @@ class LeakyRNN(brainstate.nn.Module):
         self.h = brainstate.HiddenState(jnp.zeros(shape))
 
     def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
-        # Reset in place: a compiled learner holds these very state objects.
+        # In place, for BPTT's reset_all_states (learner.reset() re-initialises by itself).
         self.h.value = jnp.zeros_like(self.h.value)
 
     def update(self, x: jax.Array) -> jax.Array:
@@ -78,23 +81,18 @@ def step_loss(logits: jax.Array, target: jax.Array) -> tuple[jax.Array, jax.Arra
     return loss, (jnp.argmax(logits, -1) == target).mean()
 
 
-def adam_updater(params: dict[Any, brainstate.ParamState], lr: float) -> Callable[[dict[Any, jax.Array]], None]:
-    """An Adam step applied in place to ``params`` (its moments live in a state)."""
-    opt = optax.adam(lr)
-    moments = brainstate.ShortTermState(opt.init({p: st.value for p, st in params.items()}))
-
-    def apply(grads: dict[Any, jax.Array]) -> None:
-        values = {p: st.value for p, st in params.items()}
-        updates, moments.value = opt.update(grads, moments.value, values)
-        for p, upd in updates.items():
-            params[p].value = values[p] + upd
-
-    return apply
+def adam(lr: float, params: Mapping[Any, brainstate.ParamState]) -> braintools.optim.Adam:
+    """Adam registered once on ``params``: its moments carry over from batch to batch."""
+    optimizer = braintools.optim.Adam(lr=lr)
+    optimizer.register_trainable_weights(dict(params))
+    return optimizer
 
 
 def bptt_trainer(model: LeakyRNN, batch: int, lr: float) -> Callable[[jax.Array, jax.Array], tuple[Any, Any]]:
+    """``jax.grad`` of the mean loss of whole sequences, one Adam step per batch."""
     brainstate.nn.init_all_states(model, batch_size=batch)
     params = model.states(brainstate.ParamState)
+    optimizer = adam(lr, params)
 
     def loss_fn(xs: jax.Array, ys: jax.Array) -> tuple[jax.Array, Any]:
         brainstate.nn.reset_all_states(model)
@@ -102,41 +100,28 @@ def bptt_trainer(model: LeakyRNN, batch: int, lr: float) -> Callable[[jax.Array,
         losses, accs = jax.vmap(step_loss)(outs, ys)
         return losses.mean(), (losses.mean(), accs.mean())
 
-    apply = adam_updater(params, lr)
-
     @brainstate.transform.jit
     def train(xs: jax.Array, ys: jax.Array) -> tuple[Any, Any]:
         grads, (loss, acc) = brainstate.transform.grad(loss_fn, params, has_aux=True, return_value=False)(xs, ys)
-        apply(grads)
+        optimizer.update(grads)
         return loss, acc
 
     return train
 
 
 def online_trainer(model: LeakyRNN, algorithm: Any, batch: int, lr: float, x0: jax.Array, **options: Any) -> Any:
+    """From reset states, one online gradient per step summed over the sequence (``etrace_train``), one Adam step."""
     learner = braintrace.compile(model, algorithm, x0, batch_size=batch, **options)
-    params = learner.param_states
+    optimizer = adam(lr, learner.param_states)
 
-    def one_step(carry: Any, xy: tuple[jax.Array, jax.Array]) -> tuple[Any, Any]:
-        x, y = xy
-
-        def loss_fn() -> tuple[jax.Array, Any]:
-            loss, acc = step_loss(learner(x), y)
-            return loss, (loss, acc)
-
-        grads, (loss, acc) = brainstate.transform.grad(loss_fn, params, has_aux=True, return_value=False)()
-        return jax.tree.map(jnp.add, carry, grads), (loss, acc)
-
-    apply = adam_updater(params, lr)
+    def step_fn(x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return step_loss(learner(x), y)  # (loss, accuracy): the one learner call of this step
 
     @brainstate.transform.jit
     def train(xs: jax.Array, ys: jax.Array) -> tuple[Any, Any]:
-        brainstate.nn.reset_all_states(model)
-        learner.reset_state()
-        zeros = {p: jnp.zeros_like(st.value) for p, st in params.items()}
-        grads, (losses, accs) = brainstate.transform.scan(one_step, zeros, (xs, ys))
-        apply({p: g / xs.shape[0] for p, g in grads.items()})
-        return losses.mean(), accs.mean()
+        learner.reset()
+        result = learner.etrace_train(xs, ys, step_fn=step_fn, optimizer=optimizer, has_aux=True)
+        return result.losses.mean(), result.aux.mean()
 
     return train
 

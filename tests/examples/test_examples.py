@@ -184,19 +184,30 @@ def test_window_and_step_accuracy() -> None:
     assert _common.step_accuracy(outs, labels, weights) == 0.5
 
 
-def test_online_training_resets_the_states_the_learner_uses() -> None:
-    """After training, the training pass and the plain forward pass see the same reset states."""
-    model = _common.LIFNetwork(6, 8, 2, tau=2.5, in_scale=3.0, seed=0)
+class _NoReset(_common.LIFNetwork):
+    """A model whose reset_state does nothing: learner.reset() must still start each batch afresh."""
+
+    reset_state = brainstate.nn.Module.reset_state
+
+
+@pytest.mark.parametrize("network", [_common.LIFNetwork, _NoReset])
+def test_online_training_resets_the_states_the_learner_uses(network: type) -> None:
+    """After training, the training pass and the plain forward pass see the same reset states,
+    and the reported loss is the weighted mean Σ_t w_t CE_t / Σ_t w_t of the outputs returned."""
+    model = network(6, 8, 2, tau=2.5, in_scale=3.0, seed=0)
     trainer = _common.make_trainer("d_rtrl", model, 4, 0.05, jnp.zeros((4, 6)))
     rng = np.random.default_rng(0)
     xs = (rng.random((6, 4, 6)) < 0.5).astype(np.float32)
-    labels, weights = jnp.zeros((6, 4), jnp.int32), jnp.ones(6)
+    labels = jnp.asarray(rng.integers(0, 2, (6, 4)), jnp.int32)
+    weights = jnp.asarray([0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
     for _ in range(3):  # the parameters move and the states end each batch non-zero
         trainer.train(jnp.asarray(xs), labels, weights)
     before = {k: np.asarray(v.value) for k, v in model.states(brainstate.ParamState).items()}
     expected = np.asarray(trainer.forward(jnp.asarray(xs)))
-    _, outs = trainer.train(jnp.asarray(xs), labels, weights)
+    loss, outs = trainer.train(jnp.asarray(xs), labels, weights)
     np.testing.assert_allclose(np.asarray(outs), expected, atol=1e-5)
+    per_step = np.array([float(_common.cross_entropy(o, y)) for o, y in zip(outs, labels)])
+    np.testing.assert_allclose(float(loss), (per_step * np.asarray(weights)).sum() / 4, rtol=1e-5)
     after = {k: np.asarray(v.value) for k, v in model.states(brainstate.ParamState).items()}
     assert any(not np.allclose(before[k], after[k]) for k in before)
 
@@ -295,11 +306,3 @@ def test_scripts_import_nothing_that_downloads() -> None:
         for word in ("urllib", "requests", "http://", "https://", "fetch_openml", "pooch", "download("):
             assert word not in source, f"{name}.py mentions {word!r}"
         importlib.import_module(name)
-
-
-def test_online_trainer_rejects_a_model_without_an_in_place_reset() -> None:
-    class NoReset(_common.LIFNetwork):
-        reset_state = brainstate.nn.Module.reset_state
-
-    with pytest.raises(TypeError, match="NoReset .*define reset_state"):
-        _common.make_trainer("d_rtrl", NoReset(3, 4, 2), 2, 0.01, jnp.zeros((2, 3)))
