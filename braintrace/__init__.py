@@ -84,8 +84,10 @@ if TYPE_CHECKING:
         SpMatMulOp,
     )
 
-__version__ = "0.2.4"
-__version_info__ = tuple(int(part) for part in __version__.split("."))
+# This project's own version: its API is upstream braintrace 0.2.4's plus the later additions
+# listed in docs/compatibility.md; the number does not track upstream's releases.
+__version__ = "1.0.0.dev0"
+__version_info__ = (1, 0, 0, "dev0")
 
 __all__ = [
     "__version__",

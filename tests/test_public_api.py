@@ -40,8 +40,9 @@ def test_all_is_exactly_upstreams() -> None:
 
 
 def test_version() -> None:
-    assert braintrace.__version__ == "0.2.4"
-    assert braintrace.__version_info__ == (0, 2, 4)
+    # Our own version, not upstream's 0.2.4 release number.
+    assert braintrace.__version__ == "1.0.0.dev0"
+    assert braintrace.__version_info__ == (1, 0, 0, "dev0")
 
 
 def test_aliases_and_shadowing() -> None:

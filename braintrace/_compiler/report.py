@@ -66,7 +66,12 @@ class CompilationReport:
 
     @property
     def etrace_weights(self) -> list[tuple[Path, list[int]]]:
-        """``(path, group indices)`` per trainable key of every relation."""
+        """``(path, group indices)`` per trainable key of every relation.
+
+        As in 0.2.4, a weight and its bias are two entries, also when one ``ParamState`` holds
+        both (a GRU's three gates give four entries for two traced states); the text of
+        :meth:`to_str` lists the same entries, with their keys.
+        """
         return [
             (path, [g.index for g in rel.hidden_groups])
             for rel in self.graph.hidden_param_op_relations
@@ -125,11 +130,14 @@ class CompilationReport:
             sections.append("\n".join(lines))
         relations = self.graph.hidden_param_op_relations
         if relations:
+            # One line per trainable key, like etrace_weights and counts (a weight and its bias
+            # are two entries, also when one ParamState holds both).
             lines = ["The weight parameters which are associated with the hidden states are:"]
-            for i, rel in enumerate(relations):
+            keyed = [(key, path, rel) for rel in relations for key, path in rel.trainable_paths.items()]
+            for i, (key, path, rel) in enumerate(keyed):
                 idx = [g.index for g in rel.hidden_groups]
                 where = f"group {idx[0]}" if len(idx) == 1 else f"groups {idx}"
-                lines.append(f"   Weight {i}: {rel.path}  is associated with hidden {where}")
+                lines.append(f"   Weight {i}: {path} ({key!r})  is associated with hidden {where}")
             sections.append("\n".join(lines))
         if self.excluded_weights:
             lines = ["The non-etrace weight parameters are:"]

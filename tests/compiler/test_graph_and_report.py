@@ -25,7 +25,14 @@ def test_report_of_a_gru(quiet: list) -> None:
     assert report.counts == {"hidden_groups": 1, "etrace_weights": 4, "excluded_weights": 1, "warnings": 1, "errors": 0}
     text1, text2 = report.to_str(1), report.to_str(2)
     assert "The hidden groups are:" in text1 and "   Group 0: [('h',)]" in text1
-    assert "   Weight 0: ('Wz',)  is associated with hidden group 0" in text1
+    associated = [line for line in text1.splitlines() if "is associated with hidden group" in line]
+    assert associated == [  # the text lists what counts counts
+        "   Weight 0: ('Wz',) ('weight')  is associated with hidden group 0",
+        "   Weight 1: ('Wz',) ('bias')  is associated with hidden group 0",
+        "   Weight 2: ('Wh',) ('weight')  is associated with hidden group 0",
+        "   Weight 3: ('Wh',) ('bias')  is associated with hidden group 0",
+    ]
+    assert len(associated) == report.counts["etrace_weights"]
     assert "(excluded: relation_excluded_weight_to_weight)" in text1
     assert text2.startswith(text1) and "Compiler diagnostics (warnings / errors):" in text2
     assert "Compiler diagnostics" not in text1
