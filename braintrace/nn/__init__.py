@@ -1,13 +1,38 @@
-"""``braintrace.nn``: layers and recurrent cells whose parameters learn online.
+"""``braintrace.nn``: layers, recurrent cells and spiking neurons whose parameters learn online.
 
 Every trainable forward pass goes through an ETP operator (:func:`braintrace.matmul`,
-:func:`braintrace.conv`, ...), so the compiler links the parameters to the hidden states
-they drive. Most layers subclass the ``brainstate.nn`` layer of the same name and keep its
-constructor.
+:func:`braintrace.conv`, :func:`braintrace.element_wise`, ...), so the compiler links the
+parameters to the hidden states they drive. Most layers subclass the ``brainstate.nn`` layer of
+the same name and keep its constructor.
 
-Names that moved elsewhere (neurons and synapses to ``brainpy.state``; activations,
-dropout, pooling and normalisation to ``brainstate.nn``) are served here with a
-``DeprecationWarning`` pointing at their new home.
+The spiking neurons ``IF``, ``LIF``, ``ALIF`` and the synaptic filters ``Expon``, ``Alpha``,
+``DualExpon`` have the constructors and updates of the ``brainpy.state`` classes of the same
+names (units, exponential-Euler steps, ``dt`` from ``brainstate.environ``, surrogate spikes)
+without depending on brainpy. Their time constants and thresholds may be given as
+``brainstate.ParamState`` objects, which are then trained online with the weights.
+
+The short-term plasticity models ``STP`` and ``STD`` live in ``brainpy.state`` only; they and the
+layers that moved to ``brainstate.nn`` (activations, dropout, pooling, normalisation) are served
+here with a ``DeprecationWarning`` pointing at their home. To use ``brainpy.state`` models with
+braintrace, install the extra ``pip install 'braintrace[brainpy]'`` (brainpy 2.8.2 with
+brainpy-state 0.1.0, which run on Python 3.11 next to braintrace's brainstate, brainunit and
+braintools) and drive them with ETP operations; their constants stay fixed, the weights learn:
+
+.. code-block:: python
+
+    import brainpy, brainstate, brainunit as u, jax.numpy as jnp, braintrace
+
+    class Net(brainstate.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = brainstate.ParamState(jnp.ones((3, 4)))
+            self.lif = brainpy.state.LIF(4, tau=10.0 * u.ms)
+
+        def update(self, x):
+            return self.lif(braintrace.matmul(x, self.w.value) * u.mA)
+
+    with brainstate.environ.context(dt=1.0 * u.ms):
+        learner = braintrace.compile(Net(), braintrace.D_RTRL, jnp.ones(3))
 
 Examples
 --------
@@ -16,6 +41,23 @@ Examples
 >>> learner = braintrace.compile(cell, braintrace.D_RTRL, jnp.ones(3))
 >>> learner(jnp.ones(3)).shape
 (8,)
+
+A LIF layer driven by a trainable matmul, with a trainable membrane time constant:
+
+>>> import brainstate, brainunit as u
+>>> class SpikingLayer(brainstate.nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.w = brainstate.ParamState(jnp.full((3, 4), 0.5))
+...         tau = brainstate.ParamState(u.math.full(4, 10.0 * u.ms))
+...         self.lif = braintrace.nn.LIF(4, tau=tau, V_th=1.0 * u.mV)
+...     def update(self, x):
+...         return self.lif(braintrace.matmul(x, self.w.value) * u.mA)
+>>> with brainstate.environ.context(dt=1.0 * u.ms):
+...     learner = braintrace.compile(SpikingLayer(), braintrace.D_RTRL, jnp.ones(3))
+...     spikes = learner(jnp.ones(3))
+>>> sorted(path for path in learner.param_states)
+[('lif', 'tau'), ('w',)]
 """
 
 from __future__ import annotations
@@ -28,10 +70,12 @@ from braintrace.nn._conv import Conv1d, Conv2d, Conv3d
 from braintrace.nn._embedding import Embedding
 from braintrace.nn._linear import Linear, ScaledWSLinear, SignedWLinear
 from braintrace.nn._linear_structured import GroupedLinear, LoRA, SparseLinear
+from braintrace.nn._neurons import ALIF, IF, LIF
 from braintrace.nn._readout import LeakyRateReadout
 from braintrace.nn._rnn import LRUCell
 from braintrace.nn._rnn_cells import CFNCell, GRUCell, LSTMCell, MGUCell, URLSTMCell, ValinaRNNCell
 from braintrace.nn._rnn_minimal import MiniGRU, MiniLSTM, MinimalRNNCell
+from braintrace.nn._synapses import Alpha, DualExpon, Expon
 
 __all__ = [
     "Conv1d",
@@ -55,10 +99,23 @@ __all__ = [
     "MiniLSTM",
     "LRUCell",
     "CFNCell",
+    "IF",
+    "LIF",
+    "ALIF",
+    "Expon",
+    "Alpha",
+    "DualExpon",
 ]
 
-#: Neuron and synapse models, now in ``brainpy.state``.
-_MOVED_TO_BRAINPY = frozenset({"IF", "LIF", "ALIF", "Expon", "Alpha", "DualExpon", "STP", "STD"})
+#: Short-term plasticity models, served from ``brainpy.state`` (the neurons and synapse filters
+#: are native: ``_neurons.py``, ``_synapses.py``).
+_MOVED_TO_BRAINPY = frozenset({"STP", "STD"})
+
+#: How to get ``brainpy.state``: the extra pins the pair verified next to braintrace's pins.
+_BRAINPY_INSTALL = (
+    "pip install 'braintrace[brainpy]' (brainpy 2.8.2 and brainpy-state 0.1.0, which run on "
+    "Python 3.11 with braintrace's brainstate/brainunit/braintools)"
+)
 
 #: Activations, dropout, shape, pooling and normalisation layers, now in ``brainstate.nn``.
 _MOVED_TO_BRAINSTATE = frozenset(
@@ -80,10 +137,11 @@ _MOVED_TO_BRAINSTATE = frozenset(
 def _from_brainpy(name: str) -> Any:
     try:
         module = importlib.import_module("brainpy.state")
-    except ImportError:
+    except ImportError as err:
         raise AttributeError(
-            f"module 'braintrace.nn' has no attribute '{name}': it moved to brainpy.state.{name}. "
-            f"Install brainpy (pip install brainpy) and use brainpy.state.{name}."
+            f"module 'braintrace.nn' has no attribute '{name}': {name} lives in "
+            f"brainpy.state.{name}, and brainpy.state cannot be imported here ({err}). Install "
+            f"it with {_BRAINPY_INSTALL} and use brainpy.state.{name}."
         ) from None
     warnings.warn(
         f"braintrace.nn.{name} is deprecated. Use brainpy.state.{name} instead.",

@@ -15,8 +15,10 @@ EXPECTED_ALL = [
     "Conv1d", "Conv2d", "Conv3d", "Linear", "GroupedLinear", "SignedWLinear", "ScaledWSLinear",
     "SparseLinear", "LoRA", "Embedding", "LeakyRateReadout", "ValinaRNNCell", "GRUCell",
     "MGUCell", "LSTMCell", "URLSTMCell", "MinimalRNNCell", "MiniGRU", "MiniLSTM", "LRUCell",
-    "CFNCell",
+    "CFNCell", "IF", "LIF", "ALIF", "Expon", "Alpha", "DualExpon",
 ]
+
+SPIKING = ["IF", "LIF", "ALIF", "Expon", "Alpha", "DualExpon"]
 
 BRAINSTATE_PARENTS = {
     "Linear": brainstate.nn.Linear,
@@ -32,7 +34,8 @@ BRAINSTATE_PARENTS = {
 
 
 def test_all_is_pinned() -> None:
-    # upstream's 20 names in upstream order, plus CFNCell (fixed and exported here)
+    # upstream's 20 names in upstream order, plus CFNCell (fixed and exported here) and the
+    # native neurons and synapse filters (0.2.4 redirected them to a module that did not exist)
     assert bnn.__all__ == EXPECTED_ALL
     assert braintrace.nn is bnn and "nn" in braintrace.__all__
 
@@ -82,15 +85,24 @@ def test_redirect_warning_points_at_the_caller() -> None:
     assert caught[0].filename == __file__
 
 
-@pytest.mark.parametrize("name", ["IF", "LIF", "ALIF", "Expon", "Alpha", "DualExpon", "STP", "STD"])
-def test_neurons_and_synapses_point_at_brainpy(name: str) -> None:
+@pytest.mark.parametrize("name", SPIKING)
+def test_neurons_and_synapses_are_native_dynamics_without_a_warning(name: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cls = getattr(bnn, name)
+    assert issubclass(cls, brainstate.nn.Dynamics)
+    assert cls.__module__ == "braintrace.nn"
+
+
+@pytest.mark.parametrize("name", ["STP", "STD"])
+def test_short_term_plasticity_points_at_brainpy(name: str) -> None:
     if importlib.util.find_spec("brainpy") is None:
         # upstream imports brainstate.state (absent in brainstate 0.5) and crashes; here the
         # error says where the class lives and what to install
-        with pytest.raises(AttributeError, match=rf"brainpy\.state\.{name}.*pip install brainpy"):
+        with pytest.raises(AttributeError, match=rf"brainpy\.state\.{name}.*pip install 'braintrace\[brainpy\]'"):
             getattr(bnn, name)
         assert not hasattr(bnn, name)
-    else:  # pragma: no cover - brainpy is not a dependency
+    else:  # pragma: no cover - brainpy is an optional extra
         with pytest.warns(DeprecationWarning, match=rf"Use brainpy\.state\.{name} instead"):
             getattr(bnn, name)
 
