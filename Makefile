@@ -12,6 +12,8 @@ $(VENV)/.base:
 
 $(VENV)/.test: $(VENV)/.base pyproject.toml requirements.txt
 	$(PY) -m pip install --quiet -e ".[test]"
+	# brainpy.state, for the parity tests of braintrace.nn's neurons: installed when installable.
+	$(PY) -m pip install --quiet -e ".[test,brainpy]" || echo "brainpy extra not installable: its tests skip"
 	touch $@
 
 $(VENV)/.demo: $(VENV)/.base pyproject.toml requirements.txt
