@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Any, ClassVar, Mapping
 
 import brainstate
+import jax
+import jax.numpy as jnp
 
 from braintrace._algorithm.sequence import Path, SequenceDriverMixin
 
@@ -53,6 +55,38 @@ class ETraceVmap(SequenceDriverMixin, brainstate.nn.Vmap):
     """
 
     _seq_is_vmapped: ClassVar[bool] = True
+
+    def __init__(self, module: Any, *, vmap_states: Any = None, **kwargs: Any) -> None:
+        super().__init__(module, vmap_states=vmap_states, **kwargs)
+        self._lane_states = vmap_states
+
+    def reset(self) -> None:
+        """Start new sequences in every lane: :meth:`ETraceAlgorithm.reset` of each sample.
+
+        Every per-sample state is re-initialised in place (into the state objects the learner
+        was compiled with) and the traces and counters are zeroed; the shared parameters are
+        not touched. Works eagerly and inside ``jit``.
+
+        Examples
+        --------
+        >>> import jax.numpy as jnp, braintrace
+        >>> vmapped = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL,
+        ...                              jnp.ones((2, 3)), batch_size=2, vmap=True)
+        >>> _ = vmapped(jnp.ones((2, 3)))
+        >>> vmapped.reset()
+        >>> float(abs(vmapped.hidden_states[('h',)].value).sum())
+        0.0
+        """
+        learner = self.module
+        lanes = learner.states(self._lane_states)
+        sizes = {jnp.shape(leaf)[0] for leaf in jax.tree.leaves(lanes.to_dict_values()) if jnp.ndim(leaf)}
+        (size,) = sizes or {None}  # every per-sample state leads with the batch
+
+        @brainstate.transform.vmap(in_states=lanes, out_states=lanes, axis_size=size)
+        def reset_lanes() -> None:
+            learner.reset()
+
+        reset_lanes()
 
     @property
     def _seq_param_states(self) -> Mapping[Path, Any]:

@@ -76,3 +76,17 @@ def test_reset_to_another_batch_size_is_refused_with_the_fix() -> None:
     learner, _ = _compiled()
     with pytest.raises(ValueError, match="learner.reset"):
         learner.reset(batch_size=5)
+
+
+def test_a_vmapped_learner_resets_every_lane_in_place() -> None:
+    vmapped = braintrace.compile(braintrace.nn.ValinaRNNCell(I, H), braintrace.D_RTRL, normal(2, (B, I)),
+                                 batch_size=B, vmap=True)
+    xs = normal(3, (2, B, I))
+    first = [np.asarray(vmapped(x)) for x in xs]
+    objects = dict(vmapped.hidden_states)
+    brainstate.transform.jit(vmapped.reset)()
+    assert all(vmapped.hidden_states[p] is st for p, st in objects.items())
+    assert not np.any(np.asarray(vmapped.hidden_states[("h",)].value))
+    assert vmapped.hidden_states[("h",)].value.shape == (B, H)
+    for a, x in zip(first, xs):  # the same run again from the reset states
+        np.testing.assert_allclose(np.asarray(vmapped(x)), a, rtol=1e-6)
