@@ -397,6 +397,41 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
     def get_etrace_of(self, weight: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must implement get_etrace_of().")
 
+    def named_etraces(self) -> dict[tuple[Path, int], Any]:
+        """Every trace, keyed by ``(parameter path, hidden group index)`` instead of object ids.
+
+        The value is the relation's trace for that group, in the learner's own form (what
+        :meth:`get_etrace_of` holds for it: D_RTRL ``{key: trace}``, pp_prop ``(x trace or
+        None, df trace)``, ...). A parameter read by several operations that drive the same
+        group maps to a tuple of their traces.
+
+        Examples
+        --------
+        >>> import jax.numpy as jnp, braintrace
+        >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL, jnp.ones(3))
+        >>> {key: {k: v.shape for k, v in trace.items()} for key, trace in learner.named_etraces().items()}
+        {(('W', 'weight'), 0): {'weight': (7, 4, 1), 'bias': (4, 1)}}
+        """
+        self._assert_compiled_for("named_etraces")
+        found: dict[tuple[Path, int], list[Any]] = {}
+        for rel in self.graph.hidden_param_op_relations:
+            for group in rel.hidden_groups:
+                trace = self._relation_etrace(rel, group)
+                for path in dict.fromkeys(rel.trainable_paths.values()):
+                    found.setdefault((path, group.index), []).append(trace)
+        return {key: traces[0] if len(traces) == 1 else tuple(traces) for key, traces in found.items()}
+
+    def _relation_etrace(self, rel: Any, group: Any) -> Any:
+        """The trace of one relation for one of its groups (see :meth:`named_etraces`)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _relation_etrace().")
+
+    def _assert_compiled_for(self, call: str) -> None:
+        if not self.is_compiled:
+            raise ValueError(
+                f"{call}: {type(self).__name__} is not compiled; build it with "
+                f"braintrace.compile(model, algorithm, example_input)."
+            )
+
 
 ETraceAlgorithm.__module__ = "braintrace"
 

@@ -271,6 +271,9 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
             )
         return found
 
+    def _relation_etrace(self, rel: Any, group: Any) -> Trace:
+        return dict(self.etrace_bwg[trace_key(rel, group)].value)
+
     # --- one step of the trace ------------------------------------------------------------
 
     def _step_relation(

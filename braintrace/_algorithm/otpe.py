@@ -161,6 +161,9 @@ class OTPE(DenseLeakRule):
                 shape = (batch_size, *st.value.shape[1:]) if resize else st.value.shape
                 st.value = jnp.zeros(shape, st.value.dtype)
 
+    def _relation_etrace(self, rel: Any, group: Any) -> Store:
+        return {n: st.value for n, st in self._stores[id(rel.y_var)].items()}
+
     def get_etrace_of(self, weight: Any) -> dict[int, Store]:
         """The stores of the relations of ``weight`` (by ``id(y_var)``)."""
         path = weight if isinstance(weight, tuple) else self.state_id_to_path.get(id(weight))

@@ -237,6 +237,13 @@ class OTTT(DenseLeakRule):
         if self._bias_trace is not None:
             self._bias_trace.value = jnp.zeros((), self._bias_trace.value.dtype)
 
+    def _relation_etrace(self, rel: Any, group: Any) -> dict[str, jax.Array]:
+        """``{'x': presynaptic trace}``, plus ``'bias'`` for a relation with a bias."""
+        out = {"x": self._pre_traces[id(rel.x_var)].value}
+        if self._bias_trace is not None and "bias" in rel.trainable_paths:
+            out["bias"] = self._bias_trace.value
+        return out
+
     def get_etrace_of(self, weight: Any) -> dict[int, jax.Array]:
         """The presynaptic traces (and the bias trace, key ``-1``) of the relations of ``weight``."""
         path = weight if isinstance(weight, tuple) else self.state_id_to_path.get(id(weight))

@@ -335,6 +335,10 @@ class IODimVjpAlgorithm(ETraceVjpAlgorithm):
             )
         return xs, dfs
 
+    def _relation_etrace(self, rel: Any, group: Any) -> tuple[jax.Array | None, jax.Array]:
+        x_trace = None if rel.x_var is None else self.etrace_xs[id(rel.x_var)].value
+        return x_trace, self.etrace_dfs[df_key(rel, group)].value
+
     # --- one step of the traces -----------------------------------------------------------
 
     def _x_tilde(self, xs: dict[int, Any]) -> dict[int, Any]:

@@ -165,6 +165,21 @@ def test_get_etrace_of_has_an_entry_for_every_trainable_key(row: Row | None, nam
 
 
 @pytest.mark.parametrize("row, name", _sweep_cases())
+def test_named_etraces_are_keyed_by_parameter_path_and_hidden_group(row: Row | None, name: str) -> None:
+    learner, xs = _learner(row, name, batched=True)
+    learner(xs[0])
+    named = learner.named_etraces()
+    relations = learner.graph.hidden_param_op_relations
+    assert set(named) == {(p, g.index) for rel in relations for p in rel.trainable_paths.values() for g in rel.hidden_groups}
+    for rel in relations:
+        for path in rel.trainable_paths.values():
+            by_id = learner.get_etrace_of(path)
+            for group in rel.hidden_groups:
+                leaves = jax.tree.leaves(named[(path, group.index)])
+                assert leaves and all(any(leaf is other for other in jax.tree.leaves(by_id)) for leaf in leaves)
+
+
+@pytest.mark.parametrize("row, name", _sweep_cases())
 def test_reset_state_with_a_batch_size_resizes_every_batched_trace(row: Row | None, name: str) -> None:
     learner, xs = _learner(row, name, batched=True)
     learner(xs[0])
