@@ -79,8 +79,9 @@ class ETraceVmap(SequenceDriverMixin, brainstate.nn.Vmap):
         """
         learner = self.module
         lanes = learner.states(self._lane_states)
-        sizes = {jnp.shape(leaf)[0] for leaf in jax.tree.leaves(lanes.to_dict_values()) if jnp.ndim(leaf)}
-        (size,) = sizes or {None}  # every per-sample state leads with the batch
+        # Every per-sample state leads with the batch axis.
+        sizes = {int(jnp.shape(leaf)[0]) for leaf in jax.tree.leaves(lanes.to_dict_values()) if jnp.ndim(leaf)}
+        size = sizes.pop() if len(sizes) == 1 else None
 
         @brainstate.transform.vmap(in_states=lanes, out_states=lanes, axis_size=size)
         def reset_lanes() -> None:
