@@ -611,6 +611,20 @@ def substep_product(Ds: jax.Array) -> jax.Array:
 class D_RTRL(ParamDimVjpAlgorithm):
     """D-RTRL under its canonical name (identical to :class:`ParamDimVjpAlgorithm`).
 
+    Parameters
+    ----------
+    model : brainstate.nn.Module
+    name : str, optional
+    vjp_method : {'single-step', 'multi-step'}
+        The estimator (see :class:`~braintrace.ETraceVjpAlgorithm`).
+    fast_solve : bool
+        Use the primitive's closed-form kernels when the library's rules are in force.
+    trace_dtype : dtype, optional
+        Storage dtype of fast-path traces.
+    chunked_trace : bool
+        Roll multi-step windows in closed form where the kernels allow it.
+    control_flow : ControlFlowPolicy, optional
+
     Examples
     --------
     >>> import brainstate, jax.numpy as jnp, braintrace

@@ -42,7 +42,21 @@ __all__ = ["OSTLRecurrent", "OSTLFeedforward"]
 
 class OSTLRecurrent(ParamDimVjpAlgorithm):
     """D-RTRL with the recurrent weight mixing kept in the per-position Jacobian (see the module
-    docstring). Parameters as :class:`ParamDimVjpAlgorithm`.
+    docstring).
+
+    Parameters
+    ----------
+    model : brainstate.nn.Module
+    name : str, optional
+    vjp_method : {'single-step', 'multi-step'}
+        The estimator (see :class:`~braintrace.ETraceVjpAlgorithm`).
+    fast_solve : bool
+        Use the primitive's closed-form kernels when the library's rules are in force.
+    trace_dtype : dtype, optional
+        Storage dtype of fast-path traces.
+    chunked_trace : bool
+        Roll multi-step windows in closed form where the kernels allow it.
+    control_flow : ControlFlowPolicy, optional
 
     Notes
     -----
@@ -75,8 +89,8 @@ class OSTLFeedforward(pp_prop):
     decay_or_rank : float or int
         As :class:`pp_prop` (default ``1e-6``, i.e. rank 1).
     name : str, optional
-    **kwargs
-        Forwarded to :class:`pp_prop` (``vjp_method``, ``fast_solve``, ``control_flow``).
+    vjp_method : {'single-step', 'multi-step'}, fast_solve : bool, control_flow : ControlFlowPolicy
+        Keyword options forwarded to :class:`pp_prop`.
 
     Examples
     --------

@@ -66,9 +66,10 @@ class OSTTP(LearningSignalDRTRL):
     name : str, optional
     vjp_method : {'single-step', 'multi-step'}
     fast_solve : bool
-    **kwargs
-        Forwarded to :class:`ParamDimVjpAlgorithm` (``trace_dtype``, ``chunked_trace``,
-        ``control_flow``).
+    trace_dtype : dtype, optional
+    chunked_trace : bool
+    control_flow : ControlFlowPolicy, optional
+        Keyword options forwarded to :class:`ParamDimVjpAlgorithm`.
 
     Raises
     ------

@@ -480,6 +480,18 @@ def _zeros(value: jax.Array, batch_size: int | None) -> jax.Array:
 class pp_prop(IODimVjpAlgorithm):
     """pp_prop (ES-D-RTRL) under its canonical name (identical to :class:`IODimVjpAlgorithm`).
 
+    Parameters
+    ----------
+    model : brainstate.nn.Module
+    decay_or_rank : float or int
+        The filter decay ``α`` (``0 < α < 1``) or a rank ``r > 0`` (``α = (r − 1) / (r + 1)``).
+    name : str, optional
+    vjp_method : {'single-step', 'multi-step'}
+        The estimator (see :class:`~braintrace.ETraceVjpAlgorithm`).
+    fast_solve : bool
+        One ``xy_to_dw`` call per relation instead of one per hidden state.
+    control_flow : ControlFlowPolicy, optional
+
     Examples
     --------
     >>> import brainstate, jax.numpy as jnp, braintrace

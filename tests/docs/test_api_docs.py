@@ -88,3 +88,16 @@ def test_sphinx_build_has_no_warnings(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, f"sphinx build failed or warned:\n{result.stderr[-6000:]}"
     assert (tmp_path / "html" / "api" / "index.html").exists()
+
+
+LEARNERS = ["ETraceVjpAlgorithm", "ParamDimVjpAlgorithm", "D_RTRL", "IODimVjpAlgorithm", "pp_prop", "EProp",
+            "OSTLRecurrent", "OSTLFeedforward", "OTTT", "OTPE", "OSTTP"]
+
+
+@pytest.mark.parametrize("name", LEARNERS)
+def test_every_learner_documents_every_constructor_option(name: str) -> None:
+    from braintrace._algorithm.base import constructor_options
+
+    cls = getattr(braintrace, name)
+    undocumented = [o for o in constructor_options(cls) if f"{o} :" not in (cls.__doc__ or "")]
+    assert not undocumented, f"{name}'s docstring does not list {undocumented}"
