@@ -61,7 +61,7 @@ class LeakyRNN(brainstate.nn.Module):
     def update(self, x: jax.Array) -> jax.Array:
         drive = jnp.tanh(braintrace.matmul(x, self.W.value["weight"], self.W.value["bias"]))
         if hasattr(self, "gain"):
-            drive = drive * self.gain.value
+            drive = drive * braintrace.element_wise(self.gain.value)  # learns online, no warning
         decay = braintrace.element_wise(self.leak.value, weight_fn=jax.nn.sigmoid) if self.learn_leak else 0.5
         self.h.value = decay * self.h.value + drive
         return self.h.value
