@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import brainstate
 import braintools
+import brainunit as u
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,6 +46,7 @@ __all__ = [
     "rate_spikes",
     "positive_int",
     "positive_float",
+    "non_negative_float",
     "common_parser",
     "train_learners",
     "algorithm_names",
@@ -80,6 +82,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """An ``argparse`` type: a float >= 0, with an error that shows the value."""
+    value = float(text)
+    if not value >= 0:
+        raise ValueError(f"expected a number >= 0, got {value}")
+    return value
+
+
 def common_parser(
     doc: str,
     *,
@@ -89,12 +99,19 @@ def common_parser(
     algorithms: list[str],
     plot: str,
     test_size: int,
+    grad_clip: float = 0.0,
 ) -> argparse.ArgumentParser:
-    """The arguments every example takes; each script adds its own size arguments."""
+    """The arguments every example takes; each script adds its own size arguments.
+
+    ``grad_clip`` is the default of ``--grad-clip``: the gradient's global norm is clipped at it
+    before each Adam step (0: no clipping).
+    """
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--iterations", type=positive_int, default=iterations, help="training batches")
     parser.add_argument("--batch", type=positive_int, default=batch, help="sequences per batch")
     parser.add_argument("--lr", type=positive_float, default=lr, help="Adam learning rate")
+    parser.add_argument("--grad-clip", type=non_negative_float, default=grad_clip,
+                        help="clip the gradient's global norm at this value before each Adam step (0: no clipping)")
     parser.add_argument("--algorithms", nargs="+", default=algorithms, choices=algorithm_names(), metavar="NAME",
                         help=f"learners to train, each on a fresh copy of the model: {', '.join(algorithm_names())}")
     parser.add_argument("--pp-decay", type=positive_float, default=0.9, help="pp_prop's trace decay, in (0, 1)")
@@ -164,72 +181,85 @@ class Progress:
 # --- models -----------------------------------------------------------------------------------
 
 class LIFNetwork(brainstate.nn.Module):
-    """A recurrent layer of leaky integrate-and-fire neurons with a leaky (non-spiking) readout.
+    """A recurrent layer of :class:`braintrace.nn.LIF` neurons with a leaky (non-spiking) readout.
 
-    ``v ← σ(τ) · v · (1 − s) + x W_in + s W_rec + b`` with spikes ``s = H(v − 1)`` (a sigmoid
-    surrogate gradient), and the readout ``r ← κ r + s' W_out`` with ``s'`` the new spikes. The
-    per-neuron leak ``σ(τ)`` is trainable through :func:`braintrace.element_wise`; every weight
-    goes through :func:`braintrace.matmul`, so all of them learn online.
+    The input and the recurrent spikes drive the neurons through :func:`braintrace.matmul`,
+    ``I = x W_in + b + s W_rec`` with ``s`` the spikes of the potential entering the step
+    (``lif.get_spike()``). The neurons integrate it by one exponential-Euler step of
+    ``τ dV/dt = −V + R I`` and spike when ``V`` crosses 1 mV (a sigmoid surrogate gradient); a spike
+    resets ``V`` to 0 at the next step (``spk_reset='hard'``). The per-neuron membrane time
+    constant ``τ`` is a ``brainstate.ParamState``, so it learns online with the weights; the
+    readout is a :class:`braintrace.nn.LeakyRateReadout`, ``r ← e^{−dt/τ_out} r + s' W_out`` with
+    ``s'`` the new spikes. The step is ``dt = 1 ms``: the network sets it for its own updates.
+
+    The membrane resistance is ``R = 1 / (1 − e^{−dt/τ})`` ohm at the initial ``τ``, so that one
+    step of a unit current adds 1 mV to the potential: at initialisation the update is the
+    discrete ``V ← e^{−dt/τ} V (1 − s) + I``.
 
     Parameters
     ----------
     n_in, n_rec, n_out : int
         Input channels, recurrent neurons, readout units.
     tau : float
-        Initial leak logit: the membrane keeps ``σ(tau)`` of its potential per step.
-    readout_leak : float
-        ``κ``, the fixed leak of the readout.
+        Initial membrane time constant, in ms (steps).
+    readout_tau : float
+        Fixed time constant of the readout, in ms.
     in_scale, rec_scale : float
         Standard deviation of the input / recurrent weights, times ``1/sqrt(fan-in)``.
     seed : int
         Seed of the weight initialisation.
+
+    Examples
+    --------
+    >>> net = LIFNetwork(3, 5, 2, tau=10.0)
+    >>> brainstate.nn.init_all_states(net, batch_size=4)  # doctest: +ELLIPSIS
+    LIFNetwork(...)
+    >>> net(jnp.ones((4, 3))).shape, net.spikes().shape
+    ((4, 2), (4, 5))
+    >>> net.lif.trainable_constants
+    ('tau',)
     """
+
+    #: The simulation step of every update.
+    dt = 1.0 * u.ms
 
     def __init__(
         self,
         n_in: int,
         n_rec: int,
         n_out: int,
-        tau: float = 2.0,
-        readout_leak: float = 0.8,
+        tau: float = 8.0,
+        readout_tau: float = 4.5,
         in_scale: float = 1.0,
         rec_scale: float = 0.5,
         seed: int = 0,
     ) -> None:
         super().__init__()
         k = jax.random.split(jax.random.PRNGKey(seed), 3)
-        self.n_rec, self.n_out, self.readout_leak = n_rec, n_out, readout_leak
-        # A strong float32 (jnp.full of a Python float is weakly typed): the first Adam step would
-        # make it strong and the jitted training step would compile a second time.
-        self.tau = brainstate.ParamState(jnp.full((n_rec,), tau, dtype=jnp.float32))
+        # Strong float32 parameters and initial states (a Python float is weakly typed): the first
+        # training step would make them strong and the jitted step would compile a second time.
+        zero = jnp.zeros((), jnp.float32)
+        tau_m = brainstate.ParamState(jnp.full((n_rec,), tau, dtype=jnp.float32) * u.ms)
+        resistance = 1.0 / -np.expm1(-u.get_magnitude(self.dt / u.ms) / tau) * u.ohm
+        self.lif = braintrace.nn.LIF(n_rec, R=resistance, tau=tau_m, V_th=1.0 * u.mV, spk_reset="hard",
+                                     spk_fun=braintools.surrogate.Sigmoid(),
+                                     V_initializer=braintools.init.Constant(zero * u.mV))
         self.w_in = brainstate.ParamState(in_scale * jax.random.normal(k[0], (n_in, n_rec)) / np.sqrt(n_in))
         self.w_rec = brainstate.ParamState(rec_scale * jax.random.normal(k[1], (n_rec, n_rec)) / np.sqrt(n_rec))
         self.bias = brainstate.ParamState(jnp.zeros((n_rec,)))
-        self.w_out = brainstate.ParamState(jax.random.normal(k[2], (n_rec, n_out)) / np.sqrt(n_rec))
-
-    def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
-        def shape(n: int) -> tuple[int, ...]:
-            return (n,) if batch_size is None else (batch_size, n)
-
-        self.v = brainstate.HiddenState(jnp.zeros(shape(self.n_rec)))
-        self.r = brainstate.HiddenState(jnp.zeros(shape(self.n_out)))
-
-    def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
-        # In place, for bptt_trainer's reset_all_states (learner.reset() re-initialises by itself).
-        self.v.value = jnp.zeros_like(self.v.value)
-        self.r.value = jnp.zeros_like(self.r.value)
+        with brainstate.environ.context(dt=self.dt):
+            self.readout = braintrace.nn.LeakyRateReadout(
+                n_rec, n_out, tau=readout_tau * u.ms,
+                w_init=jax.random.normal(k[2], (n_rec, n_out)) / np.sqrt(n_rec), r_init=braintools.init.Constant(zero))
 
     def spikes(self) -> jax.Array:
         """The spikes of the current membrane potential (surrogate gradient)."""
-        return braintools.surrogate.sigmoid(self.v.value - 1.0)
+        return self.lif.get_spike()
 
     def update(self, x: jax.Array) -> jax.Array:
-        leak = braintrace.element_wise(self.tau.value, weight_fn=jax.nn.sigmoid)
-        s = self.spikes()
-        current = braintrace.matmul(x, self.w_in.value, self.bias.value) + braintrace.matmul(s, self.w_rec.value)
-        self.v.value = leak * self.v.value * (1.0 - s) + current
-        self.r.value = self.readout_leak * self.r.value + braintrace.matmul(self.spikes(), self.w_out.value)
-        return self.r.value
+        current = braintrace.matmul(x, self.w_in.value, self.bias.value) + braintrace.matmul(self.spikes(), self.w_rec.value)
+        with brainstate.environ.context(dt=self.dt):
+            return self.readout(self.lif(current * u.mA))
 
 
 # --- losses and metrics -----------------------------------------------------------------------
@@ -273,9 +303,12 @@ class Trainer(NamedTuple):
     forward: Callable[[jax.Array], jax.Array]
 
 
-def _adam(lr: float, params: Mapping[Any, brainstate.ParamState]) -> braintools.optim.Adam:
-    """Adam registered once on ``params``: its moments live in states and carry over from batch to batch."""
-    optimizer = braintools.optim.Adam(lr=lr)
+def _adam(lr: float, params: Mapping[Any, brainstate.ParamState], grad_clip: float | None) -> braintools.optim.Adam:
+    """Adam registered once on ``params``: its moments live in states and carry over from batch to batch.
+
+    With ``grad_clip``, each gradient's global norm is clipped at it first.
+    """
+    optimizer = braintools.optim.Adam(lr=lr, grad_clip_norm=grad_clip)
     optimizer.register_trainable_weights(dict(params))
     return optimizer
 
@@ -292,6 +325,7 @@ def online_trainer(
     lr: float,
     x0: jax.Array,
     step_loss: StepLoss = cross_entropy,
+    grad_clip: float | None = None,
     **options: Any,
 ) -> Trainer:
     """Compile ``model`` with ``algorithm`` and build its online training step.
@@ -299,12 +333,12 @@ def online_trainer(
     Each batch starts from reset states (``learner.reset()``: in place, into the state objects
     the learner was compiled with) and is one call of ``learner.etrace_train``: one learner call
     and one online gradient of ``step_loss`` per step, weighted by ``weights``, summed, divided
-    by the total weight (the driver's ``'mean'`` reduction) and applied by Adam once per batch.
-    ``x0`` is one step's input ``(batch, inputs)``; ``options`` go to :func:`braintrace.compile`
+    by the total weight (the driver's ``'mean'`` reduction) and applied by Adam once per batch,
+    its global norm clipped at ``grad_clip`` if given. ``x0`` is one step's input ``(batch, inputs)``; ``options`` go to :func:`braintrace.compile`
     (e.g. ``decay_or_rank`` for ``pp_prop``).
     """
     learner = braintrace.compile(model, algorithm, x0, batch_size=batch_size, **options)
-    optimizer = _adam(lr, learner.param_states)
+    optimizer = _adam(lr, learner.param_states, grad_clip)
 
     def step_fn(x: jax.Array, label: jax.Array) -> tuple[jax.Array, jax.Array]:
         out = learner(x)  # the one learner call of this step
@@ -330,17 +364,21 @@ def bptt_trainer(
     batch_size: int,
     lr: float,
     step_loss: StepLoss = cross_entropy,
+    grad_clip: float | None = None,
 ) -> Trainer:
     """The reference: backpropagation through time of the weighted loss of whole sequences.
 
-    The model must reset its hidden states in ``reset_state`` (``brainstate.nn.reset_all_states``).
+    One Adam step per batch, the gradient's global norm clipped at ``grad_clip`` if given.
+
+    Each sequence starts from ``brainstate.nn.reset_all_states(model, batch_size=batch_size)``: every
+    module's ``reset_state`` re-initialises its hidden states at the batch size.
     """
     brainstate.nn.init_all_states(model, batch_size=batch_size)
     params = model.states(brainstate.ParamState)
-    optimizer = _adam(lr, params)
+    optimizer = _adam(lr, params, grad_clip)
 
     def forward(xs: jax.Array) -> jax.Array:
-        brainstate.nn.reset_all_states(model)
+        brainstate.nn.reset_all_states(model, batch_size=batch_size)
         return brainstate.transform.for_loop(model, xs)
 
     def loss_fn(xs: jax.Array, labels: jax.Array, weights: jax.Array) -> tuple[jax.Array, Any]:
@@ -365,12 +403,13 @@ def make_trainer(
     lr: float,
     x0: jax.Array,
     step_loss: StepLoss = cross_entropy,
+    grad_clip: float | None = None,
     **options: Any,
 ) -> Trainer:
     """``'bptt'`` or any name :func:`braintrace.compile` accepts (``'d_rtrl'``, ``'pp_prop'``, ``'eprop'`` ...)."""
     if algorithm.lower() == "bptt":
-        return bptt_trainer(model, batch_size, lr, step_loss)
-    return online_trainer(model, algorithm, batch_size, lr, x0, step_loss, **options)
+        return bptt_trainer(model, batch_size, lr, step_loss, grad_clip)
+    return online_trainer(model, algorithm, batch_size, lr, x0, step_loss, grad_clip, **options)
 
 
 #: Learners that need no model-specific option (OTTT, OTPE and OSTTP need the model's leak or
@@ -454,16 +493,19 @@ def train_learners(
     accuracy: Callable[[np.ndarray, np.ndarray, np.ndarray], float],
     test: Batch | None = None,
     pp_decay: float = 0.9,
+    grad_clip: float | None = None,
 ) -> dict[str, tuple[brainstate.nn.Module, Trainer, History]]:
     """Train a fresh model (same initialisation) with each learner on the same batches.
 
-    ``pp_decay`` is ``pp_prop``'s trace decay. Returns ``name -> (model, trainer, history)``
+    ``pp_decay`` is ``pp_prop``'s trace decay; ``grad_clip`` (if given) clips each gradient's
+    global norm before the Adam step. Returns ``name -> (model, trainer, history)``
     in the order given.
     """
     results = {}
     for name in algorithms:
         model = build_model()
-        trainer = make_trainer(name, model, batch_size, lr, jnp.asarray(x0), **learner_options(name, pp_decay))
+        trainer = make_trainer(name, model, batch_size, lr, jnp.asarray(x0), grad_clip=grad_clip,
+                               **learner_options(name, pp_decay))
         history = fit(trainer, make_batches(), iterations, accuracy, test)
         print(f"[{name}] held-out accuracy {history.test_accuracy:.3f}, {history.seconds:.1f} s")
         results[name] = (model, trainer, history)

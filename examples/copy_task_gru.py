@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> dict[str, History]:
           f"{2 * args.length + args.delay} steps; GRU with {args.hidden} units")
     results = train_learners(
         args.algorithms, lambda: GRU(n_in, args.hidden, args.symbols, seed=args.seed), args.batch, args.lr,
-        np.zeros((args.batch, n_in), np.float32), batches, args.iterations, step_accuracy, test)
+        np.zeros((args.batch, n_in), np.float32), batches, args.iterations, step_accuracy, test, args.pp_decay,
+        args.grad_clip or None)
     histories = {name: r[2] for name, r in results.items()}
     if args.plot:
         _plot(histories, results, test, args.length, args.delay, args.symbols, args.plot)

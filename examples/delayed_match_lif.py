@@ -6,10 +6,13 @@ must say whether the test matched the sample. Chance is 50 %, and the answer can
 from the test stimulus alone: the network has to carry the sample across the delay in its
 membrane potentials and recurrent spikes (an XOR over time).
 
-The network is :class:`_common.LIFNetwork` (trainable per-neuron leaks, input, recurrent and
-readout weights, all through ETP operators); it learns with D-RTRL by default — one gradient per
-time step, memory independent of the trial length. ``--algorithms`` trains others too
-(``eprop``, ``pp_prop``, ... or ``bptt`` for the reference), each on a fresh copy of the network.
+The network is :class:`_common.LIFNetwork`: :class:`braintrace.nn.LIF` neurons whose membrane
+time constants are ``brainstate.ParamState``s, trained with the input, recurrent and readout
+weights (all through ETP operators). It learns with D-RTRL by default — one gradient per time
+step, memory independent of the trial length — with the gradient's norm clipped at 1
+(``--grad-clip``: surrogate gradients of spiking networks can spike). ``--algorithms`` trains
+others too (``eprop``, ``pp_prop``, ... or ``bptt`` for the reference), each on a fresh copy of
+the network.
 
 Run ``python examples/delayed_match_lif.py`` (about a minute on two cores) or with
 ``--iterations 30`` for a quick look; the figure shows the loss, the accuracy and the input
@@ -90,7 +93,7 @@ def make_trials(
 def main(argv: list[str] | None = None) -> dict[str, History]:
     """Train on delayed match-to-sample with each learner; returns ``learner -> History``."""
     parser = common_parser(__doc__, iterations=200, batch=32, lr=0.01, algorithms=["d_rtrl"],
-                           plot="delayed_match_lif.png", test_size=256)
+                           plot="delayed_match_lif.png", test_size=256, grad_clip=1.0)
     parser.add_argument("--hidden", type=positive_int, default=64, help="recurrent LIF neurons")
     parser.add_argument("--delay", type=positive_int, default=24, help="delay period, in steps")
     args = parser.parse_args(argv)
@@ -107,9 +110,9 @@ def main(argv: list[str] | None = None) -> dict[str, History]:
           f"{args.hidden} LIF neurons")
     results = train_learners(
         args.algorithms,
-        lambda: LIFNetwork(n_in, args.hidden, 2, tau=2.5, in_scale=3.0, rec_scale=1.0, seed=args.seed),
+        lambda: LIFNetwork(n_in, args.hidden, 2, tau=12.5, in_scale=3.0, rec_scale=1.0, seed=args.seed),
         args.batch, args.lr, np.zeros((args.batch, n_in), np.float32), batches, args.iterations,
-        window_accuracy, test)
+        window_accuracy, test, args.pp_decay, args.grad_clip or None)
     histories = {name: r[2] for name, r in results.items()}
     if args.plot:
         model = next(iter(results.values()))[0]
@@ -121,7 +124,7 @@ def _plot(histories: dict[str, History], model: LIFNetwork, xs: np.ndarray, timi
     plt = pyplot()
     if plt is None:
         return
-    brainstate.nn.reset_all_states(model)
+    brainstate.nn.reset_all_states(model, batch_size=xs.shape[1])
     hidden = []
     for x in xs:  # eager, one step at a time: the figure needs the hidden spikes, not the output
         model(jnp.asarray(x))

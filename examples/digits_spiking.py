@@ -11,8 +11,9 @@ The 8×8 digit images come from a package already installed, never from the netw
 
 Each pixel becomes one input channel that spikes with probability ``intensity · --max-rate``
 per step for ``--steps`` steps (rate coding). The network (:class:`_common.LIFNetwork`,
-64 → ``--hidden`` LIF → 10 readout units) learns online, one gradient per step (D-RTRL by
-default); the prediction is the class with the largest mean readout over the second half.
+64 → ``--hidden`` :class:`braintrace.nn.LIF` neurons with trainable time constants → 10 readout
+units) learns online, one gradient per step (D-RTRL by default, the gradient's norm clipped at
+``--grad-clip``); the prediction is the class with the largest mean readout over the second half.
 
 Run ``python examples/digits_spiking.py`` (about a minute on two cores) or with
 ``--iterations 30`` for a quick look.
@@ -156,7 +157,7 @@ def encode(rng: np.random.Generator, images: np.ndarray, labels: np.ndarray, n_s
 def main(argv: list[str] | None = None) -> dict[str, History]:
     """Train each learner on the spiking digits; returns ``learner -> History``."""
     parser = common_parser(__doc__, iterations=300, batch=32, lr=0.01, algorithms=["d_rtrl"],
-                           plot="digits_spiking.png", test_size=300)
+                           plot="digits_spiking.png", test_size=300, grad_clip=1.0)
     parser.add_argument("--source", choices=["auto", "sklearn", "fonts"], default="auto", help="where the images come from")
     parser.add_argument("--hidden", type=positive_int, default=64, help="recurrent LIF neurons")
     parser.add_argument("--steps", type=positive_int, default=20, help="time steps per image")
@@ -185,8 +186,9 @@ def main(argv: list[str] | None = None) -> dict[str, History]:
                   args.max_rate)
     results = train_learners(
         args.algorithms,
-        lambda: LIFNetwork(64, args.hidden, 10, tau=2.0, in_scale=3.0, rec_scale=0.5, seed=args.seed),
-        args.batch, args.lr, np.zeros((args.batch, 64), np.float32), batches, args.iterations, window_accuracy, test)
+        lambda: LIFNetwork(64, args.hidden, 10, tau=8.0, in_scale=3.0, rec_scale=0.5, seed=args.seed),
+        args.batch, args.lr, np.zeros((args.batch, 64), np.float32), batches, args.iterations, window_accuracy, test,
+        args.pp_decay, args.grad_clip or None)
     histories = {name: r[2] for name, r in results.items()}
     if args.plot:
         _plot(histories, results, images[test_idx], test, args.plot)

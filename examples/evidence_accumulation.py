@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{args.hidden} units")
     results = train_learners(
         args.algorithms, lambda: LeakyRNN(3, args.hidden, 2, seed=args.seed), args.batch, args.lr,
-        np.zeros((args.batch, 3), np.float32), batches, args.iterations, window_accuracy, test, args.pp_decay)
+        np.zeros((args.batch, 3), np.float32), batches, args.iterations, window_accuracy, test, args.pp_decay,
+        args.grad_clip or None)
     histories = {name: r[2] for name, r in results.items()}
     curves = {name: psychometric(predict(r[1], test[0]), test[1], test[2], coherence) for name, r in results.items()}
     curves_shown = {**curves, "ideal observer": ideal_observer(args.stimulus)}

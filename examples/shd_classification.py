@@ -7,9 +7,10 @@ optionally ``--test-data``), the script reads real Spiking Heidelberg Digits fil
 (``shd_train.h5`` / ``shd_test.h5``, already on disk; needs ``h5py``).
 
 Spikes are binned into ``--steps`` time steps and fed to :class:`_common.LIFNetwork`
-(700 → ``--hidden`` recurrent LIF neurons → 20 leaky readout units). The loss is the
-cross-entropy of the readout in the second half of the sample, one gradient per time step
-(D-RTRL by default); the prediction is the class with the largest mean readout there.
+(700 → ``--hidden`` recurrent :class:`braintrace.nn.LIF` neurons with trainable time constants →
+20 leaky readout units). The loss is the cross-entropy of the readout in the second half of the
+sample, one gradient per time step (D-RTRL by default, the gradient's norm clipped at
+``--grad-clip``); the prediction is the class with the largest mean readout there.
 
 Run ``python examples/shd_classification.py`` (a couple of minutes on two cores) or with
 ``--train-size 200 --iterations 30`` for a quick look.
@@ -75,7 +76,7 @@ def load_data(args: Any) -> tuple[SpikeEvents, SpikeEvents, str]:
 def main(argv: list[str] | None = None) -> dict[str, History]:
     """Train each learner on the spike-classification set; returns ``learner -> History``."""
     parser = common_parser(__doc__, iterations=100, batch=32, lr=0.005, algorithms=["d_rtrl"],
-                           plot="shd_classification.png", test_size=400)
+                           plot="shd_classification.png", test_size=400, grad_clip=1.0)
     parser.add_argument("--hidden", type=positive_int, default=64, help="recurrent LIF neurons")
     parser.add_argument("--steps", type=positive_int, default=40, help="time bins per sample")
     parser.add_argument("--max-time", type=positive_float, default=1.0, help="seconds of each sample kept")
@@ -102,10 +103,10 @@ def main(argv: list[str] | None = None) -> dict[str, History]:
     held_out = as_batch(test, np.arange(len(test)), args.steps, args.max_time)
     results = train_learners(
         args.algorithms,
-        lambda: LIFNetwork(train.n_channels, args.hidden, n_classes, tau=2.0, in_scale=4.0, rec_scale=0.5,
+        lambda: LIFNetwork(train.n_channels, args.hidden, n_classes, tau=8.0, in_scale=4.0, rec_scale=0.5,
                            seed=args.seed),
         args.batch, args.lr, np.zeros((args.batch, train.n_channels), np.float32), batches, args.iterations,
-        window_accuracy, held_out)
+        window_accuracy, held_out, args.pp_decay, args.grad_clip or None)
     histories = {name: r[2] for name, r in results.items()}
     if args.plot:
         _plot(histories, results, held_out, test, n_classes, args.plot)

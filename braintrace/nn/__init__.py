@@ -58,13 +58,18 @@ A LIF layer driven by a trainable matmul, with a trainable membrane time constan
 ...     spikes = learner(jnp.ones(3))
 >>> sorted(path for path in learner.param_states)
 [('lif', 'tau'), ('w',)]
+
+``VanillaRNNCell`` is the correctly spelt name of upstream's ``ValinaRNNCell`` (the same class):
+
+>>> braintrace.nn.VanillaRNNCell is braintrace.nn.ValinaRNNCell
+True
 """
 
-from __future__ import annotations
-
-import importlib
-import warnings
-from typing import Any
+# The namespace holds the public layers (``__all__``) and private names only: helpers are imported
+# under private aliases, and no ``from __future__`` import (it would bind ``annotations`` here).
+import importlib as _importlib
+import typing as _typing
+import warnings as _warnings
 
 from braintrace.nn._conv import Conv1d, Conv2d, Conv3d
 from braintrace.nn._embedding import Embedding
@@ -76,6 +81,9 @@ from braintrace.nn._rnn import LRUCell
 from braintrace.nn._rnn_cells import CFNCell, GRUCell, LSTMCell, MGUCell, URLSTMCell, ValinaRNNCell
 from braintrace.nn._rnn_minimal import MiniGRU, MiniLSTM, MinimalRNNCell
 from braintrace.nn._synapses import Alpha, DualExpon, Expon
+
+#: The correctly spelt name of upstream's ``ValinaRNNCell``: the same class, under either name.
+VanillaRNNCell = ValinaRNNCell
 
 __all__ = [
     "Conv1d",
@@ -90,6 +98,7 @@ __all__ = [
     "Embedding",
     "LeakyRateReadout",
     "ValinaRNNCell",
+    "VanillaRNNCell",
     "GRUCell",
     "MGUCell",
     "LSTMCell",
@@ -134,16 +143,16 @@ _MOVED_TO_BRAINSTATE = frozenset(
 )
 
 
-def _from_brainpy(name: str) -> Any:
+def _from_brainpy(name: str) -> _typing.Any:
     try:
-        module = importlib.import_module("brainpy.state")
+        module = _importlib.import_module("brainpy.state")
     except ImportError as err:
         raise AttributeError(
             f"module 'braintrace.nn' has no attribute '{name}': {name} lives in "
             f"brainpy.state.{name}, and brainpy.state cannot be imported here ({err}). Install "
             f"it with {_BRAINPY_INSTALL} and use brainpy.state.{name}."
         ) from None
-    warnings.warn(
+    _warnings.warn(
         f"braintrace.nn.{name} is deprecated. Use brainpy.state.{name} instead.",
         DeprecationWarning,
         stacklevel=3,
@@ -151,16 +160,20 @@ def _from_brainpy(name: str) -> Any:
     return getattr(module, name)
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _typing.Any:
     if name in _MOVED_TO_BRAINPY:
         return _from_brainpy(name)
     if name in _MOVED_TO_BRAINSTATE:
         import brainstate
 
-        warnings.warn(
+        _warnings.warn(
             f"braintrace.nn.{name} is deprecated. Use brainstate.nn.{name} instead.",
             DeprecationWarning,
             stacklevel=2,
         )
         return getattr(brainstate.nn, name)
     raise AttributeError(f"module 'braintrace.nn' has no attribute '{name}'")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import types
 import warnings
 
 import brainstate
@@ -13,7 +14,7 @@ import braintrace.nn as bnn
 
 EXPECTED_ALL = [
     "Conv1d", "Conv2d", "Conv3d", "Linear", "GroupedLinear", "SignedWLinear", "ScaledWSLinear",
-    "SparseLinear", "LoRA", "Embedding", "LeakyRateReadout", "ValinaRNNCell", "GRUCell",
+    "SparseLinear", "LoRA", "Embedding", "LeakyRateReadout", "ValinaRNNCell", "VanillaRNNCell", "GRUCell",
     "MGUCell", "LSTMCell", "URLSTMCell", "MinimalRNNCell", "MiniGRU", "MiniLSTM", "LRUCell",
     "CFNCell", "IF", "LIF", "ALIF", "Expon", "Alpha", "DualExpon",
 ]
@@ -34,10 +35,26 @@ BRAINSTATE_PARENTS = {
 
 
 def test_all_is_pinned() -> None:
-    # upstream's 20 names in upstream order, plus CFNCell (fixed and exported here) and the
-    # native neurons and synapse filters (0.2.4 redirected them to a module that did not exist)
+    # upstream's 20 names in upstream order, plus VanillaRNNCell (the correct spelling of
+    # ValinaRNNCell), CFNCell (fixed and exported here) and the native neurons and synapse
+    # filters (0.2.4 redirected them to a module that did not exist)
     assert bnn.__all__ == EXPECTED_ALL
     assert braintrace.nn is bnn and "nn" in braintrace.__all__
+
+
+def test_namespace_holds_no_stray_names() -> None:
+    # No imported helper (Any, annotations, importlib, warnings, ...) under a public name: every
+    # public attribute is exported, every private one is a private helper or implementation module.
+    public = {name for name in vars(bnn) if not name.startswith("_")}
+    assert public == set(EXPECTED_ALL)
+    assert dir(bnn) == sorted(EXPECTED_ALL)
+    modules = {name for name, value in vars(bnn).items() if isinstance(value, types.ModuleType)}
+    assert modules and all(name.startswith("_") for name in modules), modules
+
+
+def test_vanilla_rnn_cell_is_the_misspelt_upstream_class() -> None:
+    assert bnn.VanillaRNNCell is bnn.ValinaRNNCell
+    assert bnn.VanillaRNNCell.__name__ == "ValinaRNNCell"
 
 
 @pytest.mark.parametrize("name", EXPECTED_ALL)
@@ -55,7 +72,7 @@ def test_layers_subclass_their_brainstate_parent(name: str) -> None:
 
 
 def test_cells_are_brainstate_rnn_cells() -> None:
-    for name in ["ValinaRNNCell", "GRUCell", "MGUCell", "LSTMCell", "URLSTMCell",
+    for name in ["ValinaRNNCell", "VanillaRNNCell", "GRUCell", "MGUCell", "LSTMCell", "URLSTMCell",
                  "MinimalRNNCell", "MiniGRU", "MiniLSTM", "CFNCell"]:
         assert issubclass(getattr(bnn, name), brainstate.nn.RNNCell), name
     assert issubclass(bnn.LRUCell, brainstate.nn.Module)
