@@ -4,7 +4,7 @@ Mark the weights that should learn online with an ETP operator (``braintrace.mat
 ``braintrace.element_wise``, ...) and compile the model into an online learner.
 """
 
-from typing import TYPE_CHECKING, Any
+import typing as _std_typing
 
 from braintrace._algorithm import (
     D_RTRL,
@@ -69,7 +69,7 @@ from braintrace._op import (
 )
 from braintrace import nn
 
-if TYPE_CHECKING:
+if _std_typing.TYPE_CHECKING:
     from braintrace._legacy import (
         ConvOp,
         ElemWiseOp,
@@ -168,7 +168,7 @@ _LEGACY_NAMES = (
 )
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _std_typing.Any:
     if name in _LEGACY_NAMES:
         from braintrace._legacy._deprecation import legacy_attribute
 

@@ -55,3 +55,8 @@ def test_aliases_and_shadowing() -> None:
 def test_names_that_do_not_exist(name: str) -> None:
     with pytest.raises(AttributeError, match=f"module 'braintrace' has no attribute '{name}'"):
         getattr(braintrace, name)
+
+
+def test_the_namespace_holds_no_stray_public_names() -> None:
+    stray = [n for n in vars(braintrace) if not n.startswith("_") and n not in braintrace.__all__]
+    assert not stray, stray

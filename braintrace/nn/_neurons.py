@@ -28,6 +28,7 @@ import brainunit as u
 import jax
 
 from braintrace.nn._constants import ConstantsDynamics
+from braintrace.nn._initial import initial_state
 
 __all__ = ["IF", "LIF", "ALIF"]
 
@@ -54,7 +55,7 @@ class _SpikingNeuron(ConstantsDynamics):
         self.spk_reset = spk_reset
 
     def _init_V(self, batch_size: int | None) -> Any:
-        return braintools.init.param(self.V_initializer, self.varshape, batch_size)
+        return initial_state(self.V_initializer, self.varshape, batch_size)
 
     def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
         """Create ``V`` from ``V_initializer``: ``(batch_size, *in_size)`` or ``in_size``."""
@@ -365,7 +366,7 @@ class ALIF(_SpikingNeuron):
         self.a_initializer = a_initializer
 
     def _init_a(self, batch_size: int | None) -> Any:
-        return braintools.init.param(self.a_initializer, self.varshape, batch_size)
+        return initial_state(self.a_initializer, self.varshape, batch_size)
 
     def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
         """Create ``V`` and ``a`` from their initialisers."""

@@ -14,6 +14,7 @@ import braintools
 import brainunit as u
 
 from braintrace._op import matmul
+from braintrace.nn._initial import initial_state
 from braintrace.nn._linear import _fold_leading_axes
 
 __all__ = ["LeakyRateReadout"]
@@ -110,11 +111,11 @@ class LeakyRateReadout(brainstate.nn.Module):
 
     def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
         self.r = brainstate.HiddenState(
-            braintools.init.param(self._r_initializer, self.out_size, batch_size)
+            initial_state(self._r_initializer, self.out_size, batch_size)
         )
 
     def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
-        self.r.value = braintools.init.param(self._r_initializer, self.out_size, batch_size)
+        self.r.value = initial_state(self._r_initializer, self.out_size, batch_size)
 
     def update(self, x: Any) -> Any:
         x2, unfold = _fold_leading_axes(x)

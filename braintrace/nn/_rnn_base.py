@@ -12,6 +12,8 @@ import brainstate
 import braintools
 import brainunit as u
 
+from braintrace.nn._initial import initial_state
+
 __all__ = ["CellBase", "resolve_activation", "concat"]
 
 Activation = Callable[[Any], Any]
@@ -90,7 +92,7 @@ class CellBase(brainstate.nn.RNNCell):
         return int(self.out_size[-1])
 
     def _initial(self, batch_size: int | None) -> Any:
-        return braintools.init.param(self._state_initializer, self.out_size, batch_size)
+        return initial_state(self._state_initializer, self.out_size, batch_size)
 
     def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
         """Create the hidden states, ``(batch_size, *out_size)`` or ``out_size``."""

@@ -20,12 +20,13 @@ import brainunit as u
 import numpy as np
 
 from braintrace.nn._constants import ConstantsDynamics
+from braintrace.nn._initial import initial_state
 
 __all__ = ["Expon", "Alpha", "DualExpon"]
 
 
 def _state(init: Any, varshape: tuple[int, ...], batch_size: int | None) -> Any:
-    return braintools.init.param(init, varshape, batch_size)
+    return initial_state(init, varshape, batch_size)
 
 
 class Expon(ConstantsDynamics):
