@@ -181,7 +181,7 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
                 if key in traces:
                     raise ValueError(f"The relation {rel} has been added.")
                 extra = init_rule_kwargs(init, group=group, eqn_params=rel.eqn_params)
-                value = init(rel.x_var, rel.y_var, rel.trainable_vars, group.num_state, **extra)
+                value = init(rel.x_var, rel.y_var, rel.trainable_vars, self._trace_width(group), **extra)
                 if not isinstance(value, dict):
                     raise TypeError(
                         f"init_drtrl of {rel.primitive.name} must return a dict of traces, got "
@@ -217,6 +217,10 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
             grown = {k: v for k, v in stepped[key].items() if v.shape != st.value[k].shape}
             if grown:
                 st.value = {k: jnp.zeros(grown[k].shape, v.dtype) if k in grown else v for k, v in st.value.items()}
+
+    def _trace_width(self, group: Any) -> int:
+        """The trailing axis of a group's traces: its number of states (a wider scope widens it)."""
+        return int(group.num_state)
 
     def _get_etrace_data(self) -> dict[Any, Trace]:
         return {k: st.value for k, st in self.etrace_bwg.items()}
@@ -279,8 +283,8 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
     def _step_relation(
         self, rel: Any, group: Any, old: Trace, diag: jax.Array, x: Any, df: jax.Array, weights: Trace
     ) -> Trace:
-        num_state = group.num_state
         diag, df = rel.output_layout(group, diag), rel.output_layout(group, df)
+        num_state = diag.shape[-1]  # the trace's trailing width (see _trace_width)
         fp = self._fast_path(rel)
         if fp is not None:
             math_dtype = jnp.result_type(*[w.dtype for w in weights.values()], df.dtype)
@@ -431,7 +435,7 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
                 df_seq = rel.output_layout(group, dfs[df_key(rel, group)], lead=1)
                 old_m = {k: v.astype(df_seq.dtype) for k, v in old.items()}
                 new = fp.chunk(x_seq, df_seq, rel.output_layout(group, p_seq, lead=1),
-                               rel.output_layout(group, m_full), old_m, group.num_state)
+                               rel.output_layout(group, m_full), old_m, df_seq.shape[-1])
                 out[key] = {k: new[k].astype(old[k].dtype) for k in old}
         return out
 

@@ -204,6 +204,20 @@ class HiddenGroup(NamedTuple):
             )
         return block_diagonal_last_dim(fn, stacked, forward=forward)
 
+    def full_jacobian(self, hidden_vals: Sequence[Array], input_vals: Sequence[Array]) -> Array:
+        """The whole within-group Jacobian, ``(*varshape, S, *varshape, S)``.
+
+        ``J[p, a, q, b] = ∂h^t[p, a] / ∂h^{t-1}[q, b]``: dense, ``(P·S)²`` entries, for rules
+        whose scope reaches across positions and for checking matrix-free products against.
+        """
+
+        def fn(stacked: Array) -> Array:
+            return self.concat_hidden(self.transition(self.split_hidden(stacked), input_vals))
+
+        forward = contains_eqn(self.transition_jaxpr, lambda e: e.primitive.name == "while")
+        jacobian: Array = (jax.jacfwd if forward else jax.jacrev)(fn)(self.concat_hidden(hidden_vals))
+        return jacobian
+
     def _mixing_plan(self) -> BlockDiagonalPlan | None:
         key = id(self.transition_jaxpr)
         cached = _PLANS.get(key)

@@ -151,3 +151,23 @@ def test_group_merging_helper() -> None:
     assert sorted(map(sorted, group_merging([[1, 2], [3], [2, 4], [5, 3]]))) == [[1, 2, 4], [3, 5]]
     with pytest.raises(ValueError):
         group_merging([[1]], version=3)
+
+
+def test_full_jacobian_is_the_dense_within_group_jacobian() -> None:
+    """Its block diagonal is the per-position ``D``; off the diagonal it holds the weight mixing."""
+    cell = brainstate.nn.init_all_states(braintrace.nn.ValinaRNNCell(3, 4), batch_size=2)
+    brainstate.nn.reset_all_states(cell, batch_size=2)
+    cell.h.value = 0.3 * jnp.ones((2, 4))
+    executor = braintrace.ETraceGraphExecutor(cell, include_recurrent_mixing=True)
+    executor.compile_graph(jnp.ones((2, 3)))
+    _, _, env = executor.run_step((jnp.ones((2, 3)),), {p: st.value for p, st in executor.states.items()})
+    (group,) = executor.graph.hidden_groups
+    hidden = [env[v] for v in group.hidden_invars]
+    inputs = [env[v] for v in group.transition_jaxpr_constvars]
+    full = group.full_jacobian(hidden, inputs)
+    assert full.shape == (2, 4, 1, 2, 4, 1)
+    diag = group.diagonal_jacobian(hidden, inputs)
+    blocks = jnp.stack([jnp.stack([full[b, p, :, b, p, :] for p in range(4)]) for b in range(2)])
+    np.testing.assert_allclose(blocks, diag, rtol=1e-6)
+    assert float(jnp.abs(full[0, 0, 0, 0, 1, 0])) > 0  # mixing across positions
+    assert not np.any(np.asarray(full[0, :, :, 1]))  # no mixing across the batch
