@@ -18,8 +18,12 @@ from braintrace._algorithm import (
     OSTLFeedforward,
     OSTLRecurrent,
     PresynapticTrace,
+    RandomProjectionVjpAlgorithm,
+    SnAp,
+    UORO,
     EligibilityTrace,
     ETraceAlgorithm,
+    ETraceConfig,
     ETraceVmap,
     ETraceGraphExecutor,
     ETraceVjpAlgorithm,
@@ -150,6 +154,10 @@ __all__ = [
     "nn",
     "save_checkpoint",
     "load_checkpoint",
+    "RandomProjectionVjpAlgorithm",
+    "UORO",
+    "SnAp",
+    "ETraceConfig",
 ]
 
 # deprecated v0.1 names, served lazily by __getattr__ with a one-time DeprecationWarning

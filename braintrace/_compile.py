@@ -33,14 +33,20 @@ from braintrace._algorithm import (
     OTTT,
     EProp,
     ETraceAlgorithm,
+    ETraceConfig,
     ETraceVmap,
+    IODimVjpAlgorithm,
     OSTLFeedforward,
     OSTLRecurrent,
+    ParamDimVjpAlgorithm,
+    RandomProjectionVjpAlgorithm,
+    SnAp,
+    UORO,
     pp_prop,
 )
 from braintrace._errors import CompilationError
 
-__all__ = ["compile", "ALGORITHM_NAMES"]
+__all__ = ["compile", "ALGORITHM_NAMES", "ENGINES"]
 
 #: Case-insensitive names accepted by :func:`compile`.
 ALGORITHM_NAMES: dict[str, type[ETraceAlgorithm]] = {
@@ -55,7 +61,28 @@ ALGORITHM_NAMES: dict[str, type[ETraceAlgorithm]] = {
     "otpe": OTPE,
     "ottt": OTTT,
     "osttp": OSTTP,
+    "uoro": UORO,
+    "snap": SnAp,
 }
+
+#: The engine of each ``trace_factorization`` (an :class:`ETraceConfig` given to :func:`compile`).
+ENGINES: dict[str, type[ETraceAlgorithm]] = {
+    "per_param": ParamDimVjpAlgorithm,
+    "io_factorized": IODimVjpAlgorithm,
+    "random_projection": RandomProjectionVjpAlgorithm,
+}
+
+
+def _engine_options(config: ETraceConfig, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with ``config`` forwarded (and the IO engine's decays defaulted to the config's)."""
+    if "config" in options:
+        raise TypeError(
+            "compile: the algorithm is already an ETraceConfig; pass it once (as the algorithm, "
+            "without config=...).")
+    options = {**options, "config": config}
+    if config.is_factorized:
+        options.setdefault("decay_or_rank", config.decay)
+    return options
 
 
 def _resolve(algorithm: Any) -> type[ETraceAlgorithm]:
@@ -69,10 +96,11 @@ def _resolve(algorithm: Any) -> type[ETraceAlgorithm]:
             return ALGORITHM_NAMES[key]
         raise ValueError(
             f"compile: unknown algorithm {algorithm!r}; valid names are {sorted(ALGORITHM_NAMES)}, or "
-            f"pass an ETraceAlgorithm subclass."
+            f"pass an ETraceAlgorithm subclass or a braintrace.ETraceConfig."
         )
     raise TypeError(
-        f"compile: algorithm must be an ETraceAlgorithm subclass or its name, got {type(algorithm).__name__}."
+        f"compile: algorithm must be an ETraceAlgorithm subclass, its name or a braintrace.ETraceConfig, "
+        f"got {type(algorithm).__name__}."
     )
 
 
@@ -148,8 +176,11 @@ def compile(
     ----------
     model : brainstate.nn.Module
         The model; ``init_state(batch_size=...)`` is called on it (and its children).
-    algorithm : ETraceAlgorithm subclass or str
-        The learning rule, or its case-insensitive name (see :data:`~braintrace._compile.ALGORITHM_NAMES`).
+    algorithm : ETraceAlgorithm subclass, str or ETraceConfig
+        The learning rule, its case-insensitive name (see :data:`~braintrace._compile.ALGORITHM_NAMES`),
+        or its coordinate: a :class:`~braintrace.ETraceConfig` runs on the engine of its
+        ``trace_factorization`` (``ParamDimVjpAlgorithm``, ``IODimVjpAlgorithm``,
+        ``RandomProjectionVjpAlgorithm``), which receives it as ``config``.
     *example_inputs
         Inputs of one step (with the batch on axis 0 when batched): arrays, or
         ``jax.ShapeDtypeStruct`` shapes.
@@ -177,7 +208,7 @@ def compile(
     Raises
     ------
     TypeError, ValueError
-        For a bad ``algorithm`` or option, no example input, a ``verbose`` outside ``{0, 1, 2}``,
+        For a bad ``algorithm`` or option, a ``config=`` next to an ETraceConfig algorithm, no example input, a ``verbose`` outside ``{0, 1, 2}``,
         ``vmap=True`` without ``batch_size``, an example input whose axis 0 is not
         ``batch_size``, or a step that would change a hidden state's shape (a batched example
         compiled without ``batch_size``).
@@ -195,8 +226,16 @@ def compile(
     ...                              jnp.ones((2, 3)), batch_size=2, vmap=True)
     >>> type(vmapped).__name__, vmapped(jnp.ones((2, 3))).shape
     ('ETraceVmap', (2, 4))
+    >>> config = braintrace.ETraceConfig(trace_factorization='io_factorized', decay=(0.9, 0.5))
+    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), config, jnp.ones(3))
+    >>> type(learner).__name__, learner.decay_x, learner.decay_f
+    ('IODimVjpAlgorithm', 0.9, 0.5)
     """
-    cls = _resolve(algorithm)
+    if isinstance(algorithm, ETraceConfig):
+        options = _engine_options(algorithm, options)
+        cls = ENGINES[algorithm.trace_factorization]
+    else:
+        cls = _resolve(algorithm)
     if not example_inputs:
         raise ValueError(
             'compile: give an example input of one step, e.g. braintrace.compile(model, "D_RTRL", x0).'

@@ -29,12 +29,14 @@ EXPECTED_ALL = [
     "NotSupportedError", "CompilationError",
     "nn",
     "save_checkpoint", "load_checkpoint",
+    "RandomProjectionVjpAlgorithm", "UORO", "SnAp",
+    "ETraceConfig",
 ]
 
 
 def test_all_is_exactly_upstreams() -> None:
     assert braintrace.__all__ == EXPECTED_ALL
-    assert len(EXPECTED_ALL) == 60
+    assert len(EXPECTED_ALL) == 64
     for name in EXPECTED_ALL:
         assert hasattr(braintrace, name), name
 

@@ -6,6 +6,7 @@ rule is one module filling in the trace hooks (:mod:`.d_rtrl`, ...).
 """
 
 from braintrace._algorithm.base import EligibilityTrace, ETraceAlgorithm, ETraceVjpAlgorithm
+from braintrace._algorithm.config import ETraceConfig
 from braintrace._algorithm.d_rtrl import D_RTRL, ParamDimVjpAlgorithm
 from braintrace._algorithm.graph_executor import ETraceGraphExecutor, ETraceVjpGraphExecutor
 from braintrace._algorithm.input_data import MultiStepData, SingleStepData
@@ -18,6 +19,9 @@ from braintrace._algorithm.osttp import OSTTP
 from braintrace._algorithm.otpe import OTPE
 from braintrace._algorithm.ottt import OTTT
 from braintrace._algorithm.snn_helpers import FixedRandomFeedback, KappaFilter, PresynapticTrace
+from braintrace._algorithm.snap import SnAp
+from braintrace._algorithm.random_projection import RandomProjectionVjpAlgorithm
+from braintrace._algorithm.uoro import UORO
 
 __all__ = [
     "ETraceAlgorithm",
@@ -43,4 +47,8 @@ __all__ = [
     "PresynapticTrace",
     "SingleStepData",
     "MultiStepData",
+    "RandomProjectionVjpAlgorithm",
+    "UORO",
+    "SnAp",
+    "ETraceConfig",
 ]

@@ -29,6 +29,7 @@ import brainunit as u
 import jax
 import jax.numpy as jnp
 
+from braintrace._algorithm.config import ETraceConfig
 from braintrace._algorithm.graph_executor import ETraceGraphExecutor, ETraceVjpGraphExecutor
 from braintrace._algorithm.input_data import has_multistep_data
 from braintrace._algorithm.sequence import SequenceDriverMixin
@@ -178,6 +179,8 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
         return self._split_states()[2]
 
     _supports_scan_descent = False
+    #: The learner's coordinate among the learning rules (``None``: a rule outside that space).
+    config: ETraceConfig | None = None
 
     def compile_graph(self, *args: Any) -> None:
         """Compile the model step for example inputs and allocate the traces (once)."""
@@ -197,6 +200,13 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
                 f"{type(self).__name__} cannot learn through a descended scan; use D_RTRL, or set "
                 f"ControlFlowPolicy(scan_descent='off', scan_unroll_limit=N) with N at least the "
                 f"loop's length, so that the loop is unrolled."
+            )
+        if descended and self.config is not None and self.config.include_recurrent_mixing:
+            raise NotImplementedError(
+                f"{type(self).__name__} (recurrence_scope={self.config.recurrence_scope!r}) cannot trace "
+                f"the recurrent mixing of hidden states inside a descended scan. Use "
+                f"recurrence_scope='diagonal' (D_RTRL), or set ControlFlowPolicy(scan_descent='off', "
+                f"scan_unroll_limit=N) with N at least the loop's length, so that the loop is unrolled."
             )
         self._check_step_keeps_hidden_shapes()
         self._check_registered_rules_reachable()
@@ -453,6 +463,14 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         back-propagates through that step exactly (cross-position mixing included) before it
         meets the trace, where a single-step learner uses ``D^t``.
     control_flow : ControlFlowPolicy, optional
+    config : ETraceConfig, optional
+        The learner's coordinate, checked by :meth:`_check_config` (an engine's own); its
+        ``recurrence_scope`` decides what the compiled hidden Jacobians include.
+
+    Attributes
+    ----------
+    config : ETraceConfig or None
+        The coordinate (``None`` for a rule outside :class:`~braintrace.ETraceConfig`'s space).
 
     Examples
     --------
@@ -463,9 +481,10 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
     (True, 'multi-step')
     >>> learner(braintrace.MultiStepData(jnp.ones((5, 3)))).shape  # a window of 5 steps in one call
     (5, 4)
+    >>> learner.config
+    ETraceConfig(trace_factorization='per_param')
     """
 
-    _include_recurrent_mixing = False
     #: Single step: whether the rule's history term of a relation already holds this step's
     #: ``⟨∂L/∂h^t, x ⊗ df⟩``. The engine then leaves the weights for which that term is the whole
     #: one-step gradient (``braintrace._compiler.local_relation_weights``) out of the step's
@@ -478,14 +497,18 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         name: str | None = None,
         vjp_method: str = "single-step",
         control_flow: ControlFlowPolicy | None = None,
+        config: ETraceConfig | None = None,
     ) -> None:
         if vjp_method not in ("single-step", "multi-step"):
             raise ValueError(f"vjp_method must be 'single-step' or 'multi-step', got {vjp_method!r}.")
+        config = self._check_config(config)
         executor = ETraceVjpGraphExecutor(
-            model, vjp_method=vjp_method, include_recurrent_mixing=self._include_recurrent_mixing,
-            control_flow=control_flow,
+            model, vjp_method=vjp_method, control_flow=control_flow,
+            include_recurrent_mixing=config is not None and config.include_recurrent_mixing,
+            sparse_n=None if config is None else config.sparse_n,
         )
         super().__init__(model, executor, name=name)
+        self.config = config
         self.vjp_method = vjp_method
         self._read_past_update: frozenset[int] | None = None
         self._local_weights: LocalRelationWeights | None = None
@@ -495,6 +518,14 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         # VJP instead of being multiplied through the step's products.
         fn.defvjp(self._update_fn_fwd_primals, self._update_fn_bwd, symbolic_zeros=True)
         self._true_update_fun = fn
+
+    def _check_config(self, config: Any) -> ETraceConfig | None:
+        """The learner's coordinate given ``config`` (an engine checks it and supplies its default)."""
+        if config is not None:
+            raise TypeError(
+                f"{type(self).__name__} takes no config: it is a rule outside ETraceConfig's space. Pass "
+                f"the config to the engine of its trace_factorization (or to braintrace.compile).")
+        return None
 
     @property
     def vjp_executor(self) -> ETraceVjpGraphExecutor:

@@ -1,4 +1,9 @@
-"""``D_RTRL``: diagonal real-time recurrent learning, a per-parameter eligibility trace.
+"""``D_RTRL`` and the per-parameter trace engine ``ParamDimVjpAlgorithm``.
+
+D_RTRL (diagonal real-time recurrent learning) is the engine's default coordinate,
+``ETraceConfig()``; the engine realises every ``per_param`` coordinate (a scalar-leak or no
+recursion, coupled or SnAp scopes, EProp's filter and random feedback; see
+:class:`ParamDimVjpAlgorithm`) by substituting what the roll below reads.
 
 For every relation (ETP equation ``y = op(x, W)`` driving hidden group ``h``) and trainable key,
 the trace ``ε_W ≈ ∂h^t / ∂W`` (one entry per parameter and hidden state, see the primitive's
@@ -50,18 +55,23 @@ Examples
 from __future__ import annotations
 
 import inspect
-from typing import Any, NamedTuple, Sequence
+from typing import Any, ClassVar, NamedTuple, Sequence
 
 import brainstate
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from braintrace._algorithm.base import EligibilityTrace, ETraceVjpAlgorithm
-from braintrace._algorithm.graph_executor import detached_df_key, df_key, history_jacobian_key, trace_key
+from braintrace._algorithm.config import ETraceConfig, engine_config, recurrence, require_feedback_key
+from braintrace._algorithm.graph_executor import detached_df_key, df_key, history_jacobian_key, trace_key, widens
 from braintrace._algorithm.input_data import get_single_step_data
-from braintrace._compiler import ControlFlowPolicy
+from braintrace._algorithm.learning_signal import SignalPair, draw_feedback, feedback_signals
+from braintrace._algorithm.snn_helpers import FixedRandomFeedback
+from braintrace._compiler import DEFAULT_MAX_JACOBIAN_ELEMENTS, ControlFlowPolicy
+from braintrace._compiler.snap_pattern import gather_signal
 from braintrace._op import _registries as reg
-from braintrace._op._rule_helpers import mix_states
+from braintrace._op._rule_helpers import SPELLED_OUT_STATES, mix_states
 
 __all__ = ["ParamDimVjpAlgorithm", "D_RTRL", "init_rule_kwargs"]
 
@@ -112,8 +122,51 @@ class BackwardTrace(NamedTuple):
     read_past_update: dict[int, jax.Array] = {}
 
 
+class BackwardResidual(NamedTuple):
+    """What the per-parameter engine's backward pass receives (see :meth:`ParamDimVjpAlgorithm._solve_weight_gradients`).
+
+    Attributes
+    ----------
+    trace : BackwardTrace
+        Single step: D-RTRL's history term ``⟨Dᵀ g, ε^{t-1}⟩``; multi-step: the (filtered)
+        trace entering the window, met by the learning signal.
+    old_filter : dict or None
+        Single step, filtered, symmetric signal: ``ē^{t-1}`` (the term ``κ ⟨g, ē^{t-1}⟩``).
+    learning_trace : dict or None
+        Single step, replaced signal: ``ē^t`` (``ε^t`` unfiltered), met by the learning signal.
+    new_trace : dict or None
+        Single step, replaced signal: ``ε^t``, met by ``−g`` (removing the autodiff's same-step term).
+    """
+
+    trace: BackwardTrace
+    old_filter: dict[Any, Trace] | None = None
+    learning_trace: dict[Any, Trace] | None = None
+    new_trace: dict[Any, Trace] | None = None
+
+
 class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
-    """D-RTRL: the eligibility trace has the dimension of the parameters (see the module docstring).
+    """The per-parameter trace engine: every ``per_param`` coordinate of :class:`~braintrace.ETraceConfig`.
+
+    The trace has the dimension of the parameters (see the module docstring). The coordinate
+    decides how it is rolled and read:
+
+    * ``temporal_recursion``: the roll ``ε ← R ε + x ⊗ df`` reads ``R = D`` (``'jacobian'``,
+      D-RTRL), ``R = decay · I`` (``'scalar_leak'``) or ``R = 0`` (``'none'``);
+    * ``recurrence_scope``: what enters ``D`` — its element-wise part (``'diagonal'``), the
+      diagonal blocks of the recurrent weight mixing too (``'coupled'``, OSTLRecurrent), or each
+      position's ``n``-step neighbourhood, on traces widened to ``K·S`` (``'sparse_n'``, SnAp);
+    * ``trace_filter='kappa'``: the gradient reads the filtered trace ``ē ← κ ē + ε`` (EProp's
+      filter, advanced once per time step in the forward pass; windows then roll step by step);
+    * ``learning_signal='random_feedback'``: the relation weights meet the random projection of
+      ``∂L/∂h`` (see :mod:`braintrace._algorithm.learning_signal`) in place of their same-step term.
+
+    What a call adds to the exact one-step (single-step) or in-window (multi-step) gradient:
+
+    * single step, symmetric signal: the history ``⟨Dᵀ g, ε^{t-1}⟩``, plus ``κ ⟨g, ē^{t-1}⟩``
+      with the filter;
+    * single step, replaced signal ``s``: ``⟨s, ē^t⟩ − ⟨g, ε^t⟩ + ⟨Dᵀ g, ε^{t-1}⟩`` (the last two
+      terms remove the autodiff's ``⟨g, x ⊗ df⟩``; ``ē = ε`` without the filter);
+    * multi-step: ``⟨s, ē⟩`` at the state entering the window.
 
     Parameters
     ----------
@@ -128,6 +181,32 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
     chunked_trace : bool
         Roll multi-step windows in closed form where the kernels allow it.
     control_flow : ControlFlowPolicy, optional
+    config : ETraceConfig, optional
+        The coordinate (``trace_factorization='per_param'``); default the class's, D-RTRL's
+        ``ETraceConfig()`` here.
+    random_feedback_key : int or PRNG key, optional
+        Seed of the feedback matrices; required by ``learning_signal='random_feedback'``.
+    snap_max_jacobian_elements : int
+        Under ``recurrence_scope='sparse_n'``, the ceiling on each widened group's block Jacobian
+        ``P·(K·S)²`` (default ``2**24``).
+
+    Attributes
+    ----------
+    config : ETraceConfig
+        The coordinate.
+    kappa : float
+        The trace filter's ``κ`` (``0``: no filter).
+
+    Raises
+    ------
+    TypeError
+        For a ``config`` that is not an ETraceConfig, or a non-integer ceiling.
+    ValueError
+        For a config of another trace factorization, ``'random_feedback'`` without a key, or a
+        ceiling below 1.
+    NotImplementedError
+        For ``learning_signal='modulatory'`` or ``'bootstrapped'`` (other learners' coordinates);
+        at compile time, for a ``coupled`` or ``sparse_n`` scope over a descended scan.
 
     Examples
     --------
@@ -142,10 +221,17 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
     >>> trace, = learner.get_etrace_of(learner.param_states[('W', 'weight')]).values()
     >>> trace['weight'].shape  # one entry per parameter and hidden state
     (7, 4, 1)
+    >>> leaky = braintrace.ETraceConfig(temporal_recursion='scalar_leak', decay=0.9)
+    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), leaky, jnp.ones(3))
+    >>> type(learner).__name__, learner.config.decay
+    ('ParamDimVjpAlgorithm', 0.9)
     """
 
     _supports_scan_descent = True
     _history_holds_same_step = True
+    #: The coordinate when no ``config`` is given.
+    _default_config: ClassVar[ETraceConfig] = ETraceConfig()
+    config: ETraceConfig
 
     def __init__(
         self,
@@ -156,12 +242,41 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
         trace_dtype: Any = None,
         chunked_trace: bool = True,
         control_flow: ControlFlowPolicy | None = None,
+        config: ETraceConfig | None = None,
+        random_feedback_key: Any = None,
+        snap_max_jacobian_elements: int = DEFAULT_MAX_JACOBIAN_ELEMENTS,
     ) -> None:
-        super().__init__(model, name=name, vjp_method=vjp_method, control_flow=control_flow)
+        ceiling = _element_ceiling(snap_max_jacobian_elements, type(self).__name__)
+        super().__init__(model, name=name, vjp_method=vjp_method, control_flow=control_flow, config=config)
+        require_feedback_key(self.config, random_feedback_key, type(self).__name__)
         self.fast_solve = bool(fast_solve)
         self.trace_dtype = None if trace_dtype is None else jnp.dtype(trace_dtype)
         self.chunked_trace = bool(chunked_trace)
+        self.random_feedback_key = random_feedback_key
+        self.snap_max_jacobian_elements = ceiling
+        executor = self.vjp_executor
+        executor.snap_max_jacobian_elements = ceiling
+        executor.recurrence = recurrence(self.config)
+        self.kappa = 0.0 if self.config.kappa is None else self.config.kappa
+        if self.kappa > 0 or self.replaces_signal:
+            # A filtered trace or a replaced signal is not the plain ⟨∂L/∂h^t, x ⊗ df⟩ history.
+            self._history_holds_same_step = False
         self.etrace_bwg: dict[Any, EligibilityTrace] = {}
+        self._trace_filters: dict[Any, brainstate.ShortTermState] = {}
+        self._feedback_matrices: dict[int, FixedRandomFeedback] = {}
+
+    def _check_config(self, config: Any) -> ETraceConfig:
+        return engine_config(self._default_config if config is None else config, "per_param",
+                             type(self).__name__, ("symmetric", "random_feedback"))
+
+    @property
+    def replaces_signal(self) -> bool:
+        """Whether the relation weights meet a learning signal other than ``∂L/∂h`` (random feedback)."""
+        return self.config.learning_signal == "random_feedback"
+
+    def _learning_signals(self, signals: Sequence[jax.Array], args: Any) -> list[jax.Array]:
+        """The learning signal of every group, replacing ``g`` when :attr:`replaces_signal`."""
+        return feedback_signals(signals, self._feedback_matrices, self.graph, type(self).__name__)
 
     # --- trace storage --------------------------------------------------------------------
 
@@ -172,7 +287,8 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
         return None
 
     def init_etrace_state(self, *args: Any, **kwargs: Any) -> None:
-        """Allocate a zero trace per (relation, hidden group)."""
+        """Allocate a zero trace per (relation, hidden group), its filter (``κ > 0``) and the
+        random feedback matrices (``learning_signal='random_feedback'``)."""
         traces: dict[Any, EligibilityTrace] = {}
         for rel in self.graph.hidden_param_op_relations:
             init = reg.ETP_RULES_INIT_DRTRL[rel.primitive]
@@ -181,7 +297,7 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
                 if key in traces:
                     raise ValueError(f"The relation {rel} has been added.")
                 extra = init_rule_kwargs(init, group=group, eqn_params=rel.eqn_params)
-                value = init(rel.x_var, rel.y_var, rel.trainable_vars, self._trace_width(group), **extra)
+                value = init(rel.x_var, rel.y_var, rel.trainable_vars, group.trace_state_width, **extra)
                 if not isinstance(value, dict):
                     raise TypeError(
                         f"init_drtrl of {rel.primitive.name} must return a dict of traces, got "
@@ -192,6 +308,12 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
                 traces[key] = EligibilityTrace(value)
         self.etrace_bwg = traces
         self._allocate_final_shapes(*args)
+        self._trace_filters = {
+            k: brainstate.ShortTermState(jax.tree.map(jnp.zeros_like, st.value)) for k, st in traces.items()
+        } if self.kappa > 0 else {}
+        self._feedback_matrices = {}
+        if self.config.learning_signal == "random_feedback":
+            self._feedback_matrices = draw_feedback(self.graph, self.random_feedback_key)
 
     def _allocate_final_shapes(self, *args: Any) -> None:
         """Re-allocate traces that one step would broadcast to a larger shape.
@@ -218,19 +340,22 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
             if grown:
                 st.value = {k: jnp.zeros(grown[k].shape, v.dtype) if k in grown else v for k, v in st.value.items()}
 
-    def _trace_width(self, group: Any) -> int:
-        """The trailing axis of a group's traces: its number of states (a wider scope widens it)."""
-        return int(group.num_state)
+    def _get_etrace_data(self) -> Any:
+        eps = {k: st.value for k, st in self.etrace_bwg.items()}
+        if not self._trace_filters:
+            return eps
+        return {"eps": eps, "filt": {k: st.value for k, st in self._trace_filters.items()}}
 
-    def _get_etrace_data(self) -> dict[Any, Trace]:
-        return {k: st.value for k, st in self.etrace_bwg.items()}
-
-    def _assign_etrace_data(self, etrace_vals: dict[Any, Trace]) -> None:
-        for k, v in etrace_vals.items():
+    def _assign_etrace_data(self, etrace_vals: Any) -> None:
+        eps = etrace_vals["eps"] if self._trace_filters else etrace_vals
+        for k, v in eps.items():
             self.etrace_bwg[k].value = v
+        if self._trace_filters:
+            for k, v in etrace_vals["filt"].items():
+                self._trace_filters[k].value = v
 
     def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
-        """Zero every trace and the step counter (model states are not touched).
+        """Zero every trace (and its filter) and the step counter (model states are not touched).
 
         With ``batch_size``, every trace that leads with the batch axis of its hidden group gets
         that leading size (see :meth:`HiddenParamOpRelation.traces_lead_with_batch`); the others
@@ -248,6 +373,8 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
                 return jnp.zeros(shape, v.dtype)
 
             st.value = jax.tree.map(zeros, st.value)
+        for key, st in self._trace_filters.items():
+            st.value = jax.tree.map(jnp.zeros_like, self.etrace_bwg[key].value)
 
     def get_etrace_of(self, weight: Any) -> dict[Any, Trace]:
         """The traces of every relation that has ``weight`` (a ``ParamState`` or its path) as a key.
@@ -284,7 +411,7 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
         self, rel: Any, group: Any, old: Trace, diag: jax.Array, x: Any, df: jax.Array, weights: Trace
     ) -> Trace:
         diag, df = rel.output_layout(group, diag), rel.output_layout(group, df)
-        num_state = diag.shape[-1]  # the trace's trailing width (see _trace_width)
+        num_state = diag.shape[-1]  # the trace's trailing width (HiddenGroup.trace_state_width)
         fp = self._fast_path(rel)
         if fp is not None:
             math_dtype = jnp.result_type(*[w.dtype for w in weights.values()], df.dtype)
@@ -298,7 +425,24 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
 
     @staticmethod
     def _general_recurrent(rel: Any, diag: jax.Array, old: Trace, num_state: int) -> Trace:
+        """``new[..., a] = Σ_c dt_to_t(D[..., a, c], old[..., c])``.
+
+        Up to ``SPELLED_OUT_STATES`` states the ``S²`` terms are written out (they fuse with the
+        surrounding work); wider traces (SnAp's ``K·S``) map the rule over both axes instead,
+        so compile time does not grow with ``S²``.
+        """
         dt_to_t = reg.ETP_RULES_DT_TO_T[rel.primitive]
+        if num_state > SPELLED_OUT_STATES:
+            def over_c(d: jax.Array, o: Trace) -> Trace:
+                out: Trace = dt_to_t(d, o, **rel.eqn_params)
+                return out
+
+            def row(d_a: jax.Array) -> Trace:
+                terms = jax.vmap(over_c, in_axes=(-1, -1), out_axes=-1)(d_a, old)
+                return {k: v.sum(-1) for k, v in terms.items()}
+
+            out: Trace = jax.vmap(row, in_axes=-2, out_axes=-1)(diag)
+            return out
         rows = []
         for a in range(num_state):
             terms = [
@@ -382,12 +526,24 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
     def _update_etrace_data(
         self, running_index: Any, etrace_vals_util_t_1: Any, hid2weight_jac_single_or_multi_times: Any,
         hid2hid_jac_single_or_multi_times: Any, weight_vals: Any, input_is_multi_step: bool,
-    ) -> dict[Any, Trace]:
+    ) -> Any:
         xs, dfs = hid2weight_jac_single_or_multi_times
         Ds = hid2hid_jac_single_or_multi_times
+        if self._trace_filters:
+            if input_is_multi_step:
+                return jax.lax.scan(self._make_etrace_stepper(weight_vals), etrace_vals_util_t_1, (xs, dfs, Ds))[0]
+            return self._filtered_step(etrace_vals_util_t_1, xs, dfs, Ds, weight_vals)
         if not input_is_multi_step:
             return self._step_all(etrace_vals_util_t_1, xs, dfs, Ds, weight_vals)
         return self._roll_window(etrace_vals_util_t_1, xs, dfs, Ds, weight_vals)
+
+    def _filtered_step(self, etrace: Any, xs: Any, dfs: Any, Ds: Any, weight_vals: Any) -> Any:
+        """One step of the traces and their filters, ``ē ← κ ē + ε`` (each state channel apart)."""
+        eps = self._step_all(etrace["eps"], xs, dfs, Ds, weight_vals)
+        kappa = self.kappa
+        filt = {k: jax.tree.map(lambda f, e: (kappa * f + e).astype(f.dtype), etrace["filt"][k], eps[k])
+                for k in etrace["filt"]}
+        return {"eps": eps, "filt": filt}
 
     def _roll_window(self, etrace: dict[Any, Trace], xs: Any, dfs: Any, Ds: Any, weight_vals: Any) -> dict[Any, Trace]:
         """Roll the trace over a window of stacked Jacobians (closed form where possible)."""
@@ -440,18 +596,33 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
         return out
 
     def _make_etrace_stepper(self, weight_vals: Any) -> Any:
-        if self.chunked_trace:
+        # The filter needs every step's trace, so filtered windows always roll step by step.
+        if self.chunked_trace and not self._trace_filters:
             return None
+        step = self._filtered_step if self._trace_filters else self._step_all
 
-        def stepper(carry: dict[Any, Trace], jac: Any) -> tuple[dict[Any, Trace], None]:
+        def stepper(carry: Any, jac: Any) -> tuple[Any, None]:
             xs, dfs, Ds = jac
-            return self._step_all(carry, xs, dfs, Ds, weight_vals), None
+            return step(carry, xs, dfs, Ds, weight_vals), None
 
         return stepper
 
     # --- the gradient ---------------------------------------------------------------------
 
     def _trace_for_backward(self, old_etrace: Any, new_etrace: Any, jac: Any, single_step: bool) -> Any:
+        # Only what the configured terms read is kept (see BackwardResidual).
+        filtered = bool(self._trace_filters)
+        if not single_step:  # the trace term of the state entering the window
+            return BackwardResidual(BackwardTrace(old_etrace["filt"] if filtered else old_etrace, None))
+        old_eps = old_etrace["eps"] if filtered else old_etrace
+        new_eps = new_etrace["eps"] if filtered else new_etrace
+        history = self._history_trace(old_eps, new_eps, jac)
+        if not self.replaces_signal:
+            return BackwardResidual(history, old_filter=old_etrace["filt"] if filtered else None)
+        return BackwardResidual(history, learning_trace=new_etrace["filt"] if filtered else new_eps,
+                                new_trace=new_eps)
+
+    def _history_trace(self, old_etrace: Any, new_etrace: Any, jac: Any) -> BackwardTrace:
         # Single step: the one-step autodiff gradient already holds the instantaneous term, so
         # the trace contributes its history ⟨g, D ε^{t-1}⟩. Where the trace was rolled with that
         # same D by a fast path, D ε^{t-1} is ε^t − x ⊗ df: reading the new trace leaves the old
@@ -459,8 +630,6 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
         # Elsewhere the history is ⟨Dᵀ g, ε^{t-1}⟩, with the history Jacobian (a descended group's
         # substep product; the partial Jacobian of a group whose members read each other's new
         # values).
-        if not single_step:
-            return BackwardTrace(old_etrace, None)
         (xs, dfs), Ds = jac
         history = self._history_jacobians(Ds, dfs)
         through_while = self._through_while(jac[0])
@@ -502,13 +671,55 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
         read_past = self._groups_read_past_update()
         if not read_past:
             return trace_for_bwd
-        return BackwardTrace(*trace_for_bwd)._replace(read_past_update={i: previous[i] for i in read_past})
+        previous = self._gathered(previous)
+        residual = BackwardResidual(*trace_for_bwd)
+        history = residual.trace._replace(read_past_update={i: previous[i] for i in read_past})
+        return residual._replace(trace=history)
+
+    def _gathered(self, signals: Sequence[Any]) -> list[Any]:
+        """Per group, the signal on the trace's slots: SnAp-widened groups gather each slot's
+        ``∂L/∂h[nbr[p, k], a]``; the others keep theirs."""
+        out = list(signals)
+        for group in self.graph.hidden_groups:
+            if group.snap is not None and widens(group):
+                out[group.index] = gather_signal(out[group.index], group.snap)
+        return out
+
+    def _compute_learning_signal(self, dl_to_hidden_from_autodiff: list[Any], args: Any) -> list[Any]:
+        signals = self._gathered(dl_to_hidden_from_autodiff)
+        if not self.replaces_signal:
+            return signals
+        learning = self._gathered(self._learning_signals(dl_to_hidden_from_autodiff, args))
+        return [SignalPair(g, s) for g, s in zip(signals, learning)]
 
     def _solve_weight_gradients(
         self, running_index: Any, etrace_h2w_at_t: Any, dl_to_hidden_groups: Sequence[Any],
         weight_vals: dict[Path, Any], dl_to_nonetws_at_t: dict[Path, Any], dl_to_etws_at_t: dict[Path, Any],
     ) -> dict[Path, Any]:
-        etrace, Ds, through_while, instant, read_past = BackwardTrace(*etrace_h2w_at_t)
+        residual = BackwardResidual(*etrace_h2w_at_t)
+        if self.replaces_signal:
+            g = [p.autodiff for p in dl_to_hidden_groups]
+            s = [p.learning for p in dl_to_hidden_groups]
+        else:
+            g = s = list(dl_to_hidden_groups)
+        if not self.vjp_executor.is_single_step_vjp:  # multi-step: ⟨s, (filtered) entering trace⟩
+            return self._solve_traces(residual.trace, s, weight_vals, dl_to_etws_at_t)
+        grads = self._solve_traces(residual.trace, g, weight_vals, dl_to_etws_at_t)  # ⟨Dᵀ g, ε^{t-1}⟩
+        if residual.old_filter is not None:  # + κ ⟨g, ē^{t-1}⟩
+            kappa_g = [self.kappa * x for x in g]
+            grads = self._solve_traces(BackwardTrace(residual.old_filter, None), kappa_g, weight_vals, grads)
+        if residual.learning_trace is not None and residual.new_trace is not None:
+            # Swap the same-step relation path: + ⟨s, ē^t⟩ − ⟨g, ε^t⟩.
+            grads = self._solve_traces(BackwardTrace(residual.learning_trace, None), s, weight_vals, grads)
+            grads = self._solve_traces(BackwardTrace(residual.new_trace, None), [-x for x in g], weight_vals, grads)
+        return grads
+
+    def _solve_traces(
+        self, backward: BackwardTrace, dl_to_hidden_groups: Sequence[Any], weight_vals: dict[Path, Any],
+        dl_to_etws_at_t: dict[Path, Any],
+    ) -> dict[Path, Any]:
+        """``dl_to_etws_at_t`` plus the contraction of the signals with ``backward``'s traces."""
+        etrace, Ds, through_while, instant, read_past = backward
         grads = dict(dl_to_etws_at_t)
         local_keys = self._local_relation_weights().keys
         for index, rel in enumerate(self.graph.hidden_param_op_relations):
@@ -582,6 +793,15 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
         return solve(signal, trace)
 
 
+def _element_ceiling(value: Any, learner: str) -> int:
+    """``snap_max_jacobian_elements`` as a positive int."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{learner}: snap_max_jacobian_elements must be an int (a count of elements), got {value!r}.")
+    if value < 1:
+        raise ValueError(f"{learner}: snap_max_jacobian_elements must be >= 1, got {value}.")
+    return int(value)
+
+
 def suffix_products(Ds: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``P_s = D_{T-1}…D_{s+1}`` (``P_{T-1} = I``) and ``M = D_{T-1}…D_0`` for stacked ``D``.
 
@@ -628,6 +848,12 @@ class D_RTRL(ParamDimVjpAlgorithm):
     chunked_trace : bool
         Roll multi-step windows in closed form where the kernels allow it.
     control_flow : ControlFlowPolicy, optional
+    config : ETraceConfig, optional
+        The coordinate (default ``ETraceConfig()``; see :class:`ParamDimVjpAlgorithm`).
+    random_feedback_key : int or PRNG key, optional
+        Required by ``learning_signal='random_feedback'``.
+    snap_max_jacobian_elements : int
+        The SnAp ceiling of ``recurrence_scope='sparse_n'``.
 
     Examples
     --------
@@ -637,5 +863,7 @@ class D_RTRL(ParamDimVjpAlgorithm):
     >>> {path: g['weight'].shape for path, g in grads.items()}
     {('W', 'weight'): (7, 4)}
     >>> issubclass(braintrace.D_RTRL, braintrace.ParamDimVjpAlgorithm)
+    True
+    >>> learner.config == braintrace.ETraceConfig()
     True
     """

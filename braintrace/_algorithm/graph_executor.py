@@ -5,6 +5,11 @@ equation and ``df`` (the Jacobian of the ``y -> h`` tail applied to ``ones_like(
 every hidden group the per-position hidden Jacobian ``D``. With :class:`MultiStepData` input it
 runs the steps in one ``lax.scan``, stacking those values (or rolling a trace inside the scan).
 
+A learner that differentiates the step's transitions itself (UORO: ``D_full · s̃`` as a JVP,
+``νᵀ ∂h/∂y`` as a VJP) sets :attr:`ETraceGraphExecutor.transition_points`: every group's slot
+then holds the step's :class:`TransitionPoint` instead of ``D``, every relation's ``df`` slot
+its :class:`TailPoint`, and no Jacobian is extracted.
+
 Examples
 --------
 >>> import brainstate, jax.numpy as jnp, braintrace
@@ -25,13 +30,15 @@ Array([0.5, 0.5], dtype=float32)
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import brainstate
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import DropVar, JaxprEqn, Literal, Var
 
+from braintrace._algorithm.config import Recurrence
 from braintrace._algorithm.input_data import (
     get_single_step_data,
     merge_data,
@@ -47,16 +54,60 @@ from braintrace._compiler import (
 )
 from braintrace._compiler.control_flow_policy import resolve_policy
 from braintrace._compiler.jaxpr_graph import contains_eqn
+from braintrace._compiler.position_dependence import tail_reach
+from braintrace._compiler.snap_pattern import (
+    DEFAULT_MAX_JACOBIAN_ELEMENTS,
+    SnapPattern,
+    pad_states,
+    widened_tail_jacobian,
+)
 from braintrace._op._registries import get_y_outvar_index, has_library_rules, is_etp_primitive
 
 __all__ = [
-    "ETraceGraphExecutor", "ETraceVjpGraphExecutor", "StepJacobians", "df_key", "detached_df_key", "trace_key",
-    "history_jacobian_key",
+    "ETraceGraphExecutor", "ETraceVjpGraphExecutor", "StepJacobians", "TransitionPoint", "TailPoint", "df_key",
+    "detached_df_key", "trace_key", "history_jacobian_key", "widens",
 ]
 
 Path = tuple[Any, ...]
-#: ``(xs, dfs)`` and the list of per-group ``D``.
+#: ``(xs, dfs)`` and the list of per-group ``D`` (or :class:`TransitionPoint`, see
+#: :attr:`ETraceGraphExecutor.transition_points`).
 StepJacobians = tuple[tuple[dict[int, Any], dict[Any, Any]], list[Any]]
+
+
+class TransitionPoint(NamedTuple):
+    """Where one step evaluated a hidden group's transition ``h^{t-1} -> h^t``.
+
+    ``group.transition(hidden, inputs)`` is the step's ``h^t``; a JVP of it in ``hidden``
+    applies the whole within-group Jacobian to a tangent without materialising it.
+
+    Attributes
+    ----------
+    hidden : list
+        ``h^{t-1}`` of every member (``group.hidden_invars`` order).
+    inputs : list
+        The transition's other inputs (``group.transition_jaxpr_constvars`` order).
+    """
+
+    hidden: list[Any]
+    inputs: list[Any]
+
+
+class TailPoint(NamedTuple):
+    """Where one step evaluated a relation's ``y -> h`` tail for one group.
+
+    ``eval_jaxpr(tail, consts, y)`` is the group's members at ``t``, with the tail's other
+    inputs held at the step's values.
+
+    Attributes
+    ----------
+    y : array
+        The relation's output ``y``.
+    consts : list
+        The tail's other inputs (its jaxpr's constvars, in order).
+    """
+
+    y: Any
+    consts: list[Any]
 
 
 def df_key(relation: Any, group: Any) -> tuple[int, str]:
@@ -87,6 +138,17 @@ class ETraceGraphExecutor:
         Compile hidden groups with weight mixing traced into the transitions.
     control_flow : ControlFlowPolicy, optional
 
+    Attributes
+    ----------
+    transition_points : bool
+        When set (by a learner), :meth:`extract_jacobians` hands over each group's
+        :class:`TransitionPoint` in place of its ``D``, each relation's :class:`TailPoint` in
+        place of its ``df``, and extracts no Jacobian.
+    include_weight_to_weight : bool
+        When set (by a learner, before :meth:`compile_graph`), ``y -> h`` tails may cross other
+        trainable ETP operations (see :func:`~braintrace.compile_etrace_graph`).
+        Groups inside a descended scan have no single transition point; such learners refuse them.
+
     Examples
     --------
     >>> import brainstate, jax.numpy as jnp, braintrace
@@ -108,6 +170,8 @@ class ETraceGraphExecutor:
         self.model = model
         self.include_recurrent_mixing = include_recurrent_mixing
         self.control_flow = resolve_policy(control_flow)
+        self.transition_points = False
+        self.include_weight_to_weight = False
         self._graph: ETraceGraph | None = None
         self._state_id_to_path: dict[int, Path] | None = None
         self._out_treedef: Any = None
@@ -143,7 +207,8 @@ class ETraceGraphExecutor:
         args = get_single_step_data(*args)
         self._graph = compile_etrace_graph(
             self.model, *args, include_recurrent_mixing=self.include_recurrent_mixing,
-            control_flow=self.control_flow, **self._compile_kwargs(),
+            include_weight_to_weight=self.include_weight_to_weight, control_flow=self.control_flow,
+            **self._compile_kwargs(),
         )
         self._state_id_to_path = None
         self._ruled_outputs = {
@@ -224,7 +289,11 @@ class ETraceGraphExecutor:
         return out, new_vals, env
 
     def extract_jacobians(self, env: dict[Var, Any]) -> StepJacobians:
-        """``((xs, dfs), Ds)`` of one step from its variable values (all ``stop_gradient``-ed)."""
+        """``((xs, dfs), Ds)`` of one step from its variable values (all ``stop_gradient``-ed).
+
+        With :attr:`transition_points`, ``Ds`` holds each group's :class:`TransitionPoint` and
+        ``dfs`` each relation's :class:`TailPoint`.
+        """
         graph = self.graph
         xs: dict[int, Any] = {}
         dfs: dict[Any, Any] = {}
@@ -238,6 +307,9 @@ class ETraceGraphExecutor:
             for i, group in enumerate(rel.hidden_groups):
                 tail = rel.y_to_hidden_group_jaxprs[i]
                 consts = [env[v] for v in tail.constvars]
+                if self.transition_points:
+                    dfs[df_key(rel, group)] = TailPoint(y, consts)
+                    continue
 
                 def fn(y: Any, tail: Any = tail, consts: Any = consts, group: Any = group) -> Any:
                     return group.concat_hidden(jax.core.eval_jaxpr(tail, consts, y))
@@ -246,6 +318,8 @@ class ETraceGraphExecutor:
                 if contains_eqn(tail, lambda e: e.primitive.name == "while"):
                     dfs[detached_df_key(rel, group)] = dfs[df_key(rel, group)] - _df_around_whiles(
                         tail, consts, y, group)
+        if self.transition_points:
+            return jax.lax.stop_gradient(((xs, dfs), _transition_points(graph.hidden_groups, env)))
         Ds = [
             _descended_group_jacobian(group, env) if group.descent is not None else group.diagonal_jacobian(
                 [env[v] for v in group.hidden_invars], [env[v] for v in group.transition_jaxpr_constvars]
@@ -323,6 +397,20 @@ class ETraceGraphExecutor:
 
         (final_vals, final_trace), (outs, jacs) = jax.lax.scan(body, (carried, init_etrace), multi, length=length)
         return outs, {**params, **final_vals}, jacs, final_trace
+
+
+def _transition_points(groups: Sequence[Any], env: dict[Var, Any]) -> list[TransitionPoint]:
+    """Every group's :class:`TransitionPoint` in one step."""
+    points = []
+    for group in groups:
+        if group.descent is not None:
+            raise NotImplementedError(
+                f"Hidden group {group.index} ({group.hidden_paths}) lives inside a descended scan, "
+                f"which has no single transition point per step."
+            )
+        points.append(TransitionPoint([env[v] for v in group.hidden_invars],
+                                      [env[v] for v in group.transition_jaxpr_constvars]))
+    return points
 
 
 def _arg_signature(args: Sequence[Any]) -> tuple[Any, tuple[tuple[int, ...], ...]]:
@@ -418,6 +506,14 @@ def _descended_group_jacobian(group: Any, env: dict[Var, Any]) -> Any:
 class ETraceVjpGraphExecutor(ETraceGraphExecutor):
     """An executor for learners built on a custom VJP (single-step or multi-step windows).
 
+    Two axes of a learner's coordinate act here, on every step's per-group ``D`` before any
+    trace update sees it (one step, a stacked window, a per-step stepper alike):
+
+    * ``sparse_n`` (SnAp, see :mod:`braintrace._algorithm.snap`): a group with a SnAp pattern
+      hands over ``Dg`` (the within-group Jacobian gathered onto each position's neighbourhood,
+      ``(*varshape, K·S, K·S)``) and its relations' ``df`` zero-padded to ``K·S``;
+    * :attr:`recurrence` (``temporal_recursion``): ``D`` replaced by the rule's ``R``.
+
     Parameters
     ----------
     model : brainstate.nn.Module
@@ -427,6 +523,17 @@ class ETraceVjpGraphExecutor(ETraceGraphExecutor):
         differentiated exactly inside the window.
     include_recurrent_mixing : bool
     control_flow : ControlFlowPolicy, optional
+    sparse_n : int, optional
+        The SnAp order the graph is compiled with (needs ``include_recurrent_mixing``).
+    snap_max_jacobian_elements : int
+        Ceiling on a widened group's block Jacobian ``P·(K·S)²``.
+
+    Attributes
+    ----------
+    recurrence : callable or None
+        Set by a learner whose ``temporal_recursion`` is not ``'jacobian'``: ``D -> R``
+        (:class:`~braintrace._algorithm.config.Recurrence`), applied to every group's ``D`` and
+        partial history Jacobian.
 
     Examples
     --------
@@ -444,11 +551,19 @@ class ETraceVjpGraphExecutor(ETraceGraphExecutor):
         vjp_method: str = "single-step",
         include_recurrent_mixing: bool = False,
         control_flow: ControlFlowPolicy | None = None,
+        sparse_n: int | None = None,
+        snap_max_jacobian_elements: int = DEFAULT_MAX_JACOBIAN_ELEMENTS,
     ) -> None:
         if vjp_method not in ("single-step", "multi-step"):
             raise ValueError(f"vjp_method must be 'single-step' or 'multi-step', got {vjp_method!r}.")
         super().__init__(model, include_recurrent_mixing=include_recurrent_mixing, control_flow=control_flow)
         self.vjp_method = vjp_method
+        self.sparse_n = sparse_n
+        self.snap_max_jacobian_elements = snap_max_jacobian_elements
+        self.recurrence: Recurrence | None = None
+        # SnAp-n (n >= 2) gathers every y -> h tail onto the neighbourhoods, so it follows a
+        # weight that reaches the hidden states through another trainable operation.
+        self.include_weight_to_weight = sparse_n is not None and sparse_n >= 2
 
     @property
     def is_single_step_vjp(self) -> bool:
@@ -459,7 +574,75 @@ class ETraceVjpGraphExecutor(ETraceGraphExecutor):
         return self.vjp_method == "multi-step"
 
     def _compile_kwargs(self) -> dict[str, Any]:
-        return {"include_hidden_perturb": self.is_single_step_vjp}
+        kwargs: dict[str, Any] = {"include_hidden_perturb": self.is_single_step_vjp}
+        if self.sparse_n is not None:
+            kwargs.update(sparse_n=self.sparse_n, snap_max_jacobian_elements=self.snap_max_jacobian_elements)
+        return kwargs
+
+    def extract_jacobians(self, env: dict[Var, Any]) -> StepJacobians:
+        """As the base executor, with SnAp's widened ``D`` and ``df`` and the recurrence applied."""
+        jac = super().extract_jacobians(env)
+        widened = [g for g in self.graph.hidden_groups if widens(g)]
+        patterned = any(g.snap is not None for g in self.graph.hidden_groups)
+        if self.transition_points or (not patterned and self.recurrence is None):
+            return jac
+        (xs, dfs), Ds = jac
+        dfs, Ds = dict(dfs), list(Ds)
+        for group in widened:
+            hidden = [env[v] for v in group.hidden_invars]
+            inputs = [env[v] for v in group.transition_jaxpr_constvars]
+            Ds[group.index] = group.snap_jacobian(hidden, inputs)
+            if history_jacobian_key(group) in dfs:
+                dfs[history_jacobian_key(group)] = group.snap_jacobian(hidden, inputs, history=True)
+        for rel in self.graph.hidden_param_op_relations:
+            for i, group in enumerate(rel.hidden_groups):
+                if group.snap is None:
+                    continue
+                moved = _moved_tail_jacobian(rel, i, group.snap, env)
+                if moved is not None:
+                    dfs[df_key(rel, group)] = moved
+                elif widens(group):
+                    for key in (df_key(rel, group), detached_df_key(rel, group)):
+                        if key in dfs:
+                            dfs[key] = pad_states(dfs[key], group.snap.num_neighbour)
+        if self.recurrence is not None:
+            Ds = [self.recurrence(D) for D in Ds]
+            for group in self.graph.hidden_groups:
+                if history_jacobian_key(group) in dfs:
+                    dfs[history_jacobian_key(group)] = self.recurrence(dfs[history_jacobian_key(group)])
+        return jax.lax.stop_gradient(((xs, dfs), Ds))
+
+
+def _moved_tail_jacobian(rel: Any, index: int, pattern: SnapPattern, env: dict[Var, Any]) -> Any:
+    """SnAp's instantaneous term of a relation whose ``y -> h`` tail moves values between positions.
+
+    The tail's Jacobian gathered onto each position's neighbourhood
+    (:func:`~braintrace._compiler.snap_pattern.widened_tail_jacobian`), or ``None`` when the tail
+    provably keeps every value at its position (``df`` padded into slot 0 is then the same) or
+    ``y`` is not laid out over the group's positions.
+    """
+    group, tail = rel.hidden_groups[index], rel.y_to_hidden_group_jaxprs[index]
+    y = env[rel.y_var]
+    varshape = tuple(group.varshape)
+    if tuple(jnp.shape(y)) != varshape:
+        return None
+    reach = tail_reach(tail, varshape)
+    if reach is not None and all(not np.any(r & ~np.eye(len(r), dtype=bool)) for r in reach):
+        return None
+    consts = [env[v] for v in tail.constvars]
+
+    def fn(value: Any) -> Any:
+        return group.concat_hidden(jax.core.eval_jaxpr(tail, consts, value))
+
+    identity = pattern.identity_axes()
+    kept = reach is not None and all(
+        not np.any(r & ~np.eye(len(r), dtype=bool)) for r, ident in zip(reach, identity) if ident)
+    return widened_tail_jacobian(fn, y, pattern, kept)
+
+
+def widens(group: Any) -> bool:
+    """Whether a group's per-parameter traces are widened (a SnAp pattern with more than one slot)."""
+    return group.snap is not None and not group.snap.is_degenerate
 
 
 ETraceGraphExecutor.__module__ = "braintrace"

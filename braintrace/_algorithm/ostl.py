@@ -34,8 +34,9 @@ from typing import Any
 
 import brainstate
 
+from braintrace._algorithm.config import ETraceConfig
 from braintrace._algorithm.d_rtrl import ParamDimVjpAlgorithm
-from braintrace._algorithm.pp_prop import pp_prop
+from braintrace._algorithm.pp_prop import DecayOrRank, pp_prop
 
 __all__ = ["OSTLRecurrent", "OSTLFeedforward"]
 
@@ -57,6 +58,17 @@ class OSTLRecurrent(ParamDimVjpAlgorithm):
     chunked_trace : bool
         Roll multi-step windows in closed form where the kernels allow it.
     control_flow : ControlFlowPolicy, optional
+    config : ETraceConfig, optional
+        The coordinate, default ``ETraceConfig(recurrence_scope='coupled')``.
+    random_feedback_key : int or PRNG key, optional
+    snap_max_jacobian_elements : int
+        As :class:`ParamDimVjpAlgorithm`.
+
+    Raises
+    ------
+    NotImplementedError
+        At compile time, for hidden states inside a descended scan (the coupled scope cannot
+        follow the mixing there; unroll the loop or use D_RTRL).
 
     Notes
     -----
@@ -74,9 +86,11 @@ class OSTLRecurrent(ParamDimVjpAlgorithm):
     >>> grads = brainstate.transform.grad(lambda x: learner(x).sum(), learner.param_states)(jnp.ones(3))
     >>> grads[('W', 'weight')]['weight'].shape
     (7, 4)
+    >>> learner.config.recurrence_scope
+    'coupled'
     """
 
-    _include_recurrent_mixing = True
+    _default_config = ETraceConfig(recurrence_scope="coupled")
     regime = "with-H"
 
 
@@ -86,10 +100,14 @@ class OSTLFeedforward(pp_prop):
     Parameters
     ----------
     model : brainstate.nn.Module
-    decay_or_rank : float or int
-        As :class:`pp_prop` (default ``1e-6``, i.e. rank 1).
+    decay_or_rank : float, int or pair, optional
+        As :class:`pp_prop`; default ``1e-6`` (the coordinate ``('scalar_leak', 'jacobian')`` with
+        decays ``(1e-6, 1e-6)``), or the ``config``'s decays when one is given. ``0.0`` (or rank
+        ``1``) is the exact feedforward coordinate ``('none', 'none')``.
     name : str, optional
     vjp_method : {'single-step', 'multi-step'}, fast_solve : bool, control_flow : ControlFlowPolicy
+    config : ETraceConfig, optional
+    random_feedback_key : int or PRNG key, optional
         Keyword options forwarded to :class:`pp_prop`.
 
     Examples
@@ -99,13 +117,18 @@ class OSTLFeedforward(pp_prop):
     ...                              jnp.ones(3))
     >>> learner.decay, isinstance(learner, braintrace.pp_prop)
     (1e-06, True)
+    >>> braintrace.OSTLFeedforward(braintrace.nn.ValinaRNNCell(3, 4), 0.0).config.temporal_recursion
+    ('none', 'none')
     """
 
     regime = "without-H"
 
     def __init__(
-        self, model: brainstate.nn.Module, decay_or_rank: float | int = 1e-6, name: str | None = None, **kwargs: Any
+        self, model: brainstate.nn.Module, decay_or_rank: DecayOrRank | None = None, name: str | None = None,
+        **kwargs: Any,
     ) -> None:
+        if decay_or_rank is None and kwargs.get("config") is None:
+            decay_or_rank = 1e-6
         super().__init__(model, decay_or_rank, name=name, **kwargs)
 
 

@@ -44,13 +44,14 @@ import brainstate
 import jax
 import jax.numpy as jnp
 
-from braintrace._algorithm.eprop import LearningSignalDRTRL
+from braintrace._algorithm.config import ETraceConfig
+from braintrace._algorithm.d_rtrl import ParamDimVjpAlgorithm
 from braintrace._algorithm.snn_helpers import extract_y_target
 
 __all__ = ["OSTTP"]
 
 
-class OSTTP(LearningSignalDRTRL):
+class OSTTP(ParamDimVjpAlgorithm):
     """Online spatio-temporal learning with target projection (see the module docstring).
 
     Parameters
@@ -69,12 +70,24 @@ class OSTTP(LearningSignalDRTRL):
     trace_dtype : dtype, optional
     chunked_trace : bool
     control_flow : ControlFlowPolicy, optional
+    config : ETraceConfig, optional
+        The trace's coordinate (default ``ETraceConfig(recurrence_scope='coupled')``); its
+        learning signal must stay ``'symmetric'``, which the target projection replaces.
+    random_feedback_key : int or PRNG key, optional
+        Unused (the target projection is the learning signal).
+    snap_max_jacobian_elements : int
         Keyword options forwarded to :class:`ParamDimVjpAlgorithm`.
+
+    Attributes
+    ----------
+    config : ETraceConfig
+        The coordinate of the trace (OSTTP's target-projection signal has no ETraceConfig value).
 
     Raises
     ------
     ValueError
-        For an unknown ``target_timing`` or a ``B_list`` entry that is not a matrix; at
+        For an unknown ``target_timing``, a ``B_list`` entry that is not a matrix, or a config
+        with another learning signal; at
         :meth:`compile_graph`, when ``B_list`` does not fit the hidden groups (the learner
         then stays uncompiled); at a call, when a ``'per-step'`` call has no target.
 
@@ -90,7 +103,7 @@ class OSTTP(LearningSignalDRTRL):
     (7, 4)
     """
 
-    _include_recurrent_mixing = True
+    _default_config = ETraceConfig(recurrence_scope="coupled")
 
     def __init__(
         self,
@@ -118,6 +131,14 @@ class OSTTP(LearningSignalDRTRL):
         self.B_list = matrices
         self.target_timing = target_timing
         self._y_target: Any = None
+
+    def _check_config(self, config: Any) -> ETraceConfig:
+        checked = super()._check_config(config)
+        if checked.learning_signal != "symmetric":
+            raise ValueError(
+                f"OSTTP: config has learning_signal={checked.learning_signal!r}, but OSTTP's learning "
+                f"signal is the target projection of B_list; give a config with the symmetric signal.")
+        return checked
 
     @property
     def replaces_signal(self) -> bool:

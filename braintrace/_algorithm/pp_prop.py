@@ -63,26 +63,31 @@ import jax
 import jax.numpy as jnp
 
 from braintrace._algorithm.base import EligibilityTrace, ETraceVjpAlgorithm
+from braintrace._algorithm.config import ETraceConfig, engine_config, recurrence, require_feedback_key
 from braintrace._algorithm.graph_executor import df_key
+from braintrace._algorithm.learning_signal import SignalPair, draw_feedback, feedback_signals
+from braintrace._algorithm.snn_helpers import FixedRandomFeedback
 from braintrace._compiler import ControlFlowPolicy
 from braintrace._op import _registries as reg
 from braintrace._op._rule_helpers import mix_states, shape_of, sum_states
 from braintrace._op.elemwise import etp_elemwise_p
 
-__all__ = ["IODimVjpAlgorithm", "pp_prop", "ES_D_RTRL", "parse_decay_or_rank"]
+__all__ = ["IODimVjpAlgorithm", "pp_prop", "ES_D_RTRL", "parse_decay_or_rank", "parse_decay_pair"]
 
 Path = tuple[Any, ...]
+#: A decay (float in ``[0, 1)``) or a rank (int ``>= 1``), or a pair of them ``(x side, f side)``.
+DecayOrRank = float | int | tuple[float | int, float | int] | list[float | int]
 #: The traced state of the rule: ``{'xs': {x key: ε_x}, 'dfs': {df key: ε_f}, 'steps': int}``.
 IOTrace = dict[str, Any]
 
 # The step counter saturates here instead of wrapping around; α^k has long underflowed.
 _MAX_STEPS = 2**30
 
-_DECAY_OR_RANK_MSG = 'Please provide "num_rank" (int) or "decay" (float, 0 < decay < 1). '
+_DECAY_OR_RANK_MSG = 'Please provide "num_rank" (int) or "decay" (float, 0 <= decay < 1). '
 
 
 def parse_decay_or_rank(decay_or_rank: Any) -> float:
-    """The decay ``α`` given a decay (float in ``(0, 1)``) or a rank (int ``r > 0``).
+    """The decay ``α`` given a decay (float in ``[0, 1)``) or a rank (int ``r > 0``).
 
     A rank ``r`` means ``α = (r − 1) / (r + 1)``, the decay whose filter has the same mean
     memory as a window of ``r`` steps.
@@ -94,15 +99,15 @@ def parse_decay_or_rank(decay_or_rank: Any) -> float:
 
     Examples
     --------
-    >>> parse_decay_or_rank(19), parse_decay_or_rank(0.5)
-    (0.9, 0.5)
+    >>> parse_decay_or_rank(19), parse_decay_or_rank(0.5), parse_decay_or_rank(0.0)
+    (0.9, 0.5, 0.0)
     """
     # np.float64 subclasses float and bool subclasses int; np.float32 and arrays are neither.
     if isinstance(decay_or_rank, float):
-        if not 0.0 < decay_or_rank < 1.0:
+        if not 0.0 <= decay_or_rank < 1.0:
             raise ValueError(
                 f"decay_or_rank={decay_or_rank!r}: a float is the decay and must satisfy "
-                f"0 < decay < 1. Pass e.g. 0.9, or an int rank such as 19."
+                f"0 <= decay < 1. Pass e.g. 0.9, or an int rank such as 19."
             )
         return float(decay_or_rank)
     if isinstance(decay_or_rank, int):
@@ -115,15 +120,47 @@ def parse_decay_or_rank(decay_or_rank: Any) -> float:
     raise ValueError(_DECAY_OR_RANK_MSG + f"Got {decay_or_rank!r} of type {type(decay_or_rank).__name__}.")
 
 
+def parse_decay_pair(decay_or_rank: Any) -> tuple[float, float]:
+    """``(α_x, α_f)`` given one decay or rank (both sides) or a pair of them (tuple or list of 2).
+
+    Raises
+    ------
+    ValueError
+        For a pair of another length, or an entry :func:`parse_decay_or_rank` refuses.
+
+    Examples
+    --------
+    >>> parse_decay_pair(0.9), parse_decay_pair((19, 0.0))
+    ((0.9, 0.9), (0.9, 0.0))
+    """
+    if isinstance(decay_or_rank, (tuple, list)):
+        if len(decay_or_rank) != 2:
+            raise ValueError(
+                f"decay_or_rank={decay_or_rank!r}: a pair is (x side, f side), two entries; got "
+                f"{len(decay_or_rank)}.")
+        return parse_decay_or_rank(decay_or_rank[0]), parse_decay_or_rank(decay_or_rank[1])
+    decay = parse_decay_or_rank(decay_or_rank)
+    return decay, decay
+
+
 class IODimVjpAlgorithm(ETraceVjpAlgorithm):
-    """The IO-dim eligibility-trace learner (see the module docstring).
+    """The IO-dim eligibility-trace learner: every ``io_factorized`` coordinate of
+    :class:`~braintrace.ETraceConfig` (see the module docstring).
+
+    The two factors have their own decays, ``ε_x ← α_x ε_x + x̃`` and
+    ``ε_f ← α_f (R ε_f) + (1 − α_f) df``, where ``R`` is what the f side's recursion reads:
+    ``D`` (``'jacobian'``), ``I`` (``'scalar_leak'``: the leak is ``α_f``) or ``0`` (``'none'``,
+    whose decay is 0). ``learning_signal='random_feedback'`` projects ``∂L/∂h`` as
+    :class:`ParamDimVjpAlgorithm` does; the estimate then meets the projected signal and the
+    same-step term removed is the autodiff's.
 
     Parameters
     ----------
     model : brainstate.nn.Module
-    decay_or_rank : float or int
-        The filter decay ``α`` (a float, ``0 < α < 1``) or a rank ``r`` (an int ``> 0``,
-        ``α = (r − 1) / (r + 1)``).
+    decay_or_rank : float, int or pair
+        The filter decay ``α`` (a float, ``0 <= α < 1``) or a rank ``r`` (an int ``> 0``,
+        ``α = (r − 1) / (r + 1)``), for both factors, or a pair ``(x side, f side)`` of them.
+        With a ``config`` it may be ``None`` (the config's decays); if given it must agree.
     name : str, optional
     vjp_method : {'single-step', 'multi-step'}
     fast_solve : bool
@@ -131,17 +168,36 @@ class IODimVjpAlgorithm(ETraceVjpAlgorithm):
         states of the group) instead of one call per state; the results agree.
     control_flow : ControlFlowPolicy, optional
         Forwarded to the compiler. Descended scans are not supported (use D_RTRL there).
+    config : ETraceConfig, optional
+        The coordinate (``trace_factorization='io_factorized'``), authoritative when given;
+        default ``ETraceConfig(trace_factorization='io_factorized', decay=(α_x, α_f))``.
+    random_feedback_key : int or PRNG key, optional
+        Seed of the feedback matrices; required by ``learning_signal='random_feedback'``.
 
     Attributes
     ----------
+    config : ETraceConfig
+        The coordinate.
+    decay_x, decay_f : float
+        The decays of the input and output factors.
     decay : float
-        The filter decay, read at each (re)trace of a call.
+        The decay both factors share (read-only; ``AttributeError`` when they differ).
     etrace_xs : dict
         ``{id(x_var): EligibilityTrace}``, the input traces.
     etrace_dfs : dict
         ``{(id(y_var), 'hidden_group_i'): EligibilityTrace}``, the output traces.
     trace_steps : brainstate.LongTermState
         Time steps absorbed by the traces since the last reset (drives the bias correction).
+
+    Raises
+    ------
+    ValueError
+        For a bad ``decay_or_rank``, one that disagrees with the config's decays, a config of
+        another trace factorization, or ``'random_feedback'`` without a key.
+    TypeError
+        For a ``config`` that is not an ETraceConfig.
+    NotImplementedError
+        For ``learning_signal='modulatory'`` or ``'bootstrapped'`` (other learners' coordinates).
 
     Examples
     --------
@@ -153,29 +209,69 @@ class IODimVjpAlgorithm(ETraceVjpAlgorithm):
     >>> x_traces, f_traces = learner.get_etrace_of(learner.param_states[('W', 'weight')])
     >>> [v.shape for v in x_traces.values()], [v.shape for v in f_traces.values()]  # O(|x| + |y|)
     ([(7,)], [(4, 1)])
+    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.IODimVjpAlgorithm,
+    ...                              jnp.ones(3), decay_or_rank=(0.9, 0.0))
+    >>> learner.decay_x, learner.decay_f, learner.config.temporal_recursion
+    (0.9, 0.0, ('scalar_leak', 'none'))
     """
 
     _supports_scan_descent = False
     _history_holds_same_step = True
+    config: ETraceConfig
 
     def __init__(
         self,
         model: brainstate.nn.Module,
-        decay_or_rank: float | int,
+        decay_or_rank: DecayOrRank | None,
         name: str | None = None,
         vjp_method: str = "single-step",
         fast_solve: bool = True,
         control_flow: ControlFlowPolicy | None = None,
+        config: ETraceConfig | None = None,
+        random_feedback_key: Any = None,
     ) -> None:
-        decay = parse_decay_or_rank(decay_or_rank)
-        super().__init__(model, name=name, vjp_method=vjp_method, control_flow=control_flow)
-        self.decay = decay
+        if config is None:
+            config = ETraceConfig(trace_factorization="io_factorized", decay=parse_decay_pair(decay_or_rank))
+        else:
+            config = self._check_config(config)
+            if decay_or_rank is not None and parse_decay_pair(decay_or_rank) != (config.decay_x, config.decay_f):
+                raise ValueError(
+                    f"{type(self).__name__}: decay_or_rank={decay_or_rank!r} disagrees with the config's "
+                    f"decays ({config.decay_x}, {config.decay_f}); the config is authoritative, so pass "
+                    f"decay_or_rank=None (or the same decays).")
+        require_feedback_key(config, random_feedback_key, type(self).__name__)
+        super().__init__(model, name=name, vjp_method=vjp_method, control_flow=control_flow, config=config)
+        self.vjp_executor.recurrence = recurrence(config)
+        self.random_feedback_key = random_feedback_key
+        self._feedback_matrices: dict[int, FixedRandomFeedback] = {}
         self.fast_solve = bool(fast_solve)
         self.etrace_xs: dict[int, EligibilityTrace] = {}
         self.etrace_dfs: dict[tuple[int, str], EligibilityTrace] = {}
         self.trace_steps = brainstate.LongTermState(jnp.asarray(0, dtype=jnp.int32))
         # Per x key: the primitive's pp_x_repr rule (or None) and the weight avals it reads.
         self._x_reprs: dict[int, tuple[Any, dict[str, Any]]] = {}
+
+    def _check_config(self, config: Any) -> ETraceConfig:
+        return engine_config(config, "io_factorized", type(self).__name__, ("symmetric", "random_feedback"))
+
+    @property
+    def decay_x(self) -> float:
+        """``α_x``, the decay of the input traces."""
+        return self.config.decay_x
+
+    @property
+    def decay_f(self) -> float:
+        """``α_f``, the decay of the output traces (and of their bias correction)."""
+        return self.config.decay_f
+
+    @property
+    def decay(self) -> float:
+        """The decay both factors share."""
+        if self.decay_x != self.decay_f:
+            raise AttributeError(
+                f"{type(self).__name__}.decay: the factors have different decays (decay_x={self.decay_x}, "
+                f"decay_f={self.decay_f}); read decay_x and decay_f.")
+        return self.decay_x
 
     @property
     def num_rank(self) -> int:
@@ -185,7 +281,8 @@ class IODimVjpAlgorithm(ETraceVjpAlgorithm):
     # --- trace storage --------------------------------------------------------------------
 
     def init_etrace_state(self, *args: Any, **kwargs: Any) -> None:
-        """Allocate the zero input and output traces of every relation."""
+        """Allocate the zero input and output traces of every relation (and the random feedback
+        matrices of ``learning_signal='random_feedback'``)."""
         xs: dict[int, EligibilityTrace] = {}
         dfs: dict[tuple[int, str], EligibilityTrace] = {}
         reprs: dict[int, tuple[Any, dict[str, Any]]] = {}
@@ -198,6 +295,9 @@ class IODimVjpAlgorithm(ETraceVjpAlgorithm):
                     raise ValueError(f"The relation {rel} has been added (duplicate trace key {key}).")
                 dfs[key] = EligibilityTrace(self._init_df_trace(rel, group))
         self.etrace_xs, self.etrace_dfs, self._x_reprs = xs, dfs, reprs
+        self._feedback_matrices = {}
+        if self.config.learning_signal == "random_feedback":
+            self._feedback_matrices = draw_feedback(self.graph, self.random_feedback_key)
 
     @staticmethod
     def _init_x_trace(
@@ -350,20 +450,21 @@ class IODimVjpAlgorithm(ETraceVjpAlgorithm):
         return out
 
     def _step(self, etrace: IOTrace, xs: dict[int, Any], dfs: dict[Any, Any], Ds: Sequence[Any]) -> IOTrace:
-        alpha = self.decay
+        alpha_x, alpha = self.decay_x, self.decay_f
         if set(xs) != set(etrace["xs"]):
             raise ValueError(
                 f"pp_prop: the step's inputs {sorted(xs)} do not match the traced inputs "
                 f"{sorted(etrace['xs'])}; recompile the learner."
             )
         x_tilde = self._x_tilde(xs)
-        new_xs = {k: (alpha * v + x_tilde[k]).astype(v.dtype) for k, v in etrace["xs"].items()}
+        new_xs = {k: (alpha_x * v + x_tilde[k]).astype(v.dtype) for k, v in etrace["xs"].items()}
         new_dfs = {}
         for rel in self.graph.hidden_param_op_relations:
             for group in rel.hidden_groups:
                 key = df_key(rel, group)
                 old = etrace["dfs"][key]
                 # (1 − α) rounded like the bias correction's 1 − α^1, so they cancel at step one.
+                # Ds holds the f side's R (the executor substitutes it for D).
                 gain = 1 - jnp.asarray(alpha, old.dtype)
                 new = alpha * mix_states(Ds[group.index], old) + gain * dfs[key]
                 new_dfs[key] = new.astype(old.dtype)
@@ -406,10 +507,17 @@ class IODimVjpAlgorithm(ETraceVjpAlgorithm):
         new, instant, old, _ = trace_for_bwd
         return new, instant, old, {i: previous[i] for i in self._groups_read_past_update()}
 
+    def _compute_learning_signal(self, dl_to_hidden_from_autodiff: list[Any], args: Any) -> list[Any]:
+        if self.config.learning_signal != "random_feedback":
+            return dl_to_hidden_from_autodiff
+        learning = feedback_signals(dl_to_hidden_from_autodiff, self._feedback_matrices, self.graph,
+                                    type(self).__name__)
+        return [SignalPair(g, s) for g, s in zip(dl_to_hidden_from_autodiff, learning)]
+
     def _correction(self, steps: jax.Array, dtype: Any) -> jax.Array:
-        """``max(1 − α^k, 1e-8)`` for a trace that absorbed ``k`` steps (no gradient)."""
+        """``max(1 − α_f^k, 1e-8)`` for a trace that absorbed ``k`` steps (no gradient)."""
         # An integer power: exact repeated products, so 1 − α^1 rounds like the (1 − α) gain.
-        c = 1 - jax.lax.pow(jnp.asarray(self.decay, dtype), steps)
+        c = 1 - jax.lax.pow(jnp.asarray(self.decay_f, dtype), steps)
         return jax.lax.stop_gradient(jnp.maximum(c, jnp.asarray(1e-8, dtype)))
 
     def _solve_weight_gradients(
@@ -426,7 +534,10 @@ class IODimVjpAlgorithm(ETraceVjpAlgorithm):
             x_trace = None if rel.x_var is None else etrace["xs"][id(rel.x_var)]
             for group in rel.hidden_groups:
                 key = df_key(rel, group)
-                signal = dl_to_hidden_groups[group.index]
+                # The estimate meets the learning signal; the same-step term removed is autodiff's.
+                signal = autodiff = dl_to_hidden_groups[group.index]
+                if isinstance(signal, SignalPair):
+                    autodiff, signal = signal
                 if group.index in read_past:
                     per_key = self._history_from_entering(rel, group, entering, read_past[group.index], weights)
                     for k, dw in per_key.items():
@@ -439,7 +550,7 @@ class IODimVjpAlgorithm(ETraceVjpAlgorithm):
                 covered = local_keys.get(index, frozenset())
                 if instant is not None and set(per_key) - covered:
                     x_t = None if rel.x_var is None else instant[0][id(rel.x_var)]
-                    same = self._pull_back(rel, group, x_t, instant[1][key] * signal, weights)
+                    same = self._pull_back(rel, group, x_t, instant[1][key] * autodiff, weights)
                     per_key = {k: v if k in covered else v - same[k] for k, v in per_key.items()}
                 for k, dw in per_key.items():
                     grads = self._add_operand_gradient(grads, rel, k, dw, weight_vals)
@@ -483,14 +594,20 @@ class pp_prop(IODimVjpAlgorithm):
     Parameters
     ----------
     model : brainstate.nn.Module
-    decay_or_rank : float or int
-        The filter decay ``α`` (``0 < α < 1``) or a rank ``r > 0`` (``α = (r − 1) / (r + 1)``).
+    decay_or_rank : float, int or pair
+        The filter decay ``α`` (``0 <= α < 1``) or a rank ``r > 0`` (``α = (r − 1) / (r + 1)``),
+        or a pair ``(x side, f side)`` of them.
     name : str, optional
     vjp_method : {'single-step', 'multi-step'}
         The estimator (see :class:`~braintrace.ETraceVjpAlgorithm`).
     fast_solve : bool
         One ``xy_to_dw`` call per relation instead of one per hidden state.
     control_flow : ControlFlowPolicy, optional
+    config : ETraceConfig, optional
+        As :class:`IODimVjpAlgorithm` (default
+        ``ETraceConfig(trace_factorization='io_factorized', decay=(α, α))``).
+    random_feedback_key : int or PRNG key, optional
+        Required by ``learning_signal='random_feedback'``.
 
     Examples
     --------

@@ -26,6 +26,7 @@ from braintrace._compiler.diagnostics import (
     get_reporter,
 )
 from braintrace._compiler.graph import ETraceGraph, compile_etrace_graph
+from braintrace._compiler.snap_pattern import DEFAULT_MAX_JACOBIAN_ELEMENTS, SnapPattern
 from braintrace._compiler.hid_param_op import (
     HiddenParamOpRelation,
     find_hidden_param_op_relations_from_minfo,
@@ -52,6 +53,8 @@ __all__ = [
     "DEFAULT_CONTROL_FLOW_POLICY",
     "ETraceGraph",
     "compile_etrace_graph",
+    "DEFAULT_MAX_JACOBIAN_ELEMENTS",
+    "SnapPattern",
     "HiddenGroup",
     "find_hidden_groups_from_minfo",
     "find_hidden_groups_from_module",

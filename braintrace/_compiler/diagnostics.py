@@ -89,6 +89,13 @@ class DiagnosticKind(str, Enum):
     STATE_MISMATCH = "state_mismatch"
     WEIGHT_IN_CONTROL_FLOW = "weight_in_control_flow"
     WEIGHT_DRIVES_HIDDEN_UNTRACED = "weight_drives_hidden_untraced"
+    #: SnAp-n could not read a group's adjacency and follows every position (WARNING).
+    SNAP_PATTERN_CONSERVATIVE = "snap_pattern_conservative"
+    #: SnAp-n at n >= 2 finds no neighbour to widen onto (K = 1).
+    SNAP_PATTERN_DEGENERATE = "snap_pattern_degenerate"
+    #: A relation's y -> h tail moves values to other positions under a non-diagonal scope
+    #: (coupled, sparse_n, random projection): no scope reaches BPTT there (WARNING).
+    TAIL_RELABELS_POSITIONS = "tail_relabels_positions"
 
 
 @dataclass(frozen=True)

@@ -39,10 +39,19 @@ from braintrace._compiler.hidden_group import HiddenGroup
 from braintrace._compiler.hidden_group_discovery import find_hidden_groups_from_minfo
 from braintrace._compiler.hidden_pertubation import HiddenPerturbation, add_hidden_perturbation_from_minfo
 from braintrace._compiler.module_info import ModuleInfo, Path, extract_module_info
+from braintrace._compiler.position_dependence import warn_relabelling_tails
 from braintrace._compiler.scan_descent import ScanDescentBundle, apply_scan_descent
+from braintrace._compiler.snap_pattern import (
+    DEFAULT_MAX_JACOBIAN_ELEMENTS,
+    attach_snap_patterns,
+    check_snap_anchors,
+    tail_within_neighbourhoods,
+    check_snap_arguments,
+    reject_snap_descent,
+)
 from braintrace._compiler.untraced_weights import warn_untraced_weights
 
-__all__ = ["ETraceGraph", "compile_etrace_graph"]
+__all__ = ["ETraceGraph", "compile_etrace_graph", "DEFAULT_MAX_JACOBIAN_ELEMENTS"]
 
 
 class ETraceGraph(NamedTuple):
@@ -210,6 +219,9 @@ def compile_etrace_graph(
     include_hidden_perturb: bool = True,
     include_recurrent_mixing: bool = False,
     control_flow: ControlFlowPolicy | None = None,
+    sparse_n: int | None = None,
+    snap_max_jacobian_elements: int = DEFAULT_MAX_JACOBIAN_ELEMENTS,
+    include_weight_to_weight: bool = False,
 ) -> ETraceGraph:
     """Compile one step of ``model`` into an :class:`ETraceGraph`.
 
@@ -222,9 +234,24 @@ def compile_etrace_graph(
     include_hidden_perturb : bool
         Build the perturbed step (needed by the learners).
     include_recurrent_mixing : bool
-        Trace weight mixing into the group transitions (block-diagonal Jacobians).
+        Trace weight mixing into the group transitions (block-diagonal Jacobians). A relation
+        whose ``y -> h`` tail moves values to other positions is then reported
+        (``TAIL_RELABELS_POSITIONS``) unless the learner follows the moved influence: with
+        ``include_weight_to_weight``, UORO follows all of it and SnAp-n what its
+        neighbourhoods hold.
     control_flow : ControlFlowPolicy, optional
         Treatment of control flow inside the step.
+    sparse_n : int, optional
+        The SnAp order (needs ``include_recurrent_mixing=True``). Every relation must be
+        anchored (its primitive's ``snap_anchor``); from ``2`` on, every group a relation
+        trains gets its :class:`~braintrace._compiler.snap_pattern.SnapPattern` as
+        ``HiddenGroup.snap`` (``1`` is the coupled scope: checks only).
+    snap_max_jacobian_elements : int
+        Ceiling on a group's widened block Jacobian ``P·(K·S)²`` (default ``2**24``).
+    include_weight_to_weight : bool
+        Let ``y -> h`` tails cross other trainable ETP operations, so that a weight reaching
+        the hidden states only through another one gets a relation: for learners that follow
+        a tail's influence onto other positions (SnAp-n with ``n >= 2``, UORO).
 
     Returns
     -------
@@ -235,9 +262,11 @@ def compile_etrace_graph(
     TypeError
         If ``model`` is not a ``brainstate.nn.Module``.
     NotSupportedError
-        If the step writes a ``ParamState``, or coupled hidden states differ in shape.
+        If the step writes a ``ParamState``, coupled hidden states differ in shape, or a SnAp
+        pattern exceeds ``snap_max_jacobian_elements``.
     NotImplementedError
-        On a recursive compile, or control flow the policy rejects.
+        On a recursive compile, control flow the policy rejects, or, with ``sparse_n``, a
+        relation whose primitive is not SnAp-anchored or a descended scan.
 
     Examples
     --------
@@ -247,11 +276,14 @@ def compile_etrace_graph(
     >>> graph.hidden_groups[0].hidden_paths, graph.hidden_perturb.perturb_hidden_paths
     ([('h',)], [('h',)])
     """
+    check_snap_arguments(sparse_n, include_recurrent_mixing, snap_max_jacobian_elements)
     with _no_recursion(), diagnostic_context() as reporter:
         minfo = extract_module_info(model, *model_args, control_flow=control_flow)
         minfo, bundles = apply_scan_descent(minfo)
         descended = frozenset(b.info.scan_eqn_id for b in bundles)
         descended_paths = frozenset(p for b in bundles for g in b.groups for p in g.hidden_paths)
+        if sparse_n is not None:
+            reject_snap_descent(sparse_n, descended_paths)
         groups, hid_path_to_group = find_hidden_groups_from_minfo(
             minfo, include_recurrent_mixing=include_recurrent_mixing,
             descended_scan_eqn_ids=descended, descended_hidden_paths=descended_paths,
@@ -260,9 +292,19 @@ def compile_etrace_graph(
         for i, group in enumerate(groups):
             if group.index != i:
                 raise RuntimeError(f"Hidden group {group.index} sits at position {i}.")
-        flat = find_hidden_param_op_relations_from_minfo(minfo, hid_path_to_group, descended)
+        flat = find_hidden_param_op_relations_from_minfo(minfo, hid_path_to_group, descended, include_weight_to_weight)
         _reject_relations_into_descent(flat)
         relations = (*flat, *descended_relations)
+        if sparse_n is not None:
+            check_snap_anchors(relations, sparse_n)
+            if sparse_n >= 2:
+                relations = tuple(attach_snap_patterns(
+                    groups, hid_path_to_group, relations, sparse_n, snap_max_jacobian_elements))
+        if include_recurrent_mixing and not include_weight_to_weight:
+            warn_relabelling_tails(relations)
+        elif sparse_n is not None and sparse_n >= 2:
+            warn_relabelling_tails(relations, covered=lambda rel, group, reach: group.snap is not None
+                                   and tail_within_neighbourhoods(reach, group.snap))
         warn_untraced_weights(minfo, relations)
         minfo = minfo.add_jaxpr_outs(_hoisted_vars(minfo, groups, relations, bundles))
         perturb = add_hidden_perturbation_from_minfo(minfo, descended) if include_hidden_perturb else None

@@ -3,8 +3,14 @@
 For every ETP equation of the step, the compiler traces each trainable operand back to the
 ``ParamState`` leaf it comes from, then walks forward from the output ``y`` to the hidden
 states it drives without crossing another trainable ETP equation (the *non-parametric tail*:
-per-primitive rules cannot express ``weight -> weight -> hidden``). Each driven group gets the
+a per-position trace cannot express ``weight -> weight -> hidden``). Each driven group gets the
 ``y -> h`` tail as a small jaxpr, whose Jacobian is the ``df`` of the eligibility trace.
+
+Learners whose traces follow an influence onto other positions (SnAp-n, random projections)
+compile with ``include_weight_to_weight=True``: the walk then crosses trainable ETP equations,
+whose weights become constants of the tail, so a weight that reaches the hidden states only
+through another one (a GRU's reset gate) gets a relation too (see
+:attr:`HiddenParamOpRelation.crossed_weight_paths`).
 
 Examples
 --------
@@ -98,6 +104,9 @@ class HiddenParamOpRelation(NamedTuple):
         Per trainable key, the primitives between the state leaf and the operand.
     control_flow_context : object, optional
         Set for relations inside a descended scan.
+    crossed_weight_paths : tuple
+        The weights of the trainable ETP equations the ``y -> h`` tails cross (compiled with
+        ``include_weight_to_weight=True``); empty when the tails are non-parametric.
 
     Examples
     --------
@@ -122,6 +131,7 @@ class HiddenParamOpRelation(NamedTuple):
     trainable_param_states: dict[str, brainstate.ParamState] = {}
     trainable_processing_chains: dict[str, tuple[Any, ...]] = {}
     control_flow_context: Any = None
+    crossed_weight_paths: tuple[Path, ...] = ()
 
     @property
     def x(self) -> Var | None:
@@ -330,14 +340,17 @@ def _resolve(
     return None
 
 
-def _tail_jaxpr(graph: _Graph, y_var: Var, source: JaxprEqn, outvars: list[Any]) -> Jaxpr:
-    """``y -> outvars`` over the equations between them; everything else is a constvar."""
-    forward, _ = graph.reach(y_var, source, stop=(), restricted=True)
+def _tail_jaxpr(graph: _Graph, y_var: Var, source: JaxprEqn, outvars: list[Any], restricted: bool) -> Jaxpr:
+    """``y -> outvars`` over the equations between them; everything else is a constvar.
+
+    ``restricted``: the tail stops at trainable ETP equations (else it crosses them).
+    """
+    forward, _ = graph.reach(y_var, source, stop=(), restricted=restricted)
     downstream = set(forward)
     needed = {v for v in outvars if _is_var(v)}
     kept: list[JaxprEqn] = []
     for eqn in reversed(graph.jaxpr.eqns):
-        if eqn is source or _blocks(eqn):
+        if eqn is source or (restricted and _blocks(eqn)):
             continue
         outs = [v for v in eqn.outvars if _is_var(v)]
         if any(v in needed for v in outs) and any(_is_var(a) and a in downstream for a in eqn.invars):
@@ -359,9 +372,13 @@ def find_hidden_param_op_relations_from_jaxpr(
     weight_path_to_invars: dict[Path, list[Var]] | None = None,
     control_flow: ControlFlowPolicy = DEFAULT_CONTROL_FLOW_POLICY,
     descended_scan_eqn_ids: frozenset[int] = frozenset(),
+    include_weight_to_weight: bool = False,
     **_ignored: Any,
 ) -> tuple[HiddenParamOpRelation, ...]:
-    """The relations of a flat step jaxpr (see the module docstring)."""
+    """The relations of a flat step jaxpr (see the module docstring).
+
+    With ``include_weight_to_weight``, ``y -> h`` tails cross other trainable ETP equations.
+    """
     for path in outvar_to_hidden_path.values():
         if path not in hid_path_to_group:
             raise ValueError(f"Hidden state {path} has no hidden group; compute the groups of this jaxpr first.")
@@ -374,7 +391,7 @@ def find_hidden_param_op_relations_from_jaxpr(
     relations = []
     for eqn in _collect_etp_eqns(jaxpr, control_flow, descended_scan_eqn_ids):
         relation = _relation_of(eqn, graph, invar_to_weight_path, weight_path_to_invars, path_to_state,
-                                outvar_to_hidden_path, hid_path_to_group)
+                                outvar_to_hidden_path, hid_path_to_group, include_weight_to_weight)
         if relation is not None:
             relations.append(relation)
     return tuple(relations)
@@ -384,8 +401,10 @@ def _relation_of(
     eqn: JaxprEqn, graph: _Graph, invar_to_weight_path: dict[Var, Path],
     weight_path_to_invars: dict[Path, list[Var]], path_to_state: dict[Path, Any],
     outvar_to_hidden_path: dict[Var, Path], hid_path_to_group: dict[Path, HiddenGroup],
+    include_weight_to_weight: bool,
 ) -> HiddenParamOpRelation | None:
     prim = eqn.primitive
+    restricted = not include_weight_to_weight
     xi = get_x_invar_index(prim)
     x_atom = eqn.invars[xi] if xi is not None else None
     x_var = x_atom if isinstance(x_atom, Var) and not isinstance(x_atom, Literal) else None
@@ -410,7 +429,7 @@ def _relation_of(
              f"is left out of online learning.", primitive=prim)
         return None
     weight_path = next(iter(trainables.values())).path
-    targets, blocked = _targets(eqn, y_var, graph, outvar_to_hidden_path, hid_path_to_group)
+    targets, blocked = _targets(eqn, y_var, graph, outvar_to_hidden_path, hid_path_to_group, restricted)
     kept: dict[Var, str] = {}
     for h in targets:
         h_path = outvar_to_hidden_path[h]
@@ -431,7 +450,7 @@ def _relation_of(
         _emit_no_target(prim, weight_path, blocked, trainables)
         return None
     for h, cls in kept.items():
-        if cls == PathClassification.MIXED:
+        if cls == PathClassification.MIXED and restricted:
             emit(DiagnosticKind.RELATION_PARTIAL_PATH, DiagnosticLevel.WARNING,
                  f"The output of {prim.name} with weight {weight_path} reaches hidden state "
                  f"{outvar_to_hidden_path[h]} both directly and through another trainable ETP "
@@ -439,7 +458,8 @@ def _relation_of(
                  primitive=prim, weight_path=weight_path, hidden_paths=(outvar_to_hidden_path[h],))
     groups: list[HiddenGroup] = list({id(hid_path_to_group[outvar_to_hidden_path[h]]): hid_path_to_group[outvar_to_hidden_path[h]] for h in kept}.values())
     connected = [outvar_to_hidden_path[h] for h in kept]
-    tails = [_tail_jaxpr(graph, y_var, eqn, list(g.hidden_outvars)) for g in groups]
+    tails = [_tail_jaxpr(graph, y_var, eqn, list(g.hidden_outvars), restricted) for g in groups]
+    crossed = () if restricted else _crossed_weight_paths(tails, invar_to_weight_path, weight_path_to_invars, graph)
     relation = HiddenParamOpRelation(
         primitive=prim, x_var=x_var, y_var=y_var, hidden_groups=groups,
         y_to_hidden_group_jaxprs=tails, connected_hidden_paths=connected,
@@ -450,29 +470,49 @@ def _relation_of(
         trainable_leaf_indices={k: t.leaf_index for k, t in trainables.items()},
         trainable_param_states={k: path_to_state[t.path] for k, t in trainables.items()},
         trainable_processing_chains={k: t.chain for k, t in trainables.items()},
+        crossed_weight_paths=crossed,
     )
+    through = f", through the trainable operation(s) of {list(crossed)}" if crossed else ""
     emit(DiagnosticKind.RELATION_INCLUDED, DiagnosticLevel.INFO,
-         f"{prim.name} with weight {weight_path} learns online through hidden states {connected}.",
+         f"{prim.name} with weight {weight_path} learns online through hidden states {connected}{through}.",
          primitive=prim, weight_path=weight_path, hidden_paths=tuple(connected),
          context={"hidden_group_indices": [g.index for g in groups],
-                  "path_classification": dict(relation.path_classification)})
+                  "path_classification": dict(relation.path_classification),
+                  "crossed_weight_paths": list(crossed)})
     return relation
 
 
 def _targets(
     eqn: JaxprEqn, y_var: Var, graph: _Graph, outvar_to_hidden_path: dict[Var, Path],
-    hid_path_to_group: dict[Path, HiddenGroup],
+    hid_path_to_group: dict[Path, HiddenGroup], restricted: bool,
 ) -> tuple[list[Var], list[JaxprEqn]]:
-    """Hidden outputs ``y`` drives without crossing a trainable ETP equation."""
+    """Hidden outputs ``y`` drives (``restricted``: without crossing a trainable ETP equation)."""
     hidden = outvar_to_hidden_path
-    direct, blocked = graph.reach(y_var, eqn, stop=hidden, restricted=True)
+    direct, blocked = graph.reach(y_var, eqn, stop=hidden, restricted=restricted)
     groups = {id(hid_path_to_group[hidden[v]]) for v in direct if v in hidden}
     if not groups:
         return [], blocked
     own = {v: None for v in hidden if id(hid_path_to_group[hidden[v]]) in groups}
     other = {v: None for v in hidden if v not in own}
-    reach, _ = graph.reach(y_var, eqn, stop=other, restricted=True)
+    reach, _ = graph.reach(y_var, eqn, stop=other, restricted=restricted)
     return [v for v in reach if v in own], blocked
+
+
+def _crossed_weight_paths(
+    tails: list[Jaxpr], invar_to_weight_path: dict[Var, Path], weight_path_to_invars: dict[Path, list[Var]],
+    graph: _Graph,
+) -> tuple[Path, ...]:
+    """The ``ParamState`` paths of the trainable ETP equations inside ``tails``."""
+    paths: dict[Path, None] = {}
+    for tail in tails:
+        for inner in tail.eqns:
+            if not _blocks(inner):
+                continue
+            for index in get_trainable_invars(inner.primitive, inner.params).values():
+                found = _resolve(graph, inner.invars[index], invar_to_weight_path, weight_path_to_invars)
+                if found is not None:
+                    paths.setdefault(found.path)
+    return tuple(paths)
 
 
 def _classify(graph: _Graph, eqn: JaxprEqn, y_var: Var, h: Var) -> str:
@@ -494,7 +534,8 @@ def _classify(graph: _Graph, eqn: JaxprEqn, y_var: Var, h: Var) -> str:
     ]
     if not any(_blocks(e) for e in mid):
         return PathClassification.ALL_DIRECT
-    return PathClassification.MIXED
+    direct, _ = graph.reach(y_var, eqn, stop=(), restricted=True)
+    return PathClassification.MIXED if h in direct else PathClassification.ALL_THROUGH_OTHER_ETP
 
 
 def _emit_no_target(prim: Any, weight_path: Path, blocked: list[JaxprEqn], trainables: dict[str, _Trainable]) -> None:
@@ -517,9 +558,13 @@ def _emit_no_target(prim: Any, weight_path: Path, blocked: list[JaxprEqn], train
 
 
 def find_hidden_param_op_relations_from_minfo(
-    minfo: ModuleInfo, hid_path_to_group: dict[Path, HiddenGroup], descended_scan_eqn_ids: frozenset[int] = frozenset()
+    minfo: ModuleInfo, hid_path_to_group: dict[Path, HiddenGroup], descended_scan_eqn_ids: frozenset[int] = frozenset(),
+    include_weight_to_weight: bool = False,
 ) -> tuple[HiddenParamOpRelation, ...]:
     """The relations of a traced step, given its hidden groups.
+
+    With ``include_weight_to_weight``, ``y -> h`` tails cross other trainable ETP equations
+    (see the module docstring).
 
     Examples
     --------
@@ -536,6 +581,7 @@ def find_hidden_param_op_relations_from_minfo(
         minfo.jaxpr, invar_to_weight_path, minfo.retrieved_model_states, minfo.outvar_to_hidden_path,
         hid_path_to_group, weight_path_to_invars=minfo.weight_path_to_invars,
         control_flow=minfo.control_flow, descended_scan_eqn_ids=descended_scan_eqn_ids,
+        include_weight_to_weight=include_weight_to_weight,
     )
 
 

@@ -28,6 +28,7 @@ from jax.extend.core import Jaxpr, Var
 
 from braintrace._compiler.jaxpr_graph import contains_eqn
 from braintrace._compiler.mixing_jacobian import BlockDiagonalPlan, block_diagonal_plan, structured_block_diagonal
+from braintrace._compiler.snap_pattern import SnapPattern, widened_jacobian
 from braintrace._errors import NotSupportedError
 
 __all__ = [
@@ -126,6 +127,9 @@ class HiddenGroup(NamedTuple):
         Whether positions are independent (per-position Jacobians by one VJP per state).
     descent : object, optional
         Set when the group lives inside a descended scan.
+    snap : SnapPattern, optional
+        The SnAp-n neighbourhoods of the group, set when the graph is compiled with
+        ``sparse_n >= 2`` (see :mod:`braintrace._compiler.snap_pattern`).
 
     Examples
     --------
@@ -145,6 +149,7 @@ class HiddenGroup(NamedTuple):
     transition_jaxpr_constvars: list[Var]
     is_diagonal_recurrence: bool = True
     descent: Any = None
+    snap: SnapPattern | None = None
 
     @property
     def varshape(self) -> tuple[int, ...]:
@@ -155,6 +160,11 @@ class HiddenGroup(NamedTuple):
     def num_state(self) -> int:
         """``S``: the number of stacked member states."""
         return sum(st.num_state for st in self.hidden_states)
+
+    @property
+    def trace_state_width(self) -> int:
+        """The trailing width of a per-parameter trace of the group: ``K·S`` under SnAp, else ``S``."""
+        return self.num_state if self.snap is None else self.snap.num_neighbour * self.num_state
 
     def check_consistent_varshape(self) -> None:
         """Raise :class:`NotSupportedError` unless every member has the same ``varshape``."""
@@ -243,6 +253,15 @@ class HiddenGroup(NamedTuple):
         total ``D`` would count those paths twice; this partial Jacobian is the one to contract
         it with. It equals :meth:`diagonal_jacobian` when no member reads another's new value.
         """
+        fn = self._held_new_reads(hidden_vals, input_vals)
+        stacked = self.concat_hidden(hidden_vals)
+        forward = contains_eqn(self.transition_jaxpr, lambda e: e.primitive.name == "while")
+        if self.is_diagonal_recurrence:
+            return (jacfwd_last_dim if forward else jacrev_last_dim)(fn, stacked)
+        return block_diagonal_last_dim(fn, stacked, forward=forward)
+
+    def _held_new_reads(self, hidden_vals: Sequence[Array], input_vals: Sequence[Array]) -> Callable[[Array], Array]:
+        """The stacked transition with every in-step read of a member's new value held at its value."""
         outs = [v for v in self.hidden_outvars if isinstance(v, Var)]
         cut = {v: Var(v.aval) for v in outs}
         eqns = [e.replace(invars=[cut.get(a, a) if isinstance(a, Var) else a for a in e.invars])
@@ -256,11 +275,32 @@ class HiddenGroup(NamedTuple):
             hs = self.split_hidden(stacked)
             return self.concat_hidden(jax.core.eval_jaxpr(jaxpr, [*input_vals, *fixed], *hs))
 
-        stacked = self.concat_hidden(hidden_vals)
-        forward = contains_eqn(self.transition_jaxpr, lambda e: e.primitive.name == "while")
-        if self.is_diagonal_recurrence:
-            return (jacfwd_last_dim if forward else jacrev_last_dim)(fn, stacked)
-        return block_diagonal_last_dim(fn, stacked, forward=forward)
+        return fn
+
+    def snap_jacobian(self, hidden_vals: Sequence[Array], input_vals: Sequence[Array], history: bool = False) -> Array:
+        """The SnAp-widened Jacobian ``Dg``, ``(*varshape, K·S, K·S)`` (see :attr:`snap`).
+
+        ``Dg[p, (k, a), (k', b)] = ∂h^t[nbr[p, k], a] / ∂h^{t-1}[nbr[p, k'], b]`` over the
+        neighbourhood of ``p``, zero on padded slots; with ``history=True``, of the partial
+        Jacobian of :meth:`history_jacobian`.
+
+        Raises
+        ------
+        ValueError
+            If the group has no SnAp pattern.
+        """
+        if self.snap is None:
+            raise ValueError(f"Hidden group {self.index} has no SnAp pattern; compile with sparse_n >= 2.")
+        fn = self._held_new_reads(hidden_vals, input_vals) if history else self._stacked_transition(input_vals)
+        return widened_jacobian(fn, self.concat_hidden(hidden_vals), self.snap)
+
+    def _stacked_transition(self, input_vals: Sequence[Array]) -> Callable[[Array], Array]:
+        """The transition on the stacked group ``(*varshape, S) -> (*varshape, S)``."""
+
+        def fn(stacked: Array) -> Array:
+            return self.concat_hidden(self.transition(self.split_hidden(stacked), input_vals))
+
+        return fn
 
     def dict(self) -> dict[str, Any]:
         return self._asdict()

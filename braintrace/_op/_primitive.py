@@ -81,6 +81,8 @@ class ETPPrimitive(Primitive):
         pp_x_repr: Rule | None = None,
         instant_drtrl: Rule | None = None,
         solve_drtrl: Rule | None = None,
+        snap_anchor: Callable[[Params], bool] | None = None,
+        snap_adjacency: Rule | None = None,
     ) -> None:
         """Install several rules at once; ``None`` leaves an existing entry untouched.
 
@@ -95,6 +97,15 @@ class ETPPrimitive(Primitive):
         instant_drtrl, solve_drtrl : callable, optional
             D-RTRL overrides for primitives whose trace is not parameter-shaped, or is kept in
             the space of the transformed (hooked) parameters.
+        snap_anchor : callable, optional
+            ``snap_anchor(eqn_params) -> bool``: whether each D-RTRL trace slot of the equation
+            lands on the one hidden position it is rolled at, so that SnAp-n may widen it
+            (default: not anchored, SnAp refuses the primitive).
+        snap_adjacency : callable, optional
+            ``snap_adjacency(x_shape, y_shape, **params)``: for an operation that mixes hidden
+            positions inside a recurrent transition, per axis of ``y`` a boolean
+            ``(y axis, x axis)`` pattern (``None`` for the identity), or ``None`` when it cannot
+            describe the shapes. Without it SnAp reads the operation as all-to-all.
 
         Raises
         ------
@@ -114,6 +125,8 @@ class ETPPrimitive(Primitive):
             ("pp_x_repr", reg.ETP_RULES_PP_X_REPR, pp_x_repr),
             ("instant_drtrl", reg.ETP_RULES_INSTANT_DRTRL, instant_drtrl),
             ("solve_drtrl", reg.ETP_RULES_SOLVE_DRTRL, solve_drtrl),
+            ("snap_anchor", reg.ETP_RULES_SNAP_ANCHOR, snap_anchor),
+            ("snap_adjacency", reg.ETP_RULES_SNAP_ADJACENCY, snap_adjacency),
         )
         for name, table, fn in tables:
             if fn is not None:

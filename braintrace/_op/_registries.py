@@ -43,6 +43,8 @@ __all__ = [
     "ETP_RULES_INSTANT_DRTRL",
     "ETP_RULES_SOLVE_DRTRL",
     "ETP_FAST_PATH_RULES",
+    "ETP_RULES_SNAP_ANCHOR",
+    "ETP_RULES_SNAP_ADJACENCY",
     "BATCHED_COUNTERPARTS",
     "FastPathRules",
     "is_etp_primitive",
@@ -57,6 +59,9 @@ __all__ = [
     "get_instant_drtrl_rule",
     "get_solve_drtrl_rule",
     "get_pp_x_repr",
+    "is_snap_anchored",
+    "get_snap_adjacency_rule",
+    "snap_anchored",
     "freeze_library_rules",
     "has_library_rules",
 ]
@@ -133,6 +138,15 @@ ETP_RULES_INSTANT_DRTRL: dict[Primitive, Rule] = {}
 ETP_RULES_SOLVE_DRTRL: dict[Primitive, Rule] = {}
 #: Closed-form D-RTRL kernels, see :class:`FastPathRules`.
 ETP_FAST_PATH_RULES: dict[Primitive, FastPathRules] = {}
+#: ``snap_anchor(eqn_params) -> bool``: whether every D-RTRL trace slot of the equation lands on
+#: one hidden position (the ``y`` position it is rolled at), so SnAp-n may widen it onto that
+#: position's neighbours. Absent: not anchored (SnAp refuses the primitive).
+ETP_RULES_SNAP_ANCHOR: dict[Primitive, Callable[[Params], bool]] = {}
+#: ``snap_adjacency(x_shape, y_shape, **params) -> per-axis patterns or None``: for a primitive
+#: that mixes positions inside a recurrent transition, per axis of ``y`` a boolean
+#: ``(y axis, x axis)`` array (``[o, i]``: ``y`` at ``o`` reads ``x`` at ``i``) or ``None`` for
+#: the identity; ``None`` overall when the shapes are not ones the rule describes.
+ETP_RULES_SNAP_ADJACENCY: dict[Primitive, Rule] = {}
 #: Unbatched primitive -> the batched primitive ``vmap`` re-binds it as.
 BATCHED_COUNTERPARTS: dict[Primitive, Primitive] = {}
 
@@ -229,6 +243,29 @@ def get_instant_drtrl_rule(primitive: Primitive) -> Rule | None:
 def get_solve_drtrl_rule(primitive: Primitive) -> Rule | None:
     """The ``solve_drtrl`` override of ``primitive``, or ``None`` (see :func:`get_fast_path_rules`)."""
     return _override(ETP_RULES_SOLVE_DRTRL, primitive)
+
+
+def is_snap_anchored(primitive: Primitive, eqn_params: Params) -> bool:
+    """Whether SnAp-n may widen the traces of an equation of ``primitive`` (default ``False``).
+
+    Examples
+    --------
+    >>> from braintrace._op import etp_mm_p, etp_emb_p
+    >>> is_snap_anchored(etp_mm_p, {}), is_snap_anchored(etp_emb_p, {})
+    (True, False)
+    """
+    rule = ETP_RULES_SNAP_ANCHOR.get(primitive)
+    return bool(rule(eqn_params)) if rule is not None else False
+
+
+def get_snap_adjacency_rule(primitive: Primitive) -> Rule | None:
+    """The ``snap_adjacency`` rule of ``primitive``, or ``None`` (SnAp then reads it as all-to-all)."""
+    return ETP_RULES_SNAP_ADJACENCY.get(primitive)
+
+
+def snap_anchored(eqn_params: Params) -> bool:
+    """The ``snap_anchor`` rule of a family whose every trace slot lands on its ``y`` position."""
+    return True
 
 
 # --- whose rules are in force -------------------------------------------------------------

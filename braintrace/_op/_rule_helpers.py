@@ -36,6 +36,7 @@ __all__ = [
     "mix_states",
     "no_hooks",
     "propagate_df",
+    "SPELLED_OUT_STATES",
     "pullback",
     "sum_leading",
     "sum_over_states",
@@ -150,12 +151,18 @@ def zeros_pp(
     return jnp.zeros((*shape_of(y_var), num_hidden_state), dtype_of(y_var))
 
 
+#: The widest state axis the helpers below spell out term by term. Beyond it (a SnAp trace is
+#: ``K·S`` wide) the spelled-out program grows with the square of the width and its compile time
+#: with it, so they contract with one reduction or matrix product instead.
+SPELLED_OUT_STATES = 4
+
+
 def sum_states(x: Array) -> Array:
     """``Σ_a x[..., a]`` over the trailing (hidden-state) axis, as a sum of slices.
 
     A reduction over that small axis, fused with the products that feed it, goes to the same
     slow CPU library fusion as :func:`sum_leading` describes; slices and adds fuse as
-    element-wise work.
+    element-wise work. Axes wider than :data:`SPELLED_OUT_STATES` are reduced directly.
 
     Examples
     --------
@@ -163,6 +170,8 @@ def sum_states(x: Array) -> Array:
     >>> sum_states(jnp.arange(6.0).reshape(3, 2))
     Array([1., 5., 9.], dtype=float32)
     """
+    if x.shape[-1] > SPELLED_OUT_STATES:
+        return jnp.sum(x, axis=-1)
     return functools.reduce(operator.add, [x[..., a] for a in range(x.shape[-1])])
 
 
@@ -170,8 +179,16 @@ def sum_over_states(signal: Array, trace: Array) -> Array:
     """``Σ_a signal[..., a] * trace[..., a]`` (broadcasting) as a sum of element-wise products.
 
     A sum of products, rather than a reduction over the small trailing state axis, lets XLA fuse
-    it with neighbouring element-wise work.
+    it with neighbouring element-wise work (up to :data:`SPELLED_OUT_STATES` states).
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp
+    >>> sum_over_states(jnp.ones((2, 6)), jnp.arange(6.0))
+    Array([15., 15.], dtype=float32)
     """
+    if trace.shape[-1] > SPELLED_OUT_STATES:
+        return jnp.sum(signal * trace, axis=-1)
     terms = [signal[..., a] * trace[..., a] for a in range(trace.shape[-1])]
     return functools.reduce(operator.add, terms)
 
@@ -206,16 +223,22 @@ def mix_states(diag: Array, vec: Array) -> Array:
 
     As an einsum this contraction over the small state axis lowers to a batched matrix product
     with one tiny product per position, much slower on CPU than the element-wise products and
-    sums, which fuse into one pass over ``vec``.
+    sums, which fuse into one pass over ``vec``. Axes wider than :data:`SPELLED_OUT_STATES`
+    use the (broadcasting) matrix product.
 
     Examples
     --------
     >>> import jax.numpy as jnp
     >>> mix_states(jnp.array([[0.0, 1.0], [2.0, 0.0]]), jnp.array([3.0, 4.0]))
     Array([4., 6.], dtype=float32)
+    >>> wide, vec = jnp.arange(72.0).reshape(2, 6, 6), jnp.arange(6.0)  # a matrix product
+    >>> bool(jnp.allclose(mix_states(wide, vec), jnp.einsum('pab,b->pa', wide, vec)))
+    True
     """
     if vec.shape[-1] == 1:
         return diag[..., 0, :] * vec
+    if vec.shape[-1] > SPELLED_OUT_STATES:
+        return jnp.matmul(diag, vec[..., None])[..., 0]
     return jnp.stack([sum_over_states(diag[..., a, :], vec) for a in range(vec.shape[-1])], axis=-1)
 
 

@@ -53,6 +53,7 @@ from braintrace._op._conv_arguments import (
 )
 from braintrace._op._operands import bias_mantissa, check_hook, split_units, with_unit
 from braintrace._op._primitive import register_primitive
+from braintrace._op._registries import snap_anchored
 from braintrace._op._rule_helpers import (
     apply_hook,
     bias_trainable_invars,
@@ -476,6 +477,7 @@ etp_conv_p.register_etp_rules(
     init_pp=_conv_init_pp,
     instant_drtrl=_conv_instant_drtrl,
     solve_drtrl=_conv_solve_drtrl,
+    snap_anchor=snap_anchored,
 )
 
 

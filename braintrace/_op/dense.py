@@ -33,6 +33,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Var
 
 from braintrace._errors import OperandShapeError
@@ -45,7 +46,7 @@ from braintrace._op._operands import (
     with_unit,
 )
 from braintrace._op._primitive import register_primitive
-from braintrace._op._registries import FastPathRules, register_batched_counterpart
+from braintrace._op._registries import FastPathRules, register_batched_counterpart, snap_anchored
 from braintrace._op._rule_helpers import (
     apply_hook,
     bias_trainable_invars,
@@ -248,6 +249,15 @@ _DENSE_FAST_PATH = FastPathRules(
     chunk=_dense_fast_chunk,
 )
 
+def _dense_snap_adjacency(
+    x_shape: tuple[int, ...], y_shape: tuple[int, ...], **params: Any
+) -> tuple[np.ndarray | None, ...] | None:
+    """Every output reads every input on the last axis; the leading (batch) axes are the identity."""
+    if len(x_shape) != len(y_shape) or x_shape[:-1] != y_shape[:-1]:
+        return None
+    return (*[None] * (len(y_shape) - 1), np.ones((y_shape[-1], x_shape[-1]), dtype=bool))
+
+
 for _p, _init in ((etp_mm_p, _mm_init_drtrl), (etp_mv_p, _mv_init_drtrl)):
     _p.register_etp_rules(
         dt_to_t=_mm_dt_to_t,
@@ -257,6 +267,8 @@ for _p, _init in ((etp_mm_p, _mm_init_drtrl), (etp_mv_p, _mv_init_drtrl)):
         fast_path=_DENSE_FAST_PATH,
         instant_drtrl=_matmul_instant_drtrl,
         solve_drtrl=hooked_matmul_solve_drtrl,
+        snap_anchor=snap_anchored,
+        snap_adjacency=_dense_snap_adjacency,
     )
 
 

@@ -376,6 +376,11 @@ def _einsum_init_pp(
     return zeros_pp(x_var, y_var, weight_vars, num_hidden_state)
 
 
+def _einsum_snap_anchor(eqn_params: Params) -> bool:
+    """Anchored only without shared letters (upstream's rule): SnAp refuses shared-axis equations."""
+    return not parse_etp_einsum(eqn_params["equation"]).shared
+
+
 etp_einsum_p.register_etp_rules(
     dt_to_t=_einsum_dt_to_t,
     xy_to_dw=_einsum_xy_to_dw,
@@ -383,6 +388,7 @@ etp_einsum_p.register_etp_rules(
     init_pp=_einsum_init_pp,
     instant_drtrl=_einsum_instant_drtrl,
     solve_drtrl=_einsum_solve_drtrl,
+    snap_anchor=_einsum_snap_anchor,
 )
 
 

@@ -29,7 +29,7 @@ from jax.extend.core import Var
 
 from braintrace._op._operands import check_hook, split_units, with_unit
 from braintrace._op._primitive import register_primitive
-from braintrace._op._registries import FastPathRules
+from braintrace._op._registries import FastPathRules, snap_anchored
 from braintrace._op._rule_helpers import (
     apply_hook,
     drtrl_dtype,
@@ -184,6 +184,7 @@ etp_elemwise_p.register_etp_rules(
     fast_path=_ELEMWISE_FAST_PATH,
     instant_drtrl=_elemwise_instant_drtrl,
     solve_drtrl=_elemwise_solve_drtrl,
+    snap_anchor=snap_anchored,
 )
 
 

@@ -43,7 +43,7 @@ from braintrace._op._operands import (
     with_unit,
 )
 from braintrace._op._primitive import register_primitive
-from braintrace._op._registries import FastPathRules, register_batched_counterpart
+from braintrace._op._registries import FastPathRules, register_batched_counterpart, snap_anchored
 from braintrace._op._rule_helpers import (
     apply_hook,
     bias_trainable_invars,
@@ -228,6 +228,7 @@ for _p, _init in ((etp_gmm_p, _gmm_init_drtrl), (etp_gmv_p, _gmv_init_drtrl)):
         fast_path=_GROUPED_FAST_PATH,
         instant_drtrl=_grouped_instant_drtrl,
         solve_drtrl=hooked_matmul_solve_drtrl,
+        snap_anchor=snap_anchored,
     )
 
 

@@ -46,7 +46,7 @@ from braintrace._op._operands import (
     with_unit,
 )
 from braintrace._op._primitive import register_primitive
-from braintrace._op._registries import register_batched_counterpart
+from braintrace._op._registries import register_batched_counterpart, snap_anchored
 from braintrace._op._rule_helpers import (
     apply_hook,
     drtrl_dtype,
@@ -236,6 +236,7 @@ for _p, _init in ((etp_lora_mm_p, _lora_mm_init_drtrl), (etp_lora_mv_p, _lora_mv
         init_pp=zeros_pp,
         instant_drtrl=_lora_instant_drtrl,
         solve_drtrl=_lora_solve_drtrl,
+        snap_anchor=snap_anchored,
     )
 
 

@@ -59,7 +59,7 @@ from braintrace._op._operands import (
     with_unit,
 )
 from braintrace._op._primitive import register_primitive
-from braintrace._op._registries import register_batched_counterpart
+from braintrace._op._registries import register_batched_counterpart, snap_anchored
 from braintrace._op._rule_helpers import (
     apply_hook,
     bias_trainable_invars,
@@ -269,6 +269,22 @@ def _sp_mv_init_drtrl(
     return out
 
 
+def _sp_snap_adjacency(
+    x_shape: tuple[int, ...], y_shape: tuple[int, ...], *, sparse_mat: Any, **params: Any
+) -> tuple[np.ndarray | None, ...] | None:
+    """Output ``o`` reads input ``i`` where the structure stores ``(i, o)``: its pattern, transposed.
+
+    The leading (batch) axes are the identity.
+    """
+    if len(x_shape) != len(y_shape) or x_shape[:-1] != y_shape[:-1]:
+        return None
+    mat = _structure(sparse_mat)
+    stored = np.asarray(mat.with_data(jnp.ones(_nnz_shape(mat), mat.data.dtype)).todense()) != 0
+    if stored.shape != (x_shape[-1], y_shape[-1]):
+        return None
+    return (*[None] * (len(y_shape) - 1), stored.T)
+
+
 for _p, _dt_to_t, _init in (
     (etp_sp_mm_p, _sp_mm_dt_to_t, _sp_mm_init_drtrl),
     (etp_sp_mv_p, _sp_mv_dt_to_t, _sp_mv_init_drtrl),
@@ -280,6 +296,8 @@ for _p, _dt_to_t, _init in (
         init_pp=zeros_pp,
         instant_drtrl=_sp_instant_drtrl,
         solve_drtrl=_sp_solve_drtrl,
+        snap_anchor=snap_anchored,
+        snap_adjacency=_sp_snap_adjacency,
     )
 
 

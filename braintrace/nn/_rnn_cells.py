@@ -4,8 +4,8 @@
 Notation: ``[a, b]`` concatenates on the last axis, ``σ`` is the logistic sigmoid and ``φ``
 the cell's activation. Every gate is a :class:`braintrace.nn.Linear` over ``[x, h]``; a gate
 whose output reaches the hidden state only through another gate's weight (GRU's reset gate)
-is excluded from the eligibility-trace graph by the compiler and gets only its one-step
-gradient.
+is traced by SnAp (``n >= 2``) and UORO; per-position learners leave it out of the
+eligibility-trace graph and give it only its one-step (or in-window) gradient.
 """
 
 from __future__ import annotations
@@ -105,8 +105,11 @@ class GRUCell(CellBase):
 
     Notes
     -----
-    ``Wr`` reaches ``h`` only through ``Wh``: the compiler excludes it (weight → weight →
-    hidden) and it learns only from its one-step gradient.
+    ``Wr`` reaches ``h`` only through ``Wh``. Per-position traces (D_RTRL, pp_prop, EProp,
+    OSTLRecurrent) cannot hold that influence: the compiler leaves ``Wr`` out (weight → weight
+    → hidden, reported in ``learner.report``) and it learns from its one-step (or in-window)
+    gradient. ``SnAp`` (``n >= 2``) and ``UORO`` trace it through ``Wh``; saturated SnAp is
+    then exact on every weight.
 
     Examples
     --------
