@@ -543,9 +543,9 @@ def _emit_no_target(prim: Any, weight_path: Path, blocked: list[JaxprEqn], train
         emit(DiagnosticKind.RELATION_EXCLUDED_WEIGHT_TO_WEIGHT, DiagnosticLevel.WARNING,
              f"The output of {prim.name} with weight {weight_path} reaches hidden states only "
              f"through another trainable ETP operation ({', '.join(e.primitive.name for e in blocked)}); "
-             f"per-operation eligibility traces cannot express weight -> weight -> hidden, so this "
+             f"this learner's per-position traces cannot hold weight -> weight -> hidden, so this "
              f"weight has no eligibility trace (it still gets its exact gradient within each step, "
-             f"or within the window in multi-step mode).",
+             f"or within the window in multi-step mode). SnAp (n >= 2) and UORO trace it.",
              primitive=prim, weight_path=weight_path,
              context={"blocking_primitives": [e.primitive for e in blocked],
                       "blocking_weight_paths": list(dict.fromkeys(t.path for t in trainables.values()))})
