@@ -71,9 +71,9 @@ from braintrace._op import (
     register_primitive,
     sparse_matmul,
 )
-from braintrace import nn
 
 if _std_typing.TYPE_CHECKING:
+    from braintrace import nn
     from braintrace._legacy import (
         ConvOp,
         ElemWiseOp,
@@ -177,6 +177,11 @@ _LEGACY_NAMES = (
 
 
 def __getattr__(name: str) -> _std_typing.Any:
+    if name == "nn":
+        # Imported on first use: its layers' defaults pull in braintools (about a second).
+        import importlib
+
+        return importlib.import_module("braintrace.nn")
     if name in _LEGACY_NAMES:
         from braintrace._legacy._deprecation import legacy_attribute
 

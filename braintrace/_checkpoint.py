@@ -35,7 +35,6 @@ import os
 from typing import Any, Hashable, NamedTuple
 
 import brainstate
-import braintools
 import brainunit as u
 import jax
 import jax.numpy as jnp
@@ -189,6 +188,8 @@ def _optimizer_entries(optimizer: Any, skip: set[int], call: str) -> dict[str, E
     order) and through dicts, lists and tuples, so it finds ``opt_state``, ``step_count``, the
     learning rates, the per-group states and every scheduler's counters.
     """
+    import braintools
+
     if not isinstance(optimizer, braintools.optim.Optimizer):
         raise TypeError(
             f"{call}: optimizer must be a braintools.optim optimizer (e.g. braintools.optim.Adam), "
@@ -245,6 +246,8 @@ def _spec(leaf: Any) -> LeafSpec:
 
 def _decode(raw: Any) -> Any:
     """A stored leaf as a value: ``braintools`` writes a Quantity as its mantissa and unit."""
+    import braintools
+
     if isinstance(raw, dict) and set(raw) == _QUANTITY_FIELDS:
         # 'ignore': take the stored unit; the caller compares it with the target's.
         return braintools.file.msgpack_from_state_dict(u.Quantity(0.0), raw, mismatch="ignore")
@@ -322,6 +325,8 @@ def save_checkpoint(path: PathLike, learner: Any, *, optimizer: Any = None, extr
     >>> braintrace.save_checkpoint(path, learner, extra={'epoch': 3}) == path
     True
     """
+    import braintools
+
     call = "save_checkpoint"
     entries = _learner_entries(learner, call)
     if optimizer is not None:
@@ -404,6 +409,7 @@ def load_checkpoint(path: PathLike, learner: Any, *, optimizer: Any = None, extr
       - model/W/weight['weight']: expected (8, 5) float32, found (7, 4) float32
     ...
     """
+
     call = "load_checkpoint"
     filename = os.fspath(path)
     raw = _read(filename)
@@ -450,6 +456,8 @@ def load_checkpoint(path: PathLike, learner: Any, *, optimizer: Any = None, extr
 
 
 def _read(filename: str) -> dict[str, Any]:
+    import braintools
+
     if not os.path.isfile(filename):
         raise FileNotFoundError(
             f"load_checkpoint: there is no checkpoint file at {filename!r}; give the path "
@@ -503,6 +511,8 @@ def _entry_problems(expected: dict[str, Entry], found: dict[str, Any], saved: di
 
 
 def _restore_extra(raw: dict[str, Any], template: Any, problems: list[str]) -> Any:
+    import braintools
+
     stored = raw.get("extra")
     if template is None:
         return jax.tree.map(lambda x: np.array(x) if isinstance(x, np.ndarray) else x, stored)

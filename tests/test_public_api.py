@@ -1,6 +1,9 @@
-"""The top-level namespace is exactly upstream 0.2.4's, plus 0.2.5's sequence drivers and checkpoints."""
+"""The top-level namespace is exactly upstream 0.2.4's, plus 0.2.5's additions and our checkpoints."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 
@@ -62,3 +65,16 @@ def test_names_that_do_not_exist(name: str) -> None:
 def test_the_namespace_holds_no_stray_public_names() -> None:
     stray = [n for n in vars(braintrace) if not n.startswith("_") and n not in braintrace.__all__]
     assert not stray, stray
+
+
+def test_import_leaves_the_layers_and_braintools_for_first_use() -> None:
+    # `import braintrace` stays cheap over `import brainstate`: braintrace.nn (whose layer
+    # defaults need braintools, about a second) and braintools load on first use.
+    code = (
+        "import sys, braintrace\n"
+        "print('braintools' in sys.modules, 'braintrace.nn' in sys.modules)\n"
+        "from braintrace import nn\n"
+        "print(nn is braintrace.nn, 'braintools' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False", "True", "True"]
