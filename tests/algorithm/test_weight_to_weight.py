@@ -165,3 +165,16 @@ def test_uoro_mean_over_every_draw_equals_bptt_on_every_weight(f64: None, make: 
     mean = jax.tree.map(lambda *g: sum(g) / len(g), *runs)
     assert max(errors(ref, mean).values()) < 1e-10
     assert min(max(errors(ref, r).values()) for r in runs) > 1e-3  # no single draw is the answer
+
+
+def test_a_batch_axis_stays_outside_the_neighbourhoods_of_the_reset_gate(f64: None) -> None:
+    # The tail's probes run over the mixing axis only; each sample's reset gate stays its own.
+    batch = 2
+    xs, ys = normal(2, (T, batch, 3)), normal(3, (T, batch, 4), 0.5)
+    model = gru()
+    brainstate.nn.init_all_states(model, batch_size=batch)
+    params = model.states(brainstate.ParamState)
+    ref = brainstate.transform.grad(lambda: sum(jnp.sum((model(xs[t]) - ys[t]) ** 2) for t in range(T)), params)()
+    learner = compiled(gru(), "snap", xs[0], batch_size=batch, n=2)
+    assert learner.graph.hidden_groups[0].snap.num_neighbour == 4  # not batch · 4
+    assert max(errors(ref, sequence_grads(learner, xs, ys)).values()) < 1e-10
