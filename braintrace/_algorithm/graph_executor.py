@@ -599,12 +599,12 @@ class ETraceVjpGraphExecutor(ETraceGraphExecutor):
                 if group.snap is None:
                     continue
                 moved = _moved_tail_jacobian(rel, i, group.snap, env)
-                if moved is not None:
-                    dfs[df_key(rel, group)] = moved
-                elif widens(group):
+                if widens(group):
                     for key in (df_key(rel, group), detached_df_key(rel, group)):
                         if key in dfs:
                             dfs[key] = pad_states(dfs[key], group.snap.num_neighbour)
+                if moved is not None:
+                    dfs[df_key(rel, group)] = moved
         if self.recurrence is not None:
             Ds = [self.recurrence(D) for D in Ds]
             for group in self.graph.hidden_groups:
