@@ -110,6 +110,7 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         check_constructor_keywords(cls, kwargs)
+        check_required_arguments(cls, args, kwargs)
         return super().__new__(cls)
 
     def __init__(self, model: brainstate.nn.Module, graph_executor: ETraceGraphExecutor, name: str | None = None) -> None:
@@ -794,3 +795,28 @@ def check_constructor_keywords(cls: type, kwargs: dict[str, Any]) -> None:
         f"{cls.__name__} has no option {', '.join(map(repr, unknown))}; its options are {valid}."
         + "".join(hints)
     )
+
+
+def check_required_arguments(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse a construction that leaves out an argument without a default, naming it and how to pass it.
+
+    Raises
+    ------
+    TypeError
+        For a missing required argument, e.g. ``pp_prop(model)`` without ``decay_or_rank``.
+    """
+    params = [p for p in inspect.signature(getattr(cls, "__init__")).parameters.values() if p.name != "self"]
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(args) > len(positional):
+        return  # Python's own error names the extra positional arguments
+    given = {p.name for p in positional[: len(args)]} | set(kwargs)
+    missing = [p.name for p in params if p.default is p.empty and p.kind is not p.VAR_KEYWORD and p.name not in given]
+    if missing:
+        name = missing[0]
+        raise TypeError(
+            f"{cls.__name__} needs {name!r}, which has no default: pass it as "
+            f"braintrace.compile(model, {cls.__name__}, example_input, {name}=...) or "
+            f"{cls.__name__}(model, {name}=...) (see help(braintrace.{cls.__name__}))."
+        )

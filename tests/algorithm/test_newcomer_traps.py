@@ -78,6 +78,12 @@ COMPILE_TRAPS: list[tuple[str, Callable[[], Any], type, str]] = [
     ("misspelt-vjp-method",
      lambda: braintrace.compile(Leaky(), braintrace.D_RTRL, X, batch_size=B, vjp="multi-step"),
      TypeError, r"D_RTRL has no option 'vjp'.*Did you mean 'vjp_method'"),
+    ("required-option-left-out-through-compile",
+     lambda: braintrace.compile(Leaky(), "pp_prop", X, batch_size=B),
+     TypeError, r"pp_prop needs 'decay_or_rank'.*braintrace.compile\(model, pp_prop, example_input, decay_or_rank=...\)"),
+    ("required-option-left-out-constructed-directly",
+     lambda: braintrace.pp_prop(Leaky()),
+     TypeError, r"pp_prop needs 'decay_or_rank', which has no default"),
 ]
 
 
