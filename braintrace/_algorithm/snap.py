@@ -142,10 +142,9 @@ class SnAp(ParamDimVjpAlgorithm):
         **kwargs: Any,
     ) -> None:
         order = _positive_int(n, "n", "n = 1 is the coupled scope; the diagonal scope is not n = 0")
-        ceiling = _positive_int(snap_max_jacobian_elements, "snap_max_jacobian_elements", "a count of elements")
         config = ETraceConfig(recurrence_scope="sparse_n", sparse_n=order)  # n = 1 is 'coupled'
         super().__init__(model, name=name, vjp_method=vjp_method, fast_solve=fast_solve, config=config,
-                         snap_max_jacobian_elements=ceiling, **kwargs)
+                         snap_max_jacobian_elements=snap_max_jacobian_elements, **kwargs)
         self.n = n
         self._requested_order = order
         # The compiler checks every relation's anchor at the requested order, also at n = 1.
