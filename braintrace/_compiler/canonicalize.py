@@ -9,8 +9,10 @@ The compiler's passes read one flat jaxpr. A ``lax.cond`` or a short ``lax.scan`
 * a scan of static length ``<= scan_unroll_limit`` becomes its body cloned once per iteration.
 
 Both run as a joint fixpoint (a cond inside a scan body, a scan inside a branch), re-inlining
-``jit`` bodies exposed by either, with an iteration cap. The jaxpr's invars and outvars are
-never changed, so the state tables built on them stay valid.
+``jit`` bodies exposed by either, for at most ``ControlFlowPolicy.fixpoint_iteration_limit``
+rewriting sweeps (:class:`braintrace.CompilationError` past it). Warnings about conds and scans
+left as they are come from the settling sweep only, once per equation. The jaxpr's invars and
+outvars are never changed, so the state tables built on them stay valid.
 
 Reverse-mode note: after if-conversion the dead branch is evaluated too. If its local Jacobian
 is NaN/Inf (a cond guarding a ``sqrt`` domain), ``0 * nan`` contaminates reverse-mode gradients
@@ -35,6 +37,7 @@ from typing import Any, Callable, Iterable, Sequence
 import jax
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var, new_jaxpr_eqn
 
+from braintrace._compatible_imports import source_line
 from braintrace._compiler.control_flow_policy import DEFAULT_CONTROL_FLOW_POLICY, ControlFlowPolicy
 from braintrace._compiler.diagnostics import DiagnosticKind, DiagnosticLevel, emit
 from braintrace._compiler.jaxpr_graph import (
@@ -44,6 +47,7 @@ from braintrace._compiler.jaxpr_graph import (
     inline_jit_calls,
     subjaxprs,
 )
+from braintrace._errors import CompilationError
 from braintrace._op._registries import is_etp_primitive
 
 __all__ = [
@@ -53,8 +57,6 @@ __all__ = [
     "if_convert_conds",
     "unroll_inner_scans",
 ]
-
-_MAX_SWEEPS = 64
 
 
 def _is_var(a: Any) -> bool:
@@ -66,15 +68,15 @@ def _read(subst: dict[Var, Any], a: Any) -> Any:
 
 
 class _Context:
-    """What a sweep needs: the vars of interest, the policy, and the warnings already issued."""
+    """What a sweep needs: the vars of interest, the policy, and the sweep's deferred warnings."""
 
     def __init__(self, weight_invars: Iterable[Var], hidden_invars: Iterable[Var], hidden_outvars: Iterable[Var],
-                 policy: ControlFlowPolicy, warned: set[int]) -> None:
+                 policy: ControlFlowPolicy) -> None:
         self.weights = set(weight_invars)
         self.hidden_in = set(hidden_invars)
         self.hidden_out = set(hidden_outvars)
         self.policy = policy
-        self.warned = warned
+        self.deferred: list[tuple[DiagnosticKind, DiagnosticLevel, str, dict[str, Any]]] = []
 
     def relevance(self, eqn: JaxprEqn) -> str | None:
         if any(_is_var(a) and a in self.weights for a in eqn.invars):
@@ -87,12 +89,15 @@ class _Context:
             return "contains an ETP primitive"
         return None
 
-    def warn_once(self, eqn: JaxprEqn, kind: DiagnosticKind, level: DiagnosticLevel, message: str,
-                  context: dict[str, Any]) -> None:
-        if id(eqn) in self.warned:
-            return
-        self.warned.add(id(eqn))
-        emit(kind, level, message, context=context)
+    def defer_warning(self, kind: DiagnosticKind, level: DiagnosticLevel, message: str,
+                      context: dict[str, Any]) -> None:
+        """Keep a warning about an equation left as it is; only the settling sweep's are emitted."""
+        self.deferred.append((kind, level, message, context))
+
+    def emit_deferred(self) -> None:
+        for kind, level, message, context in self.deferred:
+            emit(kind, level, message, context=context)
+        self.deferred.clear()
 
 
 def _clone(eqns: Sequence[JaxprEqn], subst: dict[Var, Any], out: list[JaxprEqn],
@@ -178,10 +183,10 @@ def _cond_sweep(closed: ClosedJaxpr, ctx: _Context) -> ClosedJaxpr:
             continue
         blocker = _cond_blocker(eqn, ctx)
         if blocker is not None:
-            ctx.warn_once(eqn, DiagnosticKind.COND_CONVERSION_SKIPPED, DiagnosticLevel.WARNING,
-                          f"A lax.cond that {reason} is kept opaque because {blocker}; ETP operations and "
-                          f"weights inside it cannot learn online.",
-                          {"reason": blocker, "relevance": reason})
+            ctx.defer_warning(DiagnosticKind.COND_CONVERSION_SKIPPED, DiagnosticLevel.WARNING,
+                              f"A lax.cond that {reason} is kept opaque because {blocker}; ETP operations and "
+                              f"weights inside it cannot learn online.",
+                              {"reason": blocker, "relevance": reason})
             out.append(eqn)
             continue
         _convert_cond(eqn, out, constvars, consts)
@@ -295,18 +300,18 @@ def _scan_sweep(closed: ClosedJaxpr, ctx: _Context) -> ClosedJaxpr:
         if blocker is not None:
             over_limit = eqn.params["length"] > ctx.policy.scan_unroll_limit > 0
             info = over_limit and ctx.policy.scan_descent == "auto"
-            ctx.warn_once(eqn, DiagnosticKind.SCAN_UNROLL_SKIPPED,
-                          DiagnosticLevel.INFO if info else DiagnosticLevel.WARNING,
-                          f"A scan that {reason} is not unrolled because {blocker}" +
-                          ("; structured scan descent will try it." if info else "."),
-                          {"reason": blocker, "length": eqn.params["length"]})
+            ctx.defer_warning(DiagnosticKind.SCAN_UNROLL_SKIPPED,
+                              DiagnosticLevel.INFO if info else DiagnosticLevel.WARNING,
+                              f"A scan that {reason} is not unrolled because {blocker}" +
+                              ("; structured scan descent will try it." if info else "."),
+                              {"reason": blocker, "length": eqn.params["length"]})
             out.append(eqn)
             continue
         if _xs_from_weight(eqn, producers, ctx.weights):
-            ctx.warn_once(eqn, DiagnosticKind.RELATION_EXCLUDED_SLICED_WEIGHT, DiagnosticLevel.WARNING,
-                          "A scan slices a trainable weight as its xs; per-slice eligibility traces are not "
-                          "supported, so the scan is kept and those weights do not learn online.",
-                          {"reason": "weight sliced as xs"})
+            ctx.defer_warning(DiagnosticKind.RELATION_EXCLUDED_SLICED_WEIGHT, DiagnosticLevel.WARNING,
+                              "A scan slices a trainable weight as its xs; per-slice eligibility traces are not "
+                              "supported, so the scan is kept and those weights do not learn online.",
+                              {"reason": "weight sliced as xs"})
             out.append(eqn)
             continue
         _unroll(eqn, out, constvars, consts, consumed)
@@ -324,27 +329,75 @@ def _scan_sweep(closed: ClosedJaxpr, ctx: _Context) -> ClosedJaxpr:
 # --- drivers ------------------------------------------------------------------------------
 
 
+def _sweep(closed: ClosedJaxpr, ctx: _Context, conds: bool, scans: bool) -> ClosedJaxpr:
+    """One rewriting round: convert the relevant conds, then unroll the relevant short scans."""
+    ctx.deferred.clear()
+    if conds and ctx.policy.cond == "convert":
+        new = _cond_sweep(closed, ctx)
+        closed = inline_jit_calls(new) if new is not closed else closed
+    if scans and ctx.policy.scan_unroll_limit > 0:
+        new = _scan_sweep(closed, ctx)
+        closed = inline_jit_calls(new) if new is not closed else closed
+    return closed
+
+
+def _pending_rewrites(closed: ClosedJaxpr, ctx: _Context, conds: bool, scans: bool) -> list[str]:
+    """What the next sweep would still rewrite, one description per equation."""
+    jaxpr = closed.jaxpr
+    producers = build_producer_map(jaxpr)
+    pending = []
+    for eqn in jaxpr.eqns:
+        if ctx.relevance(eqn) is None:
+            continue
+        name = eqn.primitive.name
+        if conds and ctx.policy.cond == "convert" and name == "cond" and _cond_blocker(eqn, ctx) is None:
+            pending.append(f"cond with {len(eqn.params['branches'])} branches{_located(eqn)}")
+        elif (scans and ctx.policy.scan_unroll_limit > 0 and name == "scan"
+              and _scan_static_blocker(eqn, ctx) is None and not _xs_from_weight(eqn, producers, ctx.weights)):
+            pending.append(f"scan of length {eqn.params['length']}{_located(eqn)}")
+    return pending
+
+
+def _located(eqn: JaxprEqn) -> str:
+    line = source_line(eqn.source_info)
+    return f" at {line}" if line else ""
+
+
+def _raise_if_unsettled(closed: ClosedJaxpr, ctx: _Context, conds: bool, scans: bool) -> None:
+    pending = _pending_rewrites(closed, ctx, conds, scans)
+    if not pending:
+        return
+    counts = {text: pending.count(text) for text in pending}
+    described = [text if n == 1 else f"{text} ({n} equations)" for text, n in counts.items()]
+    limit = ctx.policy.fixpoint_iteration_limit
+    raise CompilationError(
+        f"Control-flow canonicalisation did not settle within ControlFlowPolicy.fixpoint_iteration_limit="
+        f"{limit} sweeps; still being rewritten: {'; '.join(described)}. Raise fixpoint_iteration_limit "
+        f"(ControlFlowPolicy(fixpoint_iteration_limit={2 * limit})), or keep this control flow as it is "
+        f"with ControlFlowPolicy(cond='opaque') for conds or ControlFlowPolicy(scan_unroll_limit=0) for scans."
+    )
+
+
 def _run(closed: ClosedJaxpr, ctx: _Context, conds: bool, scans: bool) -> ClosedJaxpr:
     if ctx.policy.cond not in ("convert", "opaque"):
         raise ValueError(f"ControlFlowPolicy.cond must be 'convert' or 'opaque', got {ctx.policy.cond!r}.")
-    for _ in range(_MAX_SWEEPS):
+    for _ in range(ctx.policy.fixpoint_iteration_limit):
         before = closed
-        if conds and ctx.policy.cond == "convert":
-            new = _cond_sweep(closed, ctx)
-            closed = inline_jit_calls(new) if new is not closed else closed
-        if scans and ctx.policy.scan_unroll_limit > 0:
-            new = _scan_sweep(closed, ctx)
-            closed = inline_jit_calls(new) if new is not closed else closed
+        closed = _sweep(closed, ctx, conds, scans)
         if closed is before:
+            ctx.emit_deferred()
             return closed
-    raise RuntimeError(f"Control-flow canonicalisation did not settle within {_MAX_SWEEPS} sweeps.")
+    _raise_if_unsettled(closed, ctx, conds, scans)
+    settled = _sweep(closed, ctx, conds, scans)  # rewrites nothing: it only gathers the warnings
+    ctx.emit_deferred()
+    return settled
 
 
 def _canonicalize(
     closed_jaxpr: ClosedJaxpr, weight_invars: Iterable[Var], hidden_invars: Iterable[Var],
     hidden_outvars: Iterable[Var], policy: ControlFlowPolicy, conds: bool, scans: bool,
 ) -> ClosedJaxpr:
-    ctx = _Context(weight_invars, hidden_invars, hidden_outvars, policy, set())
+    ctx = _Context(weight_invars, hidden_invars, hidden_outvars, policy)
     return _run(closed_jaxpr, ctx, conds=conds, scans=scans)
 
 
@@ -359,6 +412,12 @@ def canonicalize_control_flow(
     """If-convert relevant conds and unroll relevant short scans until nothing changes.
 
     Returns ``closed_jaxpr`` itself when nothing is rewritten.
+
+    Raises
+    ------
+    CompilationError
+        If a cond or scan is still to be rewritten after ``policy.fixpoint_iteration_limit``
+        sweeps; the message names each one (primitive, branch count or length, source line).
     """
     return _canonicalize(closed_jaxpr, weight_invars, hidden_invars, hidden_outvars, policy, True, True)
 

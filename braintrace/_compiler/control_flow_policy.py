@@ -43,11 +43,17 @@ class ControlFlowPolicy:
     scan_descent : {'auto', 'off'}
         Whether relevant scans longer than ``scan_unroll_limit`` are descended (one scan
         equation kept, per-substep values stacked) instead of rejected.
+    fixpoint_iteration_limit : int
+        The most rewriting sweeps cond conversion and scan unrolling may take together (each
+        sweep can expose more work: a cond inside an unrolled scan, a scan inside a converted
+        branch); a positive ``int``, default 64. A compile that still has a cond or scan to
+        rewrite after that many sweeps raises :class:`braintrace.CompilationError` naming them.
 
     Raises
     ------
     ValueError
-        On construction, for any value outside the choices above.
+        On construction, for any value outside the choices above, or a
+        ``fixpoint_iteration_limit`` that is not a positive ``int`` (``True`` included).
 
     Examples
     --------
@@ -61,6 +67,12 @@ class ControlFlowPolicy:
     Traceback (most recent call last):
         ...
     ValueError: ControlFlowPolicy.cond must be 'convert' or 'opaque', got 'inline'.
+    >>> braintrace.ControlFlowPolicy().fixpoint_iteration_limit
+    64
+    >>> braintrace.ControlFlowPolicy(fixpoint_iteration_limit=0)
+    Traceback (most recent call last):
+        ...
+    ValueError: ControlFlowPolicy.fixpoint_iteration_limit must be a positive int, got 0; ...
     """
 
     cond: str = "convert"
@@ -68,6 +80,7 @@ class ControlFlowPolicy:
     while_hidden: str = "opaque-fwd"
     etp_in_control_flow: str = "error"
     scan_descent: str = "auto"
+    fixpoint_iteration_limit: int = 64
 
     def __post_init__(self) -> None:
         for field, choices in _CHOICES.items():
@@ -79,6 +92,15 @@ class ControlFlowPolicy:
             raise ValueError(
                 f"ControlFlowPolicy.scan_unroll_limit must be an int, got {self.scan_unroll_limit!r}."
             )
+        _check_iteration_limit(self.fixpoint_iteration_limit)
+
+
+def _check_iteration_limit(limit: object) -> None:
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        raise ValueError(
+            f"ControlFlowPolicy.fixpoint_iteration_limit must be a positive int, got {limit!r}; "
+            f"pass a whole number of rewriting sweeps such as 64 (the default)."
+        )
 
 
 ControlFlowPolicy.__module__ = "braintrace"

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Jaxpr, Var
 
+from braintrace._compatible_imports import split_jaxpr_invars
 from braintrace._compiler.jaxpr_graph import contains_eqn
 from braintrace._compiler.mixing_jacobian import BlockDiagonalPlan, block_diagonal_plan, structured_block_diagonal
 from braintrace._compiler.snap_pattern import SnapPattern, widened_jacobian
@@ -180,15 +181,41 @@ class HiddenGroup(NamedTuple):
         return list(jax.core.eval_jaxpr(self.transition_jaxpr, list(input_vals), *hidden_vals))
 
     def concat_hidden(self, splitted_hid_vals: Sequence[Array]) -> Array:
-        """Stack member values on a trailing state axis: ``(*varshape, S)``."""
+        """Stack member values on a trailing state axis: ``(*varshape, S)``.
+
+        Raises
+        ------
+        ValueError
+            Unless there is exactly one value per hidden state of the group.
+        """
+        values = list(splitted_hid_vals)
+        if len(values) != len(self.hidden_states):
+            raise ValueError(
+                f"Hidden group {self.index}: concat_hidden needs exactly one value per hidden state "
+                f"({len(self.hidden_states)}, for {self.hidden_paths}), got {len(values)}; pass the "
+                f"members' values in the order of hidden_paths."
+            )
         parts = [
             v if isinstance(st, brainstate.HiddenGroupState) else jnp.expand_dims(v, -1)
-            for st, v in zip(self.hidden_states, splitted_hid_vals)
+            for st, v in zip(self.hidden_states, values)
         ]
         return jnp.concatenate(parts, axis=-1)
 
     def split_hidden(self, concat_hid_vals: Array) -> list[Array]:
-        """The inverse of :meth:`concat_hidden`."""
+        """The inverse of :meth:`concat_hidden`.
+
+        Raises
+        ------
+        ValueError
+            If the trailing width of ``concat_hid_vals`` is not :attr:`num_state`.
+        """
+        shape = tuple(jnp.shape(concat_hid_vals))
+        if not shape or shape[-1] != self.num_state:
+            raise ValueError(
+                f"Hidden group {self.index} ({self.hidden_paths}): split_hidden needs a trailing "
+                f"state axis of width num_state={self.num_state}, got a value of shape {shape}; pass "
+                f"what concat_hidden returns, shape (*varshape, {self.num_state})."
+            )
         out, start = [], 0
         for st in self.hidden_states:
             piece = concat_hid_vals[..., start:start + st.num_state]
@@ -266,8 +293,8 @@ class HiddenGroup(NamedTuple):
         cut = {v: Var(v.aval) for v in outs}
         eqns = [e.replace(invars=[cut.get(a, a) if isinstance(a, Var) else a for a in e.invars])
                 for e in self.transition_jaxpr.eqns]
-        jaxpr = self.transition_jaxpr.replace(
-            constvars=[*self.transition_jaxpr.constvars, *cut.values()], eqns=eqns)
+        constvars, hidden_invars = split_jaxpr_invars(self.transition_jaxpr, len(self.hidden_invars))
+        jaxpr = self.transition_jaxpr.replace(constvars=[*constvars, *cut.values()], invars=hidden_invars, eqns=eqns)
         new_vals = self.transition(hidden_vals, input_vals)
         fixed = [new_vals[self.hidden_outvars.index(v)] for v in outs]
 

@@ -99,16 +99,47 @@ class HiddenPerturbation(NamedTuple):
     def perturb_data_to_hidden_group_data(
         self, perturb_data: Sequence[Any], hidden_groups: Sequence[HiddenGroup]
     ) -> list[jax.Array]:
-        """Per group, the member perturbations stacked on a trailing state axis."""
-        if len(perturb_data) != len(self.perturb_hidden_paths):
+        """Per group, the member perturbations (or their cotangents) stacked on a trailing state axis.
+
+        Raises
+        ------
+        ValueError
+            Unless ``perturb_data`` holds one value per perturbed hidden state, each of the shape
+            and dtype of its perturbation, and every group member is a perturbed hidden state.
+        """
+        by_path = self._values_by_path(perturb_data)
+        stacked = []
+        for group in hidden_groups:
+            missing = [p for p in group.hidden_paths if p not in by_path]
+            if missing:
+                raise ValueError(
+                    f"Hidden group {group.index} has member(s) {missing} without a perturbation; the "
+                    f"perturbed hidden states are {self.perturb_hidden_paths}. Build the perturbation "
+                    f"and the groups from the same compiled graph."
+                )
+            stacked.append(group.concat_hidden([by_path[p] for p in group.hidden_paths]))
+        return stacked
+
+    def _values_by_path(self, perturb_data: Sequence[Any]) -> dict[Path, Any]:
+        """``path -> value`` (mantissa) of ``perturb_data``, checked against the perturbation inputs."""
+        values = list(perturb_data)
+        if len(values) != len(self.perturb_hidden_paths):
             raise ValueError(
-                f"Expected {len(self.perturb_hidden_paths)} perturbations, got {len(perturb_data)}."
+                f"Expected one perturbation value per perturbed hidden state ({len(self.perturb_hidden_paths)}, "
+                f"for {self.perturb_hidden_paths}), got {len(values)}."
             )
-        by_path = dict(zip(self.perturb_hidden_paths, perturb_data))
-        return [
-            group.concat_hidden([u.get_mantissa(by_path[p]) for p in group.hidden_paths])
-            for group in hidden_groups
-        ]
+        by_path = {}
+        for path, var, value in zip(self.perturb_hidden_paths, self.perturb_vars, values):
+            mantissa = u.get_mantissa(value)
+            got = (tuple(jnp.shape(mantissa)), jnp.result_type(mantissa))
+            expected = (shape_of(var), jnp.dtype(dtype_of(var)))
+            if got != expected:
+                raise ValueError(
+                    f"The perturbation value of hidden state {path} has shape {got[0]} and dtype "
+                    f"{got[1]}; expected shape {expected[0]} and dtype {expected[1]}, those of the state."
+                )
+            by_path[path] = mantissa
+        return by_path
 
     def dict(self) -> dict[str, Any]:
         return self._asdict()

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn, Literal, Var
 
+from braintrace._compatible_imports import split_jaxpr_invars
 from braintrace._compiler.jaxpr_graph import ELEMENTWISE_PRIMITIVES, subjaxprs
 
 __all__ = ["MixingRule", "BlockDiagonalPlan", "block_diagonal_plan", "structured_block_diagonal"]
@@ -126,13 +127,14 @@ def block_diagonal_plan(
         exactly (two mixing ops in series, an unknown op on a hidden-derived value, ...).
     """
     positions = np.arange(math.prod(varshape), dtype=np.int64).reshape(varshape)
+    _, hidden_invars = split_jaxpr_invars(jaxpr, len(member_has_state_axis))
     expected = [
         np.broadcast_to(positions[..., None], _shape(v)) if has_axis else positions
-        for v, has_axis in zip(jaxpr.invars, member_has_state_axis)
+        for v, has_axis in zip(hidden_invars, member_has_state_axis)
     ]
-    if any(e.shape != _shape(v) for e, v in zip(expected, jaxpr.invars)):
+    if any(e.shape != _shape(v) for e, v in zip(expected, hidden_invars)):
         return None
-    labels: dict[Var, _Label] = {v: _Label(e, False) for v, e in zip(jaxpr.invars, expected)}
+    labels: dict[Var, _Label] = {v: _Label(e, False) for v, e in zip(hidden_invars, expected)}
     rules: dict[int, MixingRule] = {}
     try:
         _analyse(jaxpr, labels, rules, positions)
@@ -203,7 +205,8 @@ def _structural(eqn: JaxprEqn, ins: list[_Label | None]) -> list[np.ndarray]:
 
 def _reduce(eqn: JaxprEqn, lab: _Label | None) -> np.ndarray:
     """A reduction stays within a position only when the reduced axes share one label."""
-    assert lab is not None
+    if lab is None:
+        raise _Unsupported(f"`{eqn.primitive.name}` reduces a value that does not carry the positions")
     axes = tuple(eqn.params["axes"])
     ref = lab.ids
     for ax in sorted(axes, reverse=True):
@@ -350,10 +353,11 @@ def structured_block_diagonal(
         split = lambda s: [s[..., i] for i in range(s.shape[-1])]  # noqa: E731
     consts = [jax.lax.stop_gradient(c) for c in consts]
     mixers = {i: _masked_mixing(e, plan.rules[id(e)]) for i, e in enumerate(jaxpr.eqns) if id(e) in plan.rules}
+    constvars, hidden_invars = split_jaxpr_invars(jaxpr, len(hidden_vals))
 
     def fn(stacked: Array) -> Array:
-        env: dict[Var, Any] = dict(zip(jaxpr.constvars, consts))
-        env.update(zip(jaxpr.invars, split(stacked)))
+        env: dict[Var, Any] = dict(zip(constvars, consts))
+        env.update(zip(hidden_invars, split(stacked)))
 
         def read(v: Any) -> Any:
             return v.val if isinstance(v, Literal) else env[v]

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeGuard
 import numpy as np
 from jax.extend.core import DropVar, Jaxpr, JaxprEqn, Literal, Var
 
+from braintrace._compatible_imports import split_jaxpr_invars
 from braintrace._compiler.diagnostics import DiagnosticKind, DiagnosticLevel, emit
 from braintrace._compiler.jaxpr_graph import subjaxprs
 from braintrace._op._registries import get_snap_adjacency_rule, get_x_invar_index, is_etp_primitive
@@ -175,7 +176,12 @@ def _walk(jaxpr: Jaxpr, deps_in: Sequence[Dependence | None], widths: tuple[int,
     _Unreadable
         When some hidden-derived value cannot be related to the positions.
     """
-    env: dict[Var, Dependence] = {v: d for v, d in zip(jaxpr.invars, deps_in) if d is not None}
+    return _walk_from(jaxpr, {v: d for v, d in zip(jaxpr.invars, deps_in) if d is not None}, widths)
+
+
+def _walk_from(jaxpr: Jaxpr, seeds: dict[Var, Dependence], widths: tuple[int, ...]) -> list[Dependence | None]:
+    """:func:`_walk` from the dependence of some of ``jaxpr``'s inputs (the others: none)."""
+    env: dict[Var, Dependence] = dict(seeds)
     for eqn in jaxpr.eqns:
         deps = [env.get(a) if _is_var(a) else None for a in eqn.invars]
         if all(d is None for d in deps):
@@ -249,8 +255,8 @@ def group_adjacency(group: HiddenGroup) -> tuple[AxisPatterns, str | None]:
         for var in group.hidden_invars:
             if _shape(var) != varshape:
                 raise _Unreadable(f"the hidden input of shape {_shape(var)} carries a state axis")
-        deps_in = [_identity(varshape) if v in group.hidden_invars else None for v in jaxpr.invars]
-        outs = _walk(jaxpr, deps_in, varshape)
+        _, hidden_invars = split_jaxpr_invars(jaxpr, len(group.hidden_invars))
+        outs = _walk_from(jaxpr, {v: _identity(varshape) for v in hidden_invars}, varshape)
     except _Unreadable as why:
         return everything, str(why)
     reached = [d for d in outs if d is not None]

@@ -67,6 +67,7 @@ True
 
 # The namespace holds the public layers (``__all__``) and private names only: helpers are imported
 # under private aliases, and no ``from __future__`` import (it would bind ``annotations`` here).
+# ``dir()`` adds the deprecated names ``__getattr__`` forwards to brainstate.nn / brainpy.state.
 import importlib as _importlib
 import typing as _typing
 import warnings as _warnings
@@ -176,4 +177,5 @@ def __getattr__(name: str) -> _typing.Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(__all__)
+    """The exports and the deprecated names forwarded to ``brainstate.nn`` / ``brainpy.state``."""
+    return sorted({*__all__, *_MOVED_TO_BRAINSTATE, *_MOVED_TO_BRAINPY})

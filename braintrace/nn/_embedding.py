@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -12,6 +13,14 @@ import jax.numpy as jnp
 from braintrace._op import embedding
 
 __all__ = ["Embedding"]
+
+#: The options of brainstate.nn.Embedding the online layer supports only at their defaults.
+_UNSUPPORTED_DEFAULTS: dict[str, Any] = {
+    "max_norm": None,
+    "freeze": False,
+    "scale_grad_by_freq": False,
+    "padding_idx": None,
+}
 
 
 class Embedding(brainstate.nn.Embedding):
@@ -43,9 +52,13 @@ class Embedding(brainstate.nn.Embedding):
 
     Raises
     ------
+    ValueError
+        From ``brainstate.nn.Embedding``'s own checks (a negative ``num_embeddings``, an
+        out-of-range ``padding_idx``, a non-positive ``max_norm``), before the check below.
     NotImplementedError
-        At call time, if ``max_norm``, ``freeze``, ``scale_grad_by_freq`` or ``padding_idx``
-        is set, or ``embedding_size`` has more than one axis.
+        On construction, if ``max_norm``, ``freeze``, ``scale_grad_by_freq`` or ``padding_idx``
+        is set (again at call time, if one is set on the layer afterwards); at call time, if
+        ``embedding_size`` has more than one axis.
 
     Examples
     --------
@@ -56,25 +69,29 @@ class Embedding(brainstate.nn.Embedding):
     (2, 2, 2)
     >>> layer(1)
     Array([2., 3.], dtype=float32)
+    >>> braintrace.nn.Embedding(3, 2, padding_idx=0)
+    Traceback (most recent call last):
+        ...
+    NotImplementedError: braintrace.nn.Embedding does not support padding_idx in online learning; ...
     """
 
     __module__ = "braintrace.nn"
 
-    def _check_supported(self) -> None:
-        options = {
-            "max_norm": self.max_norm is not None,
-            "freeze": self.freeze,
-            "scale_grad_by_freq": self.scale_grad_by_freq,
-            "padding_idx": self.padding_idx is not None,
-        }
-        used = [name for name, on in options.items() if on]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._check_options()
+
+    def _check_options(self) -> None:
+        used = [name for name, default in _UNSUPPORTED_DEFAULTS.items() if getattr(self, name) != default]
         if used:
+            defaults = ", ".join(f"{name}={_UNSUPPORTED_DEFAULTS[name]!r}" for name in used)
             raise NotImplementedError(
                 f"braintrace.nn.Embedding does not support {', '.join(used)} in online learning; "
-                f"construct it with the defaults (max_norm=None, freeze=False, "
-                f"scale_grad_by_freq=False, padding_idx=None), or use brainstate.nn.Embedding "
-                f"with plain (non-online) gradients."
+                f"leave the default ({defaults}), or use brainstate.nn.Embedding with plain "
+                f"(non-online) gradients."
             )
+
+    def _check_embedding_size(self) -> None:
         if len(self.embedding_size) != 1:
             raise NotImplementedError(
                 f"braintrace.nn.Embedding supports a single feature axis, got embedding_size="
@@ -83,10 +100,14 @@ class Embedding(brainstate.nn.Embedding):
             )
 
     def update(self, indices: Any) -> Any:
-        self._check_supported()
+        self._check_options()
+        self._check_embedding_size()
         idx = jnp.asarray(indices)
         table = self.weight.value
         if idx.ndim <= 1:
             return embedding(idx, table)
         rows = embedding(idx.reshape(-1), table)
         return u.math.reshape(rows, (*idx.shape, rows.shape[-1]))
+
+
+setattr(Embedding.__init__, "__signature__", inspect.signature(brainstate.nn.Embedding.__init__))
