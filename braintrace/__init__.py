@@ -8,6 +8,7 @@ import typing as _std_typing
 
 from braintrace._algorithm import (
     D_RTRL,
+    DNI,
     ES_D_RTRL,
     OSTTP,
     OTPE,
@@ -20,6 +21,8 @@ from braintrace._algorithm import (
     PresynapticTrace,
     RandomProjectionVjpAlgorithm,
     SnAp,
+    SyntheticGradient,
+    ThreeFactor,
     UORO,
     EligibilityTrace,
     ETraceAlgorithm,
@@ -34,6 +37,7 @@ from braintrace._algorithm import (
     SequenceDriverMixin,
     SingleStepData,
     pp_prop,
+    train_synthetic_gradient,
 )
 from braintrace._compile import compile
 from braintrace._checkpoint import load_checkpoint, save_checkpoint
@@ -157,6 +161,10 @@ __all__ = [
     "RandomProjectionVjpAlgorithm",
     "UORO",
     "SnAp",
+    "ThreeFactor",
+    "DNI",
+    "SyntheticGradient",
+    "train_synthetic_gradient",
     "ETraceConfig",
 ]
 

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from braintrace._algorithm import (
     D_RTRL,
+    DNI,
     OSTTP,
     OTPE,
     OTTT,
@@ -41,6 +42,7 @@ from braintrace._algorithm import (
     ParamDimVjpAlgorithm,
     RandomProjectionVjpAlgorithm,
     SnAp,
+    ThreeFactor,
     UORO,
     pp_prop,
 )
@@ -63,6 +65,8 @@ ALGORITHM_NAMES: dict[str, type[ETraceAlgorithm]] = {
     "osttp": OSTTP,
     "uoro": UORO,
     "snap": SnAp,
+    "three_factor": ThreeFactor,
+    "dni": DNI,
 }
 
 #: The engine of each ``trace_factorization`` (an :class:`ETraceConfig` given to :func:`compile`).

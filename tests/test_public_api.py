@@ -33,13 +33,14 @@ EXPECTED_ALL = [
     "nn",
     "save_checkpoint", "load_checkpoint",
     "RandomProjectionVjpAlgorithm", "UORO", "SnAp",
+    "ThreeFactor", "DNI", "SyntheticGradient", "train_synthetic_gradient",
     "ETraceConfig",
 ]
 
 
 def test_all_is_exactly_upstreams() -> None:
     assert braintrace.__all__ == EXPECTED_ALL
-    assert len(EXPECTED_ALL) == 64
+    assert len(EXPECTED_ALL) == 68
     for name in EXPECTED_ALL:
         assert hasattr(braintrace, name), name
 

@@ -22,6 +22,10 @@ from braintrace._algorithm.snn_helpers import FixedRandomFeedback, KappaFilter, 
 from braintrace._algorithm.snap import SnAp
 from braintrace._algorithm.random_projection import RandomProjectionVjpAlgorithm
 from braintrace._algorithm.uoro import UORO
+from braintrace._algorithm.three_factor import ThreeFactor
+from braintrace._algorithm.dni import DNI
+from braintrace._algorithm.synthetic_gradient import SyntheticGradient
+from braintrace._algorithm.synthetic_training import train_synthetic_gradient
 
 __all__ = [
     "ETraceAlgorithm",
@@ -50,5 +54,9 @@ __all__ = [
     "RandomProjectionVjpAlgorithm",
     "UORO",
     "SnAp",
+    "ThreeFactor",
+    "DNI",
+    "SyntheticGradient",
+    "train_synthetic_gradient",
     "ETraceConfig",
 ]

@@ -300,6 +300,13 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
                 chains[id(operand)] = chain
         return chains
 
+    def _relation_parameter_paths(self) -> frozenset[Path]:
+        """The parameters some relation reads, as an operand or through its operand chain (the
+        ETP parameters, whose gradient is the rule's; every other parameter is plain)."""
+        direct = {path for rel in self.graph.hidden_param_op_relations for path in rel.trainable_paths.values()}
+        chained = {path for chain in self._operand_chains.values() for path, _ in chain.leaves}
+        return frozenset(direct | chained)
+
     def _relation_operands(self, rel: Any, weight_vals: dict[Path, Any]) -> dict[str, Any]:
         """The current values of a relation's trainable operands (mantissas)."""
         out = {}
@@ -396,10 +403,11 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
     def show_graph(self, verbose: bool = True, return_msg: bool = False) -> str | None:
         return self.graph_executor.show_graph(verbose=verbose, return_msg=return_msg)
 
-    def __call__(self, *args: Any) -> Any:
-        return self.update(*args)
+    def __call__(self, *args: Any, **options: Any) -> Any:
+        """:meth:`update`: model inputs positionally, the learner's own options (``modulator=``) by keyword."""
+        return self.update(*args, **options)
 
-    def update(self, *args: Any) -> Any:
+    def update(self, *args: Any, **options: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must implement update().")
 
     def init_etrace_state(self, *args: Any, **kwargs: Any) -> None:
@@ -540,9 +548,14 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
                 f"the learner with braintrace.compile(model, algorithm, example_input))."
             )
 
-    def update(self, *args: Any) -> Any:
-        """Run one call (a step, or a :class:`MultiStepData` window) and roll the traces."""
+    def update(self, *args: Any, **options: Any) -> Any:
+        """Run one call (a step, or a :class:`MultiStepData` window) and roll the traces.
+
+        ``args`` are the model's inputs; ``options`` are the learner's own keyword options
+        (``modulator=`` of ``learning_signal='modulatory'``), never passed to the model.
+        """
         self._assert_compiled()
+        aux = self._get_update_aux(args, **options)
         self._check_traces_and_states()
         params, hidden, other = self._split_states()
         weight_vals = {p: st.value for p, st in params.items()}
@@ -551,7 +564,7 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         other_vals = {p: st.value for p, st in other.items()}
         out, new_hidden, new_other, new_etrace = self._true_update_fun(
             args, weight_vals, hidden_vals, other_vals, self._get_etrace_data(),
-            self.running_index.value, self._get_update_aux(),
+            self.running_index.value, aux,
         )
         for p, v in new_hidden.items():
             hidden[p].value = v
@@ -620,14 +633,19 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
                 running_index, etrace_vals, jac[0], jac[1], weight_vals, multi)
             trace_for_bwd = self._trace_for_backward(etrace_vals, new_etrace, jac, single_step=False)
         out, hid, oth = primal
-        residuals = (vjp_fn, trace_for_bwd, weight_vals, running_index, args, aux)
+        # A learner that injects a cotangent at the window's exit (DNI) computes it here, where
+        # the exit hidden values exist; ``None`` (every other learner) traces no second pass.
+        exit_cotangent = None if ex.is_single_step_vjp else self._exit_cotangent(aux, hid)
+        residuals = (vjp_fn, trace_for_bwd, weight_vals, running_index, args, aux, exit_cotangent)
         return (out, hid, oth, new_etrace), residuals
 
     def _update_fn_bwd(self, residuals: Any, cotangents: Any) -> tuple[Any, ...]:
-        vjp_fn, trace_for_bwd, weight_vals, running_index, args, aux = residuals
+        vjp_fn, trace_for_bwd, weight_vals, running_index, args, aux, exit_cotangent = residuals
         d_out, d_hid, d_oth, _ = jax.tree.map(
             lambda c: ad.Zero(c.aval) if isinstance(c, SymbolicZero) else c, cotangents,
             is_leaf=lambda x: isinstance(x, SymbolicZero))
+        if not self.vjp_executor.is_single_step_vjp:
+            d_out = _materialised(d_out)  # a window's outputs are stacked by a scan (see the helper)
         grads = vjp_fn((d_out, d_hid, d_oth))
         groups = self.graph.hidden_groups
         if self.vjp_executor.is_single_step_vjp:
@@ -646,9 +664,37 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
             ]
         signal = self._compute_learning_signal(signal, (*args, aux))
         dg_weights = self._solve_weight_gradients(running_index, trace_for_bwd, signal, weight_vals, {}, dg_weights)
+        if exit_cotangent is not None:
+            injected = vjp_fn(_injection_cotangents(d_out, d_hid, d_oth, exit_cotangent))
+            dg_args, dg_weights, dg_hidden, dg_other = self._with_exit_pass(
+                (dg_args, dg_weights, dg_hidden, dg_other), injected)
         return dg_args, dg_weights, dg_hidden, dg_other, None, None, None
 
+    def _with_exit_pass(self, first: tuple[Any, Any, Any, Any], second: tuple[Any, Any, Any, Any]) -> tuple[Any, ...]:
+        """Route the second linear pass (the exit cotangent pushed through the window).
+
+        The boundary learning signal and the gradients of the parameters some relation reads
+        (their cross-window credit is already in the trace) keep the first pass only; plain
+        parameters, the inputs, the other states and the returned hidden cotangent get both.
+        """
+        etp = self._relation_parameter_paths()
+        dg_args, dg_weights, dg_hidden, dg_other = first
+        in_args, in_weights, in_hidden, in_other = second
+        weights = {p: g if p in etp else _add_cotangents(g, in_weights[p]) for p, g in dg_weights.items()}
+        return (_add_cotangents(dg_args, in_args), weights, _add_cotangents(dg_hidden, in_hidden),
+                _add_cotangents(dg_other, in_other))
+
     # --- hooks ----------------------------------------------------------------------------
+
+    def _exit_cotangent(self, aux: Any, new_hidden: dict[Path, Any]) -> dict[Path, Any] | None:
+        """Multi-step: an extra cotangent on the window's exit hidden values (default: none).
+
+        A learner that returns ``{path: cotangent}`` (shaped, typed and unit-carrying like
+        ``new_hidden[path]``; missing paths count as zero) gets it pushed through the window's
+        transposed computation a second time (see :meth:`_with_exit_pass`); ``aux`` is what
+        :meth:`_get_update_aux` returned for the call.
+        """
+        return None
 
     def _get_etrace_data(self) -> Any:
         raise NotImplementedError
@@ -721,11 +767,54 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
     def _compute_learning_signal(self, dl_to_hidden_from_autodiff: list[Any], args: Any) -> list[Any]:
         return dl_to_hidden_from_autodiff
 
-    def _get_update_aux(self) -> Any:
+    def _get_update_aux(self, args: tuple[Any, ...], **options: Any) -> Any:
+        """What the call passes to the rule beside the model's inputs (read before tracing).
+
+        A learner that takes keyword options validates them here; by default there are none.
+        """
+        if options:
+            names = ", ".join(f"{k}=" for k in sorted(options))
+            hint = (" modulator= is read by learning_signal='modulatory' (braintrace.ThreeFactor)."
+                    if "modulator" in options else "")
+            raise TypeError(
+                f"{type(self).__name__}.update() got keyword option(s) {names} it does not take: model "
+                f"inputs are passed positionally (learner(x)), and this learner has no keyword options.{hint}")
         return None
 
 
 ETraceVjpAlgorithm.__module__ = "braintrace"
+
+
+def _zero_cotangent(c: Any) -> Any:
+    """A symbolic zero in place of the cotangent ``c``."""
+    return c if isinstance(c, ad.Zero) else ad.Zero(jax.typeof(c).to_tangent_aval())
+
+
+def _materialised(tree: Any) -> Any:
+    """``tree`` with its symbolic zeros made arrays.
+
+    For a window's outputs: JAX's transpose of the scan that stacks them passes a symbolic zero
+    on the stacked outputs into the per-step body unsliced, and fails on its shape.
+    """
+    return jax.tree.map(lambda c: ad.instantiate_zeros(c) if isinstance(c, ad.Zero) else c, tree,
+                        is_leaf=lambda x: isinstance(x, ad.Zero))
+
+
+def _injection_cotangents(d_out: Any, d_hid: Any, d_oth: Any, exit_cotangent: dict[Path, Any]) -> tuple[Any, Any, Any]:
+    """The window's output cotangents with only ``exit_cotangent`` on the new hidden values."""
+    def zeros(tree: Any) -> Any:
+        return jax.tree.map(_zero_cotangent, tree, is_leaf=lambda x: isinstance(x, ad.Zero))
+
+    hidden = {p: exit_cotangent[p] if p in exit_cotangent else zeros(c) for p, c in d_hid.items()}
+    return _materialised(zeros(d_out)), hidden, zeros(d_oth)
+
+
+def _add_cotangents(a: Any, b: Any) -> Any:
+    """``a + b`` leaf by leaf (integer inputs' ``float0`` cotangents stay as they are)."""
+    def add(x: Any, y: Any) -> Any:
+        return x if getattr(x, "dtype", None) == jax.dtypes.float0 else x + y
+
+    return jax.tree.map(add, a, b)
 
 
 def add_to_leaf(tree: Any, leaf_index: int, value: Any) -> Any:

@@ -45,7 +45,10 @@ from typing import Any, NamedTuple, NoReturn, Sequence
 import jax
 import jax.numpy as jnp
 
-__all__ = ["ETraceConfig", "Recurrence", "recurrence", "engine_config", "require_feedback_key"]
+__all__ = [
+    "ETraceConfig", "Recurrence", "recurrence", "engine_config", "require_feedback_key",
+    "require_single_step_modulator",
+]
 
 TRACE_FACTORIZATIONS = ("per_param", "io_factorized", "random_projection")
 TEMPORAL_RECURSIONS = ("jacobian", "scalar_leak", "none")
@@ -426,11 +429,11 @@ def recurrence(config: ETraceConfig) -> Recurrence | None:
 
 #: Where the learning signals no engine realises yet will come from.
 _SIGNAL_PROVIDERS = {
-    "modulatory": "learning_signal='modulatory' (a modulator in place of ∂L/∂h) is the coordinate of "
-                  "the ThreeFactor learner, which braintrace does not provide yet",
+    "modulatory": "learning_signal='modulatory' (a modulator in place of ∂L/∂h) is realised by the "
+                  "per_param and io_factorized engines (braintrace.ThreeFactor is the per_param one)",
     "bootstrapped": "learning_signal='bootstrapped' needs a synthetic future gradient injected at every "
-                    "window exit, a hook only the DNI learner overrides (braintrace does not provide it "
-                    "yet); use DNI once it exists",
+                    "window exit, a hook only the DNI learner overrides; use braintrace.DNI (compile "
+                    "name 'dni') with a braintrace.SyntheticGradient",
     "random_feedback": "learning_signal='random_feedback' is realised by the per_param and io_factorized "
                        "engines",
 }
@@ -459,6 +462,15 @@ def engine_config(config: Any, factorization: str, learner: str, signals: Sequen
     if config.learning_signal not in signals:
         raise NotImplementedError(f"{learner}: {_SIGNAL_PROVIDERS[config.learning_signal]}.")
     return config
+
+
+def require_single_step_modulator(config: ETraceConfig, vjp_method: str, learner: str) -> None:
+    """Refuse ``learning_signal='modulatory'`` outside ``vjp_method='single-step'``."""
+    if config.learning_signal == "modulatory" and vjp_method != "single-step":
+        raise ValueError(
+            f"{learner}: learning_signal='modulatory' needs vjp_method='single-step', got {vjp_method!r}: in a "
+            f"multi-step window the exact in-window reverse-mode term of the relation weights would stay "
+            f"unmodulated. Call the learner once per time step with its modulator.")
 
 
 def require_feedback_key(config: ETraceConfig, key: Any, learner: str) -> None:

@@ -63,10 +63,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from braintrace._algorithm.base import EligibilityTrace, ETraceVjpAlgorithm
-from braintrace._algorithm.config import ETraceConfig, engine_config, recurrence, require_feedback_key
+from braintrace._algorithm.config import (
+    ETraceConfig,
+    engine_config,
+    recurrence,
+    require_feedback_key,
+    require_single_step_modulator,
+)
 from braintrace._algorithm.graph_executor import detached_df_key, df_key, history_jacobian_key, trace_key, widens
 from braintrace._algorithm.input_data import get_single_step_data
 from braintrace._algorithm.learning_signal import SignalPair, draw_feedback, feedback_signals
+from braintrace._algorithm.modulator import ModulatorSlot, modulator_signals, without_etp_gradients
 from braintrace._algorithm.snn_helpers import FixedRandomFeedback
 from braintrace._compiler import DEFAULT_MAX_JACOBIAN_ELEMENTS, ControlFlowPolicy
 from braintrace._compiler.snap_pattern import gather_signal
@@ -144,7 +151,7 @@ class BackwardResidual(NamedTuple):
     new_trace: dict[Any, Trace] | None = None
 
 
-class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
+class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
     """The per-parameter trace engine: every ``per_param`` coordinate of :class:`~braintrace.ETraceConfig`.
 
     The trace has the dimension of the parameters (see the module docstring). The coordinate
@@ -158,7 +165,10 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
     * ``trace_filter='kappa'``: the gradient reads the filtered trace ``ē ← κ ē + ε`` (EProp's
       filter, advanced once per time step in the forward pass; windows then roll step by step);
     * ``learning_signal='random_feedback'``: the relation weights meet the random projection of
-      ``∂L/∂h`` (see :mod:`braintrace._algorithm.learning_signal`) in place of their same-step term.
+      ``∂L/∂h`` (see :mod:`braintrace._algorithm.learning_signal`) in place of their same-step term;
+    * ``learning_signal='modulatory'`` (single step only): the relation weights' whole gradient is
+      ``⟨expand(m), ē^t⟩`` for the call's modulator ``m`` (see :mod:`braintrace._algorithm.modulator`),
+      the other parameters keep their exact one-step gradient.
 
     What a call adds to the exact one-step (single-step) or in-window (multi-step) gradient:
 
@@ -204,9 +214,11 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
     ValueError
         For a config of another trace factorization, ``'random_feedback'`` without a key, or a
         ceiling below 1.
+    ValueError
+        For ``learning_signal='modulatory'`` with ``vjp_method='multi-step'``.
     NotImplementedError
-        For ``learning_signal='modulatory'`` or ``'bootstrapped'`` (other learners' coordinates);
-        at compile time, for a ``coupled`` or ``sparse_n`` scope over a descended scan.
+        For ``learning_signal='bootstrapped'`` (DNI's coordinate); at compile time, for a
+        ``coupled`` or ``sparse_n`` scope over a descended scan.
 
     Examples
     --------
@@ -249,6 +261,7 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
         ceiling = _element_ceiling(snap_max_jacobian_elements, type(self).__name__)
         super().__init__(model, name=name, vjp_method=vjp_method, control_flow=control_flow, config=config)
         require_feedback_key(self.config, random_feedback_key, type(self).__name__)
+        require_single_step_modulator(self.config, vjp_method, type(self).__name__)
         self.fast_solve = bool(fast_solve)
         self.trace_dtype = None if trace_dtype is None else jnp.dtype(trace_dtype)
         self.chunked_trace = bool(chunked_trace)
@@ -267,15 +280,19 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
 
     def _check_config(self, config: Any) -> ETraceConfig:
         return engine_config(self._default_config if config is None else config, "per_param",
-                             type(self).__name__, ("symmetric", "random_feedback"))
+                             type(self).__name__, ("symmetric", "random_feedback", "modulatory"))
 
     @property
     def replaces_signal(self) -> bool:
-        """Whether the relation weights meet a learning signal other than ``∂L/∂h`` (random feedback)."""
-        return self.config.learning_signal == "random_feedback"
+        """Whether the relation weights meet a learning signal other than ``∂L/∂h`` (random
+        feedback, a modulator)."""
+        return self.config.learning_signal in ("random_feedback", "modulatory")
 
     def _learning_signals(self, signals: Sequence[jax.Array], args: Any) -> list[jax.Array]:
-        """The learning signal of every group, replacing ``g`` when :attr:`replaces_signal`."""
+        """The learning signal of every group, replacing ``g`` when :attr:`replaces_signal`
+        (``args`` ends with the call's modulator under ``learning_signal='modulatory'``)."""
+        if self._modulated:
+            return modulator_signals(args[-1], signals, self.graph)
         return feedback_signals(signals, self._feedback_matrices, self.graph, type(self).__name__)
 
     # --- trace storage --------------------------------------------------------------------
@@ -616,6 +633,8 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
             return BackwardResidual(BackwardTrace(old_etrace["filt"] if filtered else old_etrace, None))
         old_eps = old_etrace["eps"] if filtered else old_etrace
         new_eps = new_etrace["eps"] if filtered else new_etrace
+        if self._modulated:
+            return BackwardResidual(BackwardTrace({}, None), learning_trace=new_etrace["filt"] if filtered else new_eps)
         history = self._history_trace(old_eps, new_eps, jac)
         if not self.replaces_signal:
             return BackwardResidual(history, old_filter=old_etrace["filt"] if filtered else None)
@@ -697,6 +716,11 @@ class ParamDimVjpAlgorithm(ETraceVjpAlgorithm):
         weight_vals: dict[Path, Any], dl_to_nonetws_at_t: dict[Path, Any], dl_to_etws_at_t: dict[Path, Any],
     ) -> dict[Path, Any]:
         residual = BackwardResidual(*etrace_h2w_at_t)
+        if self._modulated:  # ⟨s, ē^t⟩ is the relation weights' whole gradient
+            s = [p.learning for p in dl_to_hidden_groups]
+            plain = without_etp_gradients(dl_to_etws_at_t, self._relation_parameter_paths())
+            assert residual.learning_trace is not None, "the single-step residual of a modulated rule"
+            return self._solve_traces(BackwardTrace(residual.learning_trace, None), s, weight_vals, plain)
         if self.replaces_signal:
             g = [p.autodiff for p in dl_to_hidden_groups]
             s = [p.learning for p in dl_to_hidden_groups]

@@ -182,7 +182,8 @@ class OSTTP(ParamDimVjpAlgorithm):
         finally:
             self._y_target = None
 
-    def _get_update_aux(self) -> Any:
+    def _get_update_aux(self, args: tuple[Any, ...], **options: Any) -> Any:
+        super()._get_update_aux(args, **options)
         return self._y_target
 
     def _learning_signals(self, signals: Sequence[jax.Array], args: Any) -> list[jax.Array]:

@@ -112,13 +112,13 @@ class DenseLeakRule(ETraceVjpAlgorithm):
                         f"{tuple(group.varshape)} of group {group.index}; use D_RTRL."
                     )
 
-    def update(self, *args: Any) -> Any:
+    def update(self, *args: Any, **options: Any) -> Any:
         if has_multistep_data(*args):
             raise NotImplementedError(
                 f"{type(self).__name__} v1 supports single-step only: call it once per time step "
                 f"(MultiStepData inputs need D_RTRL or pp_prop with vjp_method='multi-step')."
             )
-        return super().update(*args)
+        return super().update(*args, **options)
 
     def _relation_signal(self, rel: Any, signals: Sequence[jax.Array]) -> jax.Array:
         """``L = Σ_a g[..., a]`` summed over the relation's groups, shaped like ``y``."""

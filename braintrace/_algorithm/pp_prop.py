@@ -63,9 +63,16 @@ import jax
 import jax.numpy as jnp
 
 from braintrace._algorithm.base import EligibilityTrace, ETraceVjpAlgorithm
-from braintrace._algorithm.config import ETraceConfig, engine_config, recurrence, require_feedback_key
+from braintrace._algorithm.config import (
+    ETraceConfig,
+    engine_config,
+    recurrence,
+    require_feedback_key,
+    require_single_step_modulator,
+)
 from braintrace._algorithm.graph_executor import df_key
 from braintrace._algorithm.learning_signal import SignalPair, draw_feedback, feedback_signals
+from braintrace._algorithm.modulator import ModulatorSlot, modulator_signals, without_etp_gradients
 from braintrace._algorithm.snn_helpers import FixedRandomFeedback
 from braintrace._compiler import ControlFlowPolicy
 from braintrace._op import _registries as reg
@@ -143,7 +150,7 @@ def parse_decay_pair(decay_or_rank: Any) -> tuple[float, float]:
     return decay, decay
 
 
-class IODimVjpAlgorithm(ETraceVjpAlgorithm):
+class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
     """The IO-dim eligibility-trace learner: every ``io_factorized`` coordinate of
     :class:`~braintrace.ETraceConfig` (see the module docstring).
 
@@ -196,8 +203,9 @@ class IODimVjpAlgorithm(ETraceVjpAlgorithm):
         another trace factorization, or ``'random_feedback'`` without a key.
     TypeError
         For a ``config`` that is not an ETraceConfig.
+        Also for ``learning_signal='modulatory'`` with ``vjp_method='multi-step'``.
     NotImplementedError
-        For ``learning_signal='modulatory'`` or ``'bootstrapped'`` (other learners' coordinates).
+        For ``learning_signal='bootstrapped'`` (DNI's coordinate).
 
     Examples
     --------
@@ -240,6 +248,7 @@ class IODimVjpAlgorithm(ETraceVjpAlgorithm):
                     f"decays ({config.decay_x}, {config.decay_f}); the config is authoritative, so pass "
                     f"decay_or_rank=None (or the same decays).")
         require_feedback_key(config, random_feedback_key, type(self).__name__)
+        require_single_step_modulator(config, vjp_method, type(self).__name__)
         super().__init__(model, name=name, vjp_method=vjp_method, control_flow=control_flow, config=config)
         self.vjp_executor.recurrence = recurrence(config)
         self.random_feedback_key = random_feedback_key
@@ -252,7 +261,8 @@ class IODimVjpAlgorithm(ETraceVjpAlgorithm):
         self._x_reprs: dict[int, tuple[Any, dict[str, Any]]] = {}
 
     def _check_config(self, config: Any) -> ETraceConfig:
-        return engine_config(config, "io_factorized", type(self).__name__, ("symmetric", "random_feedback"))
+        return engine_config(config, "io_factorized", type(self).__name__,
+                             ("symmetric", "random_feedback", "modulatory"))
 
     @property
     def decay_x(self) -> float:
@@ -508,6 +518,8 @@ class IODimVjpAlgorithm(ETraceVjpAlgorithm):
         return new, instant, old, {i: previous[i] for i in self._groups_read_past_update()}
 
     def _compute_learning_signal(self, dl_to_hidden_from_autodiff: list[Any], args: Any) -> list[Any]:
+        if self._modulated:  # args ends with the call's modulator
+            return modulator_signals(args[-1], dl_to_hidden_from_autodiff, self.graph)
         if self.config.learning_signal != "random_feedback":
             return dl_to_hidden_from_autodiff
         learning = feedback_signals(dl_to_hidden_from_autodiff, self._feedback_matrices, self.graph,
@@ -525,6 +537,8 @@ class IODimVjpAlgorithm(ETraceVjpAlgorithm):
         weight_vals: dict[Path, Any], dl_to_nonetws_at_t: dict[Path, Any], dl_to_etws_at_t: dict[Path, Any],
     ) -> dict[Path, Any]:
         etrace, instant, entering, read_past = etrace_h2w_at_t
+        if self._modulated:  # the estimate meets the modulator and is the relation weights' whole gradient
+            return self._solve_modulated(etrace, dl_to_hidden_groups, weight_vals, dl_to_etws_at_t)
         grads = dict(dl_to_etws_at_t)
         for path, g in dl_to_nonetws_at_t.items():
             grads[path] = g if grads.get(path) is None else jax.tree.map(jnp.add, grads[path], g)
@@ -553,6 +567,22 @@ class IODimVjpAlgorithm(ETraceVjpAlgorithm):
                     same = self._pull_back(rel, group, x_t, instant[1][key] * autodiff, weights)
                     per_key = {k: v if k in covered else v - same[k] for k, v in per_key.items()}
                 for k, dw in per_key.items():
+                    grads = self._add_operand_gradient(grads, rel, k, dw, weight_vals)
+        return grads
+
+    def _solve_modulated(
+        self, etrace: IOTrace, modulators: Sequence[jax.Array], weight_vals: dict[Path, Any], grads: dict[Path, Any],
+    ) -> dict[Path, Any]:
+        """``⟨expand(m), x̄ ⊗ ε_f / c⟩`` per relation, the ETP parameters' autodiff terms dropped."""
+        grads = without_etp_gradients(grads, self._relation_parameter_paths())
+        for rel in self.graph.hidden_param_op_relations:
+            weights = self._relation_operands(rel, weight_vals)
+            x_trace = None if rel.x_var is None else etrace["xs"][id(rel.x_var)]
+            for group in rel.hidden_groups:
+                eps_f = etrace["dfs"][df_key(rel, group)]
+                m = modulators[group.index]
+                c = self._correction(etrace["steps"], jnp.result_type(eps_f, m))
+                for k, dw in self._pull_back(rel, group, x_trace, (eps_f / c) * m, weights).items():
                     grads = self._add_operand_gradient(grads, rel, k, dw, weight_vals)
         return grads
 

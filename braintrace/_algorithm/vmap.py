@@ -60,6 +60,42 @@ class ETraceVmap(SequenceDriverMixin, brainstate.nn.Vmap):
         super().__init__(module, vmap_states=vmap_states, **kwargs)
         self._lane_states = vmap_states
 
+    def update(self, *args: Any, **options: Any) -> Any:
+        """One call of every lane; keyword options (``modulator=``) are mapped over the lanes too.
+
+        An option's every leaf carries the lanes on axis 0, like the inputs: a value shared by all
+        lanes is broadcast first (``jnp.full((batch_size,), r)``).
+
+        Raises
+        ------
+        ValueError
+            For an option leaf without the lanes on axis 0.
+        """
+        if not options:
+            return super().update(*args)
+        lanes = self._lane_count()
+        for name, value in options.items():
+            for leaf in jax.tree.leaves(value):
+                if jnp.ndim(leaf) == 0 or (lanes is not None and jnp.shape(leaf)[0] != lanes):
+                    raise ValueError(
+                        f"ETraceVmap: the option {name}= is mapped over the {lanes} lanes like the inputs, so "
+                        f"its leaves need the lanes on axis 0; got shape {tuple(jnp.shape(leaf))}. Broadcast a "
+                        f"shared value first, e.g. {name}=jnp.full(({lanes},), value).")
+        learner = self.module
+        lanes_states = learner.states(self._lane_states)
+
+        @brainstate.transform.vmap(in_axes=(self.in_axes if isinstance(self.in_axes, int) else tuple(self.in_axes), 0),
+                                   out_axes=self.out_axes, in_states=lanes_states, out_states=lanes_states)
+        def run(call_args: tuple[Any, ...], call_options: dict[str, Any]) -> Any:
+            return learner(*call_args, **call_options)
+
+        return run(args, options)
+
+    def _lane_count(self) -> int | None:
+        leaves = jax.tree.leaves(self.module.states(self._lane_states).to_dict_values())
+        sizes = {int(jnp.shape(leaf)[0]) for leaf in leaves if jnp.ndim(leaf)}
+        return sizes.pop() if len(sizes) == 1 else None
+
     def reset(self) -> None:
         """Start new sequences in every lane: :meth:`ETraceAlgorithm.reset` of each sample.
 
@@ -79,11 +115,8 @@ class ETraceVmap(SequenceDriverMixin, brainstate.nn.Vmap):
         """
         learner = self.module
         lanes = learner.states(self._lane_states)
-        # Every per-sample state leads with the batch axis.
-        sizes = {int(jnp.shape(leaf)[0]) for leaf in jax.tree.leaves(lanes.to_dict_values()) if jnp.ndim(leaf)}
-        size = sizes.pop() if len(sizes) == 1 else None
 
-        @brainstate.transform.vmap(in_states=lanes, out_states=lanes, axis_size=size)
+        @brainstate.transform.vmap(in_states=lanes, out_states=lanes, axis_size=self._lane_count())
         def reset_lanes() -> None:
             learner.reset()
 

@@ -488,8 +488,11 @@ ENGINE_REFUSALS = [
     (lambda m: braintrace.pp_prop(m, None, config=Config(trace_factorization=IO, decay=0.5,
                                                        learning_signal="random_feedback")), ValueError,
      "needs random_feedback_key"),
-    (lambda m: braintrace.ParamDimVjpAlgorithm(m, config=Config(learning_signal="modulatory")), NotImplementedError,
-     "ThreeFactor"),
+    (lambda m: braintrace.ParamDimVjpAlgorithm(m, vjp_method="multi-step", config=Config(learning_signal="modulatory")),
+     ValueError, "modulatory' needs vjp_method='single-step'"),
+    (lambda m: braintrace.RandomProjectionVjpAlgorithm(
+        m, config=Config(trace_factorization=RP, recurrence_scope="coupled", learning_signal="modulatory")),
+     NotImplementedError, "per_param and io_factorized engines \\(braintrace.ThreeFactor"),
     (lambda m: braintrace.pp_prop(m, 0.5, config=Config(trace_factorization=IO, decay=0.5,
                                                       learning_signal="bootstrapped")), NotImplementedError, "DNI"),
     (lambda m: braintrace.RandomProjectionVjpAlgorithm(
