@@ -39,7 +39,9 @@ from braintrace._algorithm import (
     pp_prop,
     train_synthetic_gradient,
 )
+from braintrace._audit import GradientAudit, GradientRow, LearnerComparison, check_gradients, compare_learners
 from braintrace._compile import compile
+from braintrace._memory import MemoryEstimate, MemoryPlan, estimate_memory, learner_memory
 from braintrace._checkpoint import load_checkpoint, save_checkpoint
 from braintrace._compiler import (
     CompilationRecord,
@@ -165,6 +167,15 @@ __all__ = [
     "DNI",
     "SyntheticGradient",
     "train_synthetic_gradient",
+    "check_gradients",
+    "compare_learners",
+    "GradientAudit",
+    "GradientRow",
+    "LearnerComparison",
+    "estimate_memory",
+    "learner_memory",
+    "MemoryPlan",
+    "MemoryEstimate",
     "ETraceConfig",
 ]
 

@@ -34,13 +34,15 @@ EXPECTED_ALL = [
     "save_checkpoint", "load_checkpoint",
     "RandomProjectionVjpAlgorithm", "UORO", "SnAp",
     "ThreeFactor", "DNI", "SyntheticGradient", "train_synthetic_gradient",
+    "check_gradients", "compare_learners", "GradientAudit", "GradientRow", "LearnerComparison",
+    "estimate_memory", "learner_memory", "MemoryPlan", "MemoryEstimate",
     "ETraceConfig",
 ]
 
 
 def test_all_is_exactly_upstreams() -> None:
     assert braintrace.__all__ == EXPECTED_ALL
-    assert len(EXPECTED_ALL) == 68
+    assert len(EXPECTED_ALL) == 77
     for name in EXPECTED_ALL:
         assert hasattr(braintrace, name), name
 

@@ -413,6 +413,35 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
     def init_etrace_state(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement init_etrace_state().")
 
+    def memory(self, *example_inputs: Any) -> Any:
+        """How much memory one training step of this learner needs (compiled by XLA, not run).
+
+        Parameters
+        ----------
+        *example_inputs
+            Inputs of one step, as the learner is called with (arrays or ``jax.ShapeDtypeStruct``).
+
+        Returns
+        -------
+        MemoryEstimate
+            The learner's trace, parameter and state bytes, and XLA's memory of one online
+            training step (see :func:`braintrace.learner_memory`; :func:`braintrace.estimate_memory`
+            compares learners and BPTT before building any).
+
+        Examples
+        --------
+        >>> import jax.numpy as jnp, braintrace
+        >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), 'd_rtrl', jnp.ones((2, 3)), batch_size=2)
+        >>> row = learner.memory(jnp.ones((2, 3)))
+        >>> row.trace_bytes  # 2 samples · (7·4 + 4) parameters · 1 state · 4 B
+        256
+        >>> row.total_bytes >= row.persistent_bytes
+        True
+        """
+        from braintrace._memory import learner_memory  # the planner sits above the learners
+
+        return learner_memory(self, *example_inputs)
+
     def get_etrace_of(self, weight: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must implement get_etrace_of().")
 
