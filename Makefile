@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test typecheck demo bench docs clean
+.PHONY: test test-exhaustive typecheck demo bench docs clean
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,12 @@ $(VENV)/.docs: $(VENV)/.base pyproject.toml requirements.txt
 	touch $@
 
 test: $(VENV)/.test
-	$(PY) -m pytest -n 2 -q --durations=20
+	$(PY) -m pytest -n 2 -q --durations=20 -m "not exhaustive"
 	$(MAKE) typecheck
+
+# The whole of the test grids whose representative cases run in `make test`.
+test-exhaustive: $(VENV)/.test
+	$(PY) -m pytest -n 2 -q -m exhaustive
 
 typecheck: $(VENV)/.test
 	$(PY) -m mypy

@@ -144,7 +144,9 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
     def report(self) -> CompilationReport:
         if not self.is_compiled:
             raise RuntimeError("The learner is not compiled yet: call compile_graph(example_input) first.")
-        return CompilationReport(self.graph)
+        from braintrace._algorithm.exactness import relation_labels  # the rules import this module
+
+        return CompilationReport(self.graph, labels=relation_labels(self))
 
     @property
     def path_to_states(self) -> dict[Path, brainstate.State]:

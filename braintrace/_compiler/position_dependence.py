@@ -53,6 +53,7 @@ __all__ = [
     "AxisPatterns",
     "group_adjacency",
     "tail_reach",
+    "read_tail",
     "tail_relabels_positions",
     "Coverage",
     "warn_relabelling_tails",
@@ -115,7 +116,9 @@ def _concatenate(eqn: JaxprEqn, deps: list[Dependence | None], widths: tuple[int
     hidden = [d for d in deps if d is not None]
     rows = [d[axis] if d is not None else np.zeros((_shape(a)[axis], widths[axis]), bool)
             for a, d in zip(eqn.invars, deps)]
-    return tuple(np.concatenate(rows, axis=0) if i == axis else _or(hidden)[i] for i in range(len(widths)))
+    # The other axes OR the operands' relations; the joined axis differs in length between them.
+    return tuple(np.concatenate(rows, axis=0) if i == axis else np.logical_or.reduce([d[i] for d in hidden])
+                 for i in range(len(widths)))
 
 
 def _slice(eqn: JaxprEqn, dep: Dependence) -> Dependence:
@@ -225,13 +228,14 @@ def _eqn_dependence(eqn: JaxprEqn, deps: list[Dependence | None], widths: tuple[
     raise _Unreadable(f"`{name}` has no position rule")
 
 
-def group_adjacency(group: HiddenGroup) -> tuple[AxisPatterns, str | None]:
+def group_adjacency(group: HiddenGroup, varshape: Sequence[int] | None = None) -> tuple[AxisPatterns, str | None]:
     """The one-step adjacency of ``group`` per axis of its ``varshape``, and why it is conservative.
 
     The walk starts from the group's hidden inputs with the identity relation and ORs the
     relations of the hidden outputs: ``A_i[q, p]`` says that index ``q`` of axis ``i`` reads
     index ``p`` of the previous step. When it cannot read the transition, every axis is
-    all-to-all and the reason is returned.
+    all-to-all and the reason is returned. ``varshape`` replaces the group's (the positions one
+    lane of a vmapped learner traces, without the batch axis its states carry).
 
     Returns
     -------
@@ -248,7 +252,7 @@ def group_adjacency(group: HiddenGroup) -> tuple[AxisPatterns, str | None]:
     >>> bool(adjacency.all()), reason  # the dense recurrence: every unit reads every unit
     (True, None)
     """
-    varshape = tuple(group.varshape)
+    varshape = tuple(group.varshape if varshape is None else varshape)
     everything = tuple(np.ones((v, v), bool) for v in varshape)
     jaxpr = group.transition_jaxpr
     try:
@@ -278,14 +282,31 @@ def tail_reach(tail: Jaxpr, varshape: Sequence[int]) -> Dependence | None:
     >>> tail_reach(rolled, (3,))[0].astype(int).tolist()  # h[q] reads y[q - 1]
     [[0, 0, 1], [1, 0, 0], [0, 1, 0]]
     """
+    return read_tail(tail, varshape)[0]
+
+
+def read_tail(tail: Jaxpr, varshape: Sequence[int]) -> tuple[Dependence | None, str | None]:
+    """:func:`tail_reach` and, when it is ``None``, why the tail could not be read.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp
+    >>> from braintrace._compiler.position_dependence import read_tail
+    >>> summed = jax.make_jaxpr(lambda y: jnp.cumsum(y))(jnp.zeros(3)).jaxpr
+    >>> read_tail(summed, (3,))
+    (None, '`cumsum` has no position rule')
+    >>> read_tail(summed, (1, 3))[1]
+    'y of shape (3,) is not laid out over the positions (1, 3)'
+    """
     varshape = tuple(varshape)
     if len(tail.invars) != 1 or _shape(tail.invars[0]) != varshape:
-        return None
+        shapes = ", ".join(str(_shape(v)) for v in tail.invars)
+        return None, f"y of shape {shapes} is not laid out over the positions {varshape}"
     try:
         outs = [d for d in _walk(tail, [_identity(varshape)], varshape) if d is not None]
-    except _Unreadable:
-        return None
-    return _or(outs) if outs else tuple(np.zeros((v, v), bool) for v in varshape)
+    except _Unreadable as why:
+        return None, str(why)
+    return (_or(outs) if outs else tuple(np.zeros((v, v), bool) for v in varshape)), None
 
 
 def tail_relabels_positions(tail: Jaxpr, varshape: Sequence[int]) -> bool:

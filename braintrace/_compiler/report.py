@@ -19,12 +19,14 @@ Examples
 from __future__ import annotations
 
 import sys
-from typing import TextIO
+from typing import Iterable, TextIO
 
 import brainstate
 
 from braintrace._compiler.diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel
+from braintrace._compiler.exactness_label import ExactnessLabel
 from braintrace._compiler.graph import ETraceGraph
+from braintrace._compiler.hid_param_op import HiddenParamOpRelation
 from braintrace._compiler.module_info import Path
 
 __all__ = ["CompilationReport"]
@@ -44,20 +46,38 @@ class CompilationReport:
     Parameters
     ----------
     graph : ETraceGraph
+    labels : iterable of ExactnessLabel, optional
+        One per relation of ``graph``, in relation order: whether a learner's online gradient of
+        the relation's weights equals BPTT's (``learner.report`` passes the learner's; see
+        :mod:`braintrace._algorithm.exactness`). Without labels the report lists none.
+
+    Raises
+    ------
+    TypeError
+        If a label is not an ``ExactnessLabel``.
+    ValueError
+        If the labels do not match the graph's relations one by one.
 
     Examples
     --------
     >>> import jax.numpy as jnp, braintrace
     >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL, jnp.ones(3))
-    >>> report = learner.report  # a CompilationReport of learner.graph
+    >>> report = learner.report  # a CompilationReport of learner.graph, with D_RTRL's labels
     >>> report.hidden_groups, report.excluded_weights
     ([(0, [('h',)])], [])
     >>> report.counts
     {'hidden_groups': 1, 'etrace_weights': 2, 'excluded_weights': 0, 'warnings': 0, 'errors': 0}
+    >>> [label.exact for label in report.exactness]  # the recurrent weight mixes the units
+    [False]
+    >>> snap = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), 'snap', jnp.ones(3))
+    >>> print(snap.report.to_str().split('\n\n')[-1])  # SnAp-2 saturates on a dense recurrence
+    Exactness of the online gradient per relation (single step, or windows with the trace entering each window):
+       Relation 0: ('W', 'weight') -> hidden group 0 [('h',)]: exact
     """
 
-    def __init__(self, graph: ETraceGraph) -> None:
+    def __init__(self, graph: ETraceGraph, labels: Iterable[ExactnessLabel] | None = None) -> None:
         self.graph = graph
+        self._labels = _checked_labels(graph, labels)
 
     @property
     def hidden_groups(self) -> list[tuple[int, list[Path]]]:
@@ -108,6 +128,11 @@ class CompilationReport:
         return tuple(self.graph.diagnostics)
 
     @property
+    def exactness(self) -> tuple[ExactnessLabel, ...]:
+        """The learner's :class:`ExactnessLabel` per relation (empty for a report of a bare graph)."""
+        return self._labels
+
+    @property
     def counts(self) -> dict[str, int]:
         levels = [r.level for r in self.graph.diagnostics]
         return {
@@ -135,9 +160,14 @@ class CompilationReport:
             lines = ["The weight parameters which are associated with the hidden states are:"]
             keyed = [(key, path, rel) for rel in relations for key, path in rel.trainable_paths.items()]
             for i, (key, path, rel) in enumerate(keyed):
-                idx = [g.index for g in rel.hidden_groups]
-                where = f"group {idx[0]}" if len(idx) == 1 else f"groups {idx}"
-                lines.append(f"   Weight {i}: {path} ({key!r})  is associated with hidden {where}")
+                lines.append(f"   Weight {i}: {path} ({key!r})  is associated with hidden {_groups_of(rel)}")
+            sections.append("\n".join(lines))
+        if self._labels:
+            lines = ["Exactness of the online gradient per relation (single step, or windows with the trace "
+                     "entering each window):"]
+            for i, (label, rel) in enumerate(zip(self._labels, relations)):
+                lines.append(f"   Relation {i}: {label.weight_path} -> hidden {_groups_of(rel)} "
+                             f"{list(label.hidden_paths)}: {label.describe()}")
             sections.append("\n".join(lines))
         if self.excluded_weights:
             lines = ["The non-etrace weight parameters are:"]
@@ -164,4 +194,28 @@ class CompilationReport:
 
 
 CompilationReport.__module__ = "braintrace"
+
+
+def _groups_of(relation: HiddenParamOpRelation) -> str:
+    """``'group 0'`` or ``'groups [0, 1]'``: the hidden groups a relation drives."""
+    idx = [g.index for g in relation.hidden_groups]
+    return f"group {idx[0]}" if len(idx) == 1 else f"groups {idx}"
+
+
+def _checked_labels(graph: ETraceGraph, labels: Iterable[ExactnessLabel] | None) -> tuple[ExactnessLabel, ...]:
+    if labels is None:
+        return ()
+    labels = tuple(labels)
+    for label in labels:
+        if not isinstance(label, ExactnessLabel):
+            raise TypeError(f"CompilationReport: labels must be ExactnessLabel objects, got {type(label).__name__}.")
+    relations = graph.hidden_param_op_relations
+    if len(labels) != len(relations) or any(
+            label.weight_path != rel.path or label.hidden_paths != tuple(rel.connected_hidden_paths)
+            for label, rel in zip(labels, relations)):
+        raise ValueError(
+            f"CompilationReport: the {len(labels)} label(s) do not match the graph's {len(relations)} relation(s) "
+            f"one by one (weight path and hidden paths, in relation order); label the learner that compiled "
+            f"this graph, e.g. learner.report.")
+    return labels
 
