@@ -70,8 +70,7 @@ class CompilationReport:
     >>> [label.exact for label in report.exactness]  # the recurrent weight mixes the units
     [False]
     >>> snap = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), 'snap', jnp.ones(3))
-    >>> print(snap.report.to_str().split('\n\n')[-1])  # SnAp-2 saturates on a dense recurrence
-    Exactness of the online gradient per relation (single step, or windows with the trace entering each window):
+    >>> print(snap.report.to_str().splitlines()[-1])  # SnAp-2 saturates on a dense recurrence
        Relation 0: ('W', 'weight') -> hidden group 0 [('h',)]: exact
     """
 
