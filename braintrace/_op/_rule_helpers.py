@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any, Callable, cast
+from typing import Any, Callable, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,7 @@ __all__ = [
     "mix_states",
     "no_hooks",
     "propagate_df",
+    "ROWS_PER_ITERATION",
     "SPELLED_OUT_STATES",
     "pullback",
     "sum_leading",
@@ -43,8 +44,11 @@ __all__ = [
     "sum_states",
     "strip_hooks",
     "sum_rows",
+    "sum_over_rows",
     "zeros_pp",
 ]
+
+Tree = TypeVar("Tree")
 
 #: The static parameters that hold parameter transforms, across every operator family.
 HOOK_NAMES = ("weight_fn", "bias_fn", "kernel_fn", "a_fn", "b_fn")
@@ -160,9 +164,9 @@ SPELLED_OUT_STATES = 4
 def sum_states(x: Array) -> Array:
     """``Σ_a x[..., a]`` over the trailing (hidden-state) axis, as a sum of slices.
 
-    A reduction over that small axis, fused with the products that feed it, goes to the same
-    slow CPU library fusion as :func:`sum_leading` describes; slices and adds fuse as
-    element-wise work. Axes wider than :data:`SPELLED_OUT_STATES` are reduced directly.
+    On CPU, XLA hands a reduction over that small axis whose operand is a product of several
+    arrays to a library fusion much slower than slices and adds, which fuse as element-wise
+    work. Axes wider than :data:`SPELLED_OUT_STATES` are reduced directly.
 
     Examples
     --------
@@ -194,11 +198,7 @@ def sum_over_states(signal: Array, trace: Array) -> Array:
 
 
 def sum_leading(x: Array, num_axes: int = 1) -> Array:
-    """``x`` summed over its ``num_axes`` leading axes, as a pairwise tree of slices and adds.
-
-    On CPU, XLA hands a reduction over a leading (batch) axis whose operand is a product of
-    several arrays to a library fusion that can be one to two orders of magnitude slower than
-    the element-wise adds of a halving tree, which fuse into one pass with their producers.
+    """``x`` summed over its ``num_axes`` leading axes, as rows (see :func:`sum_over_rows`).
 
     Examples
     --------
@@ -206,16 +206,8 @@ def sum_leading(x: Array, num_axes: int = 1) -> Array:
     >>> sum_leading(jnp.arange(12.0).reshape(3, 2, 2), 2)
     Array([30., 36.], dtype=float32)
     """
-    x = jnp.reshape(x, (-1, *x.shape[num_axes:]))
-    if x.shape[0] == 0:
-        return jnp.zeros(x.shape[1:], x.dtype)
-    while x.shape[0] > 1:
-        half = x.shape[0] // 2
-        folded = x[:half] + x[half : 2 * half]
-        if x.shape[0] % 2:
-            folded = jnp.concatenate([folded[:1] + x[2 * half :], folded[1:]])
-        x = folded
-    return x[0]
+    rows = jnp.reshape(x, (-1, *x.shape[num_axes:]))
+    return sum_over_rows(lambda b: _row_at(rows, b), lambda: rows.sum(axis=0), rows.shape[0])
 
 
 def mix_states(diag: Array, vec: Array) -> Array:
@@ -244,15 +236,59 @@ def mix_states(diag: Array, vec: Array) -> Array:
 
 def sum_rows(solve_row: Callable[[Array, dict[str, Array]], dict[str, Array]],
              signal: Array, trace: dict[str, Array]) -> dict[str, Array]:
-    """``Σ_b solve_row(signal[b], trace[b])`` over the leading (batch) axis, one row at a time.
+    """``Σ_b solve_row(signal[b], trace[b])`` over the leading (batch) axis (see :func:`sum_over_rows`)."""
+    def row(b: Array) -> dict[str, Array]:
+        return solve_row(_row_at(signal, b), {k: _row_at(v, b) for k, v in trace.items()})
 
-    XLA on CPU lowers a contraction over the leading axis of a trace (an einsum over ``b``, or a
-    reduction over axis 0) through a transposed copy of the whole trace or a strided reduction,
-    several times slower than streaming it once; the sum of per-row contractions fuses into one
-    pass over the trace.
+    def vectorised() -> dict[str, Array]:
+        return {k: v.sum(axis=0) for k, v in jax.vmap(solve_row)(signal, trace).items()}
+
+    return sum_over_rows(row, vectorised, signal.shape[0])
+
+
+def _row_at(x: Array, b: Array) -> Array:
+    """``x[b]`` for a traced index ``0 <= b < len(x)``."""
+    return jax.lax.dynamic_index_in_dim(x, b, keepdims=False)
+
+
+#: The rows one iteration of the CPU row loop of :func:`sum_over_rows` adds. Each iteration has
+#: a fixed cost on CPU, and XLA fuses the rows of one iteration into one update of the running sum.
+ROWS_PER_ITERATION = 8
+
+
+def sum_over_rows(row: Callable[[Array], Tree], vectorised: Callable[[], Tree], num_rows: int) -> Tree:
+    """``Σ_b row(b)`` for ``b < num_rows``, a program whose size does not depend on ``num_rows``.
+
+    On CPU a loop adds the rows (:func:`_loop_over_rows`): XLA lowers a reduction over a leading
+    (batch) axis, or a contraction over it, to a strided pass or a transposed copy of the whole
+    operand, over ten times slower on a large trace than streaming it row by row. Elsewhere the
+    batched ``vectorised()`` (the same sum as one reduction) runs.
     """
-    rows = [solve_row(signal[b], {k: v[b] for k, v in trace.items()}) for b in range(signal.shape[0])]
-    return {k: functools.reduce(operator.add, (r[k] for r in rows)) for k in rows[0]}
+    if num_rows == 0:
+        return vectorised()
+    if num_rows == 1:
+        return row(jnp.zeros((), jnp.int32))
+    return jax.lax.platform_dependent(cpu=lambda: _loop_over_rows(row, num_rows), default=vectorised)
+
+
+def _loop_over_rows(row: Callable[[Array], Tree], num_rows: int) -> Tree:
+    """``Σ_b row(b)`` added in the order ``b = 0, 1, …``, :data:`ROWS_PER_ITERATION` rows per
+    iteration of a loop; the last iteration skips the rows past ``num_rows``."""
+    shapes = jax.eval_shape(row, jnp.zeros((), jnp.int32))
+    zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    def add_row(b: Array, total: Tree) -> Tree:
+        inside = b < num_rows
+        value = row(jnp.minimum(b, num_rows - 1))
+        return jax.tree.map(lambda t, r: jax.lax.select(inside, t + r, t), total, value)
+
+    def add_block(block: Array, total: Tree) -> Tree:
+        for offset in range(ROWS_PER_ITERATION):
+            total = add_row(block * ROWS_PER_ITERATION + offset, total)
+        return total
+
+    num_blocks = -(-num_rows // ROWS_PER_ITERATION)
+    return jax.lax.fori_loop(0, num_blocks, add_block, zero)
 
 
 def propagate_df(p_seq: Array, df_seq: Array, num_state: int) -> Array:

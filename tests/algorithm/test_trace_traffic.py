@@ -62,11 +62,12 @@ def _loop_body_hlo(**options: Any) -> str:
 
     text = step.lower(jnp.ones((50, B, I))).compile().as_text()
     computations = {c.split(" ", 1)[0]: c for c in re.split(r"\n(?=%|ENTRY)", text)}
-    # The scan's loop body: the body of the while loop that carries the trace.
+    # The bodies of the while loops that carry the trace: the scan over time, and the loop over
+    # the batch rows of the gradient solve nested in it (on CPU), which must only read it.
     loops = re.findall(r"= \(.*?\) while\(.*?body=(%[\w.\-]+)", text)
     bodies = [computations[name] for name in loops if TRACE_SHAPE in computations[name]]
-    assert len(bodies) == 1, f"expected one while loop carrying the trace, found {loops}"
-    return bodies[0]
+    assert bodies, f"expected a while loop carrying the trace, found {loops}"
+    return "\n".join(bodies)
 
 
 def _trace_sized(body: str) -> list[str]:

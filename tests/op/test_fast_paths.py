@@ -129,3 +129,28 @@ def test_fast_path_is_gated_off_under_any_transform_hook(case: OpCase) -> None:
 @fast_cases
 def test_fast_path_applies_without_hooks(case: OpCase) -> None:
     assert reg.ETP_FAST_PATH_RULES[case.prim].applicable(case.params)
+
+
+BATCHED_FAST = [c for c in FAST if c.prim in reg.BATCHED_PRIMITIVES]
+
+
+@pytest.mark.parametrize("case", BATCHED_FAST, ids=[c.id for c in BATCHED_FAST])
+@states
+def test_folded_solve_off_cpu_equals_the_row_loop(
+    case: OpCase, num_state: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Off CPU the batch fold is one vectorised reduction, on CPU a loop over the rows: same sums."""
+    fp = reg.ETP_FAST_PATH_RULES[case.prim]
+    g, trace = rand(35, (*case.y().shape, num_state)), _traces(case, num_state, 70)
+    assert g.shape[0] > 1, "a batch of several rows, so that the fold is not a single row"
+    on_cpu = jax.jit(lambda s, t: fp.solve(s, t, fold_batch=True))(g, trace)
+    chosen = []
+
+    def off_cpu_branch(*operands: Any, cpu: Any, default: Any) -> Any:
+        chosen.append(default)
+        return default(*operands)
+
+    monkeypatch.setattr(jax.lax, "platform_dependent", off_cpu_branch)
+    off_cpu = jax.jit(lambda s, t: fp.solve(s, t, fold_batch=True))(g, trace)
+    assert chosen, "the fold chooses its form by platform"
+    jax.tree.map(lambda u, v: close(u, v, atol=1e-5), off_cpu, on_cpu)
