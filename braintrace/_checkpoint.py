@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from braintrace._algorithm import ETraceAlgorithm, ETraceVmap
+from braintrace._atomic_file import write_atomically
 from braintrace._errors import NotSupportedError
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
@@ -287,8 +288,10 @@ def save_checkpoint(path: PathLike, learner: Any, *, optimizer: Any = None, extr
     model's other states, eligibility traces, step counters, filters: see
     :mod:`braintrace._checkpoint`), the states of ``optimizer`` (its ``opt_state``, step count,
     learning rates and scheduler counters), and ``extra``. Call it between steps, outside
-    ``jit``. The file is written to a temporary name and renamed, so a crash never leaves a
-    half-written checkpoint; an existing file at ``path`` is replaced.
+    ``jit``. The file is written to a temporary name, flushed to disk and renamed (and the
+    rename flushed), so a crash or ``SIGKILL`` at any point leaves either the previous
+    checkpoint or the new one, whole; an existing file at ``path`` is replaced. A temporary
+    file left by a killed process is removed by the next save to the same path.
 
     Parameters
     ----------
@@ -340,8 +343,9 @@ def save_checkpoint(path: PathLike, learner: Any, *, optimizer: Any = None, extr
         "entries": {name: _header_entry(_spec(e.leaf)) for name, e in entries.items()},
     }
     payload = {"header": header, "entries": {name: e.leaf for name, e in entries.items()}, "extra": extra}
-    written: str = braintools.file.msgpack_save(os.fspath(path), payload)
-    return written
+    filename = os.fspath(path)
+    write_atomically(filename, lambda temp: braintools.file.msgpack_save(temp, payload))
+    return filename
 
 
 def load_checkpoint(path: PathLike, learner: Any, *, optimizer: Any = None, extra: Any = None) -> Any:

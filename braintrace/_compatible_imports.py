@@ -8,6 +8,10 @@ constants: newer JAX builds symbol-only jaxprs whose constant inputs sit at the 
 input list. The split is derived from the number of trailing (non-constant) inputs the caller
 knows, so the same code reads both layouts.
 
+The supported JAX releases (``pyproject.toml``; docs/compatibility.md, "Supported versions")
+differ in one place braintrace relies on: only JAX 0.10.2 lets a ``jax.vjp`` pullback take
+symbolic zeros, so :func:`call_pullback` makes them arrays on the earlier releases.
+
 Examples
 --------
 >>> import jax
@@ -20,8 +24,9 @@ Examples
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
+import jax
 from jax.core import ShapedArray
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.extend import source_info_util
@@ -35,11 +40,36 @@ __all__ = [
     "ad",
     "batching",
     "mlir",
+    "call_pullback",
     "jaxpr_all_invars",
     "jaxpr_constvars",
     "split_jaxpr_invars",
     "source_line",
 ]
+
+
+# JAX 0.10.2 lets a ``jax.vjp`` pullback take symbolic zeros (``ad.Zero``) and skip their work;
+# 0.10.0 and 0.10.1 reject them as a pytree mismatch.
+_PULLBACK_TAKES_SYMBOLIC_ZEROS = jax.__version_info__ >= (0, 10, 2)
+
+
+def call_pullback(vjp_fn: Callable[[Any], Any], cotangents: Any) -> Any:
+    """``vjp_fn(cotangents)`` for a ``jax.vjp`` pullback, where ``cotangents`` may hold ``ad.Zero``.
+
+    The symbolic zeros pass through where JAX takes them and become arrays of zeros where it
+    does not, so the result is the same on every supported JAX.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp
+    >>> _, vjp_fn = jax.vjp(lambda a: (2.0 * a, a), jnp.ones(2))
+    >>> call_pullback(vjp_fn, (jnp.ones(2), ad.Zero(jax.typeof(jnp.ones(2)))))
+    (Array([2., 2.], dtype=float32),)
+    """
+    if not _PULLBACK_TAKES_SYMBOLIC_ZEROS:
+        cotangents = jax.tree.map(lambda c: ad.instantiate_zeros(c) if isinstance(c, ad.Zero) else c,
+                                  cotangents, is_leaf=lambda c: isinstance(c, ad.Zero))
+    return vjp_fn(cotangents)
 
 
 def jaxpr_constvars(jaxpr: Jaxpr) -> list[Var]:

@@ -14,6 +14,8 @@ __all__ = [
     "ModelTypeError",
     "NotSupportedError",
     "CompilationError",
+    "NonFiniteError",
+    "internal_error",
 ]
 
 
@@ -64,7 +66,69 @@ class CompilationError(Exception):
     """
 
 
-for _cls in (NotSupportedError, CompilationError):
+class NonFiniteError(FloatingPointError, ValueError):
+    """A sequence driver met a non-finite value; it stopped there (``check_finite=True``).
+
+    Raised after the loop of :meth:`~braintrace.SequenceDriverMixin.etrace_grad`,
+    ``etrace_evolve`` or ``etrace_train`` when a step produced a NaN or an infinity. The
+    learner's states are left as they were after the last finite step.
+
+    Attributes
+    ----------
+    call : str
+        The driver that stopped (``'etrace_train'``, ...).
+    step : int
+        The index of the first step (along the sequences' time axis) whose value was not
+        finite; in window mode, the first step of that window.
+    what : str
+        Which value: ``'input'`` (a floating leaf of the step's slices), ``'loss'``,
+        ``'gradient'`` (of the step's loss, for a weight), ``'trace'`` (a hidden state,
+        eligibility trace or other state the learner wrote in that step) or ``'update'`` (an
+        optimizer update of ``etrace_train``, reported at the last step before it).
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp, braintrace
+    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL, jnp.ones(3))
+    >>> xs = jnp.ones((5, 3)).at[2, 0].set(jnp.nan)
+    >>> try:
+    ...     learner.etrace_evolve(xs, check_finite=True)
+    ... except braintrace.NonFiniteError as err:
+    ...     print(err.step, err.what, int(learner.running_index.value))
+    2 input 2
+    """
+
+    def __init__(self, call: str, step: int, what: str) -> None:
+        self.call, self.step, self.what = call, step, what
+        if what == "update":
+            told = (f"{call}: the optimizer update after step {step} made a weight or an optimizer "
+                    f"state non-finite (NaN or infinity); it was not applied, the run stopped there "
+                    f"and the learner's states are left as they were after step {step}")
+        else:
+            kept = f"after step {step - 1}, the last finite one" if step else "before the run"
+            told = (f"{call}: the {what} at step {step} is not finite (NaN or infinity); the run "
+                    f"stopped there and the learner's states are left as they were {kept}")
+        super().__init__(told + _NON_FINITE_ADVICE[what])
+
+
+_NON_FINITE_ADVICE = {
+    "input": ". Clean the data (e.g. jnp.nan_to_num) or mask it out before driving the learner.",
+    "loss": ". Check the loss for log(0), division by zero or overflow at that step.",
+    "gradient": ". Lower the learning rate, clip gradients, or check the loss's derivative there.",
+    "trace": ". The dynamics diverged: lower the learning rate or make the recurrence contractive.",
+    "update": ". Lower the learning rate or clip the updates.",
+}
+
+
+def internal_error(what: str) -> RuntimeError:
+    """The error for a broken internal invariant: a bug in braintrace, never a user mistake."""
+    return RuntimeError(
+        f"braintrace internal error: {what}. This is a bug in braintrace; please report it with "
+        f"the code that triggered it."
+    )
+
+
+for _cls in (NotSupportedError, CompilationError, NonFiniteError):
     _cls.__module__ = "braintrace"
 
 

@@ -51,6 +51,7 @@ from braintrace._algorithm.d_rtrl import ParamDimVjpAlgorithm
 from braintrace._algorithm.input_data import has_multistep_data, sequence_length, split_input_data_types
 from braintrace._algorithm.synthetic_gradient import SyntheticGradient
 from braintrace._compiler import DEFAULT_MAX_JACOBIAN_ELEMENTS, ControlFlowPolicy
+from braintrace._errors import internal_error
 
 __all__ = ["DNI", "window_length"]
 
@@ -213,7 +214,8 @@ class DNI(ParamDimVjpAlgorithm):
     def _group_estimates(self, aux: Any, hidden: dict[Path, Any]) -> dict[int, Any]:
         """The synthesiser's estimate per group from per-path hidden values, shape-checked."""
         synth = self.synthesizer
-        assert synth is not None, "_get_update_aux refuses a call without a synthesiser"
+        if synth is None:
+            raise internal_error("a synthesiser estimate without a synthesiser (_get_update_aux refuses those calls)")
         groups = self.graph.hidden_groups
         values = {g.index: g.concat_hidden([u.get_mantissa(hidden[p]) for p in g.hidden_paths]) for g in groups}
         estimates = synth.apply(aux, values)

@@ -43,6 +43,7 @@ from braintrace._algorithm.base import ETraceVjpAlgorithm
 from braintrace._algorithm.input_data import has_multistep_data
 from braintrace._algorithm.snn_helpers import PresynapticTrace
 from braintrace._compiler import ControlFlowPolicy
+from braintrace._errors import internal_error
 from braintrace._op import _registries as reg
 from braintrace._op._rule_helpers import dtype_of, shape_of
 from braintrace._op.dense import etp_mm_p, etp_mv_p
@@ -205,7 +206,8 @@ class OTTT(DenseLeakRule):
         bias_dtype = None
         for rel in self.graph.hidden_param_op_relations:
             x_var = rel.x_var
-            assert x_var is not None, "dense relations always read an input"
+            if x_var is None:
+                raise internal_error("a dense relation without an input passed _check_relations")
             pre.setdefault(id(x_var), PresynapticTrace(jnp.zeros(shape_of(x_var), dtype_of(x_var)), self.leak))
             if "bias" in rel.trainable_paths:
                 bias_dtype = dtype_of(rel.y_var)
@@ -222,7 +224,8 @@ class OTTT(DenseLeakRule):
     def _assign_etrace_data(self, etrace_vals: dict[int, jax.Array]) -> None:
         for k, v in etrace_vals.items():
             if k == -1:
-                assert self._bias_trace is not None
+                if self._bias_trace is None:
+                    raise internal_error("a bias trace value for a learner without a bias trace")
                 self._bias_trace.value = v
             else:
                 self._pre_traces[k].value = v

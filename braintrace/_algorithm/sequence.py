@@ -24,6 +24,12 @@ and leave the final ones installed; nothing is reset. Failure is transactional: 
 traced into a functional scan, which restores every state it touched when tracing fails and
 writes the final values back only once the whole loop has run, so an exception raised by
 ``step_fn`` leaves the learner exactly as it was.
+
+Non-finite values are not checked by default: a NaN or infinity in an input, loss, gradient or
+trace propagates through every later step, the traces and the summed estimate, at no checking
+cost. ``check_finite=True`` carries the first bad step and what went bad through the scan,
+freezes every state update from that step on (:mod:`braintrace._algorithm.finite`) and raises
+:class:`~braintrace.NonFiniteError` after the loop, with the learner left at the last finite step.
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from braintrace._algorithm.finite import Status, StateGuard, advance, all_finite, raise_if_bad, refuse_traced
 from braintrace._algorithm.input_data import ETraceInputData, MultiStepData
+from braintrace._errors import internal_error
 
 __all__ = ["SequenceDriverMixin", "TrainResult"]
 
@@ -108,6 +116,11 @@ class SequenceDriverMixin:
         return getattr(self, "param_states")  # the host class provides it
 
     @property
+    def _seq_guarded(self) -> list[Any]:
+        """The states ``check_finite=True`` freezes after a non-finite step: all of the host's."""
+        return list(brainstate.graph.states(self).values())
+
+    @property
     def _seq_vjp_method(self) -> str | None:
         """The learner's ``vjp_method`` (``None`` when it has none)."""
         return getattr(self, "vjp_method", None)
@@ -125,6 +138,7 @@ class SequenceDriverMixin:
         loss_output: str = "per_step",
         has_aux: bool = False,
         return_value: bool = False,
+        check_finite: bool = False,
     ) -> Any:
         """The learner's online estimate of ``∇J`` for a masked sequence loss ``J``, summed over its calls.
 
@@ -174,6 +188,17 @@ class SequenceDriverMixin:
             ``step_fn`` returns ``(loss, aux)``; ``aux`` is stacked over calls.
         return_value : bool
             Also return the losses.
+        check_finite : bool
+            Stop at the first step whose input, loss, gradient or trace (any state the learner
+            writes: hidden states, eligibility traces) is NaN or infinite. A scan cannot stop,
+            so the remaining steps run but change nothing: the learner is left as it was after
+            the last finite step, and :class:`~braintrace.NonFiniteError` (with ``.step`` and
+            ``.what``) is raised after the loop. Needs concrete values: call the driver outside
+            ``jax.jit``. The check adds a fixed cost per step (a finiteness reduction and a
+            select of every state the step writes): measured on CPU with a 16-unit RNN,
+            batch 1, a checked step took 27 µs against 8 µs unchecked, a share that shrinks
+            as the model grows. Default ``False``: nothing is checked, a non-finite value
+            propagates into every later trace and the result.
 
         Returns
         -------
@@ -184,8 +209,11 @@ class SequenceDriverMixin:
         Raises
         ------
         TypeError
-            For a non-integer ``chunk_size``, a sequence holding ``SingleStepData`` or
-            ``MultiStepData``, or a ``step_fn`` result that is not a pair under ``has_aux``.
+            For a non-integer ``chunk_size``, a non-bool ``check_finite``, a sequence holding
+            ``SingleStepData`` or ``MultiStepData``, or a ``step_fn`` result that is not a pair
+            under ``has_aux``.
+        NonFiniteError
+            With ``check_finite=True``, for a non-finite input, loss, gradient or trace.
         ValueError
             For a bad ``reduction`` / ``loss_output`` / ``chunk_size`` value, missing, empty,
             scalar or ragged sequences, window mode on a vmapped or single-step learner or with
@@ -221,7 +249,11 @@ class SequenceDriverMixin:
         drive = self._seq_validate("etrace_grad", sequences, chunk_size, needs_multi_step=True)
         mask = _check_mask("etrace_grad", mask, drive.length)
         weights = self._seq_weights("etrace_grad", weights)
-        grads, losses, aux = _GradRun("etrace_grad", step_fn, weights, drive.window, has_aux)(sequences, mask)
+        guarded = self._seq_checked("etrace_grad", check_finite, sequences, mask)
+        run = _GradRun("etrace_grad", step_fn, weights, drive.window, has_aux, guarded)
+        grads, losses, aux, status = run(sequences, mask, jnp.arange(drive.length))
+        if status is not None:
+            raise_if_bad("etrace_grad", status)
         denom = jnp.maximum(jnp.sum(mask), 1.0)
         if reduction == "mean":
             grads = _divided(grads, denom)
@@ -241,6 +273,7 @@ class SequenceDriverMixin:
         step_fn: StepFn | None = None,
         chunk_size: int | None = None,
         return_outputs: bool = False,
+        check_finite: bool = False,
     ) -> Any:
         """Advance hidden states and traces over sequences as :meth:`etrace_grad` would, without a gradient.
 
@@ -260,6 +293,9 @@ class SequenceDriverMixin:
             Return the per-call outputs stacked on a leading axis of ``T`` (plain) or
             ``T // k`` (window; each element the window's own ``(k, ...)`` output). Default:
             return ``None`` and stack nothing.
+        check_finite : bool
+            As in :meth:`etrace_grad`, for the inputs and the states the learner writes
+            (there is no loss or gradient).
 
         Returns
         -------
@@ -268,8 +304,10 @@ class SequenceDriverMixin:
         Raises
         ------
         TypeError, ValueError
-            For the argument errors of :meth:`etrace_grad` that concern ``chunk_size`` and the
-            sequences.
+            For the argument errors of :meth:`etrace_grad` that concern ``chunk_size``,
+            ``check_finite`` and the sequences.
+        NonFiniteError
+            With ``check_finite=True``, for a non-finite input or trace.
 
         Examples
         --------
@@ -295,7 +333,22 @@ class SequenceDriverMixin:
             out = call(*slices)
             return out if return_outputs else None
 
-        return brainstate.transform.for_loop(body, *_windows(sequences, drive.window))
+        guarded = self._seq_checked("etrace_evolve", check_finite, sequences)
+        if guarded is None:
+            return brainstate.transform.for_loop(body, *_windows(sequences, drive.window))
+
+        def checked(status: Status, inputs: tuple[tuple[Any, ...], jax.Array]) -> tuple[Status, Any]:
+            slices, step = inputs
+            guard = StateGuard(guarded)
+            out = body(*slices)
+            status = advance(status, step, {"input": all_finite(slices), "trace": all_finite(guard.written())})
+            guard.keep_if(status.fine)
+            return status, out
+
+        starts = jnp.arange(0, drive.length, drive.window or 1)
+        status, outs = brainstate.transform.scan(checked, Status.fresh(), (_windows(sequences, drive.window), starts))
+        raise_if_bad("etrace_evolve", status)
+        return outs
 
 
     def etrace_train(
@@ -309,6 +362,7 @@ class SequenceDriverMixin:
         weights: Mapping[Path, Any] | None = None,
         reduction: str = "mean",
         has_aux: bool = False,
+        check_finite: bool = False,
     ) -> TrainResult:
         """Learn online while the sequences stream: apply the optimizer every ``update_every`` steps.
 
@@ -355,6 +409,11 @@ class SequenceDriverMixin:
             Whether each update divides the span's summed estimate by its total mask weight.
         has_aux : bool
             ``step_fn`` returns ``(loss, aux)``.
+        check_finite : bool
+            As in :meth:`etrace_grad`; besides, the weights and the optimizer's states are left
+            at the last update applied before the first non-finite step (the span that holds it
+            is not applied), and an update that makes a weight or an optimizer state non-finite
+            is reported as ``what='update'`` at the span's last step and not applied.
 
         Returns
         -------
@@ -370,6 +429,8 @@ class SequenceDriverMixin:
         ValueError
             For ``update_every < 1`` or not a multiple of ``chunk_size``, an optimizer
             registered on other weights, and the argument errors of :meth:`etrace_grad`.
+        NonFiniteError
+            With ``check_finite=True``, for a non-finite input, loss, gradient, trace or update.
 
         Examples
         --------
@@ -390,31 +451,61 @@ class SequenceDriverMixin:
         weights = self._seq_weights("etrace_train", weights)
         span = _check_update_every(update_every, drive)
         optimizer = _registered_optimizer(optimizer, weights)
-        run = _GradRun("etrace_train", step_fn, weights, drive.window, has_aux)
+        guarded = self._seq_checked("etrace_train", check_finite, sequences, mask)
+        run = _GradRun("etrace_train", step_fn, weights, drive.window, has_aux, guarded)
+        optimizer_states = list(brainstate.graph.states(optimizer).values())
+        Span = tuple[tuple[Any, ...], jax.Array, jax.Array]
 
-        def train_span(seqs: tuple[Any, ...], span_mask: jax.Array) -> tuple[jax.Array, Any]:
-            grads, losses, aux = run(seqs, span_mask)
+        def train_span(status: Status | None, inputs: Span) -> tuple[Status | None, tuple[jax.Array, Any]]:
+            seqs, span_mask, span_steps = inputs
+            grads, losses, aux, status = run(seqs, span_mask, span_steps, status)
             if reduction == "mean":
                 grads = _divided(grads, jnp.maximum(jnp.sum(span_mask), 1.0))
-            optimizer.update(grads)
-            return jnp.reshape(losses, (-1,)), aux
+            if status is None:
+                optimizer.update(grads)
+            else:
+                guard = StateGuard(optimizer_states)
+                optimizer.update(grads)
+                status = advance(status, span_steps[-1], {"update": all_finite(guard.written())})
+                guard.keep_if(status.fine)
+            return status, (jnp.reshape(losses, (-1,)), aux)
 
         full, rest = divmod(drive.length, span)
+        steps = jnp.arange(drive.length)
+        status = None if guarded is None else Status.fresh()
         parts = []
         if full == 1:
-            parts.append(train_span(_steps(sequences, 0, span), mask[:span]))
+            status, part = train_span(status, (_steps(sequences, 0, span), mask[:span], steps[:span]))
+            parts.append(part)
         elif full > 1:
             spans = jax.tree.map(lambda a: jnp.reshape(a[: full * span], (full, span, *np.shape(a)[1:])),
-                                 (sequences, mask))
-            losses, aux = brainstate.transform.scan(lambda _, inp: (None, train_span(*inp)), None, spans)[1]
+                                 (sequences, mask, steps))
+            status, (losses, aux) = brainstate.transform.scan(train_span, status, spans)
             parts.append((jnp.reshape(losses, (-1,)), jax.tree.map(_merge_leading, aux)))
         if rest:
-            parts.append(train_span(_steps(sequences, full * span, drive.length), mask[full * span:]))
+            tail = (_steps(sequences, full * span, drive.length), mask[full * span:], steps[full * span:])
+            status, part = train_span(status, tail)
+            parts.append(part)
+        if status is not None:
+            raise_if_bad("etrace_train", status)
         losses = jnp.concatenate([p[0] for p in parts])
         aux = jax.tree.map(lambda *a: jnp.concatenate(a), *[p[1] for p in parts]) if has_aux else None
         return TrainResult(losses, aux, optimizer)
 
     # --- helpers ----------------------------------------------------------------------------
+
+    def _seq_checked(self, call: str, check_finite: Any, *data: Any) -> list[Any] | None:
+        """The states to freeze after a non-finite step under ``check_finite`` (``None``: unchecked)."""
+        if not isinstance(check_finite, bool):
+            raise TypeError(
+                f"{call}: check_finite must be True or False, got {check_finite!r} of type "
+                f"{type(check_finite).__name__}."
+            )
+        if not check_finite:
+            return None
+        guarded = self._seq_guarded
+        refuse_traced(call, *data, [st.value for st in guarded])
+        return guarded
 
     def _seq_weights(self, call: str, weights: Mapping[Path, Any] | None) -> dict[Path, Any]:
         """The ``path -> ParamState`` mapping to differentiate (default: the learner's parameters)."""
@@ -471,30 +562,56 @@ class _GradRun:
     """The scan of :meth:`SequenceDriverMixin.etrace_grad`: ``(Σ_c ĝ_c, losses, aux)``."""
 
     def __init__(
-        self, call: str, step_fn: StepFn, weights: dict[Path, Any], window: int | None, has_aux: bool
+        self, call: str, step_fn: StepFn, weights: dict[Path, Any], window: int | None, has_aux: bool,
+        guarded: list[Any] | None = None,
     ) -> None:
         self.call = call
         self.step_fn = step_fn
         self.weights = weights
         self.window = window
         self.has_aux = has_aux
+        self.guarded = guarded  # check_finite: the states frozen after a non-finite step
 
-    def __call__(self, sequences: tuple[Any, ...], mask: jax.Array) -> tuple[Grads, jax.Array, Any]:
+    def __call__(
+        self, sequences: tuple[Any, ...], mask: jax.Array, steps: jax.Array, status: Status | None = None
+    ) -> tuple[Grads, jax.Array, Any, Status | None]:
+        """The summed estimate, losses and aux; and the status, checked from ``status`` on."""
         xs = _windows(sequences, self.window)
         mask_rows = mask if self.window is None else mask.reshape((-1, self.window))
         zeros = {path: _zeros_like(st.value) for path, st in self.weights.items()}
-        grads, (losses, aux) = brainstate.transform.scan(self._body, zeros, (xs, mask_rows))
-        return grads, losses, aux
+        if self.guarded is None:
+            grads, (losses, aux) = brainstate.transform.scan(self._body, zeros, (xs, mask_rows))
+            return grads, losses, aux, None
+        starts = steps if self.window is None else steps[:: self.window]
+        carry = (zeros, Status.fresh() if status is None else status)
+        (grads, status), (losses, aux) = brainstate.transform.scan(self._checked_body, carry, (xs, mask_rows, starts))
+        return grads, losses, aux, status
 
-    def _body(self, acc: Grads, inputs: tuple[tuple[Any, ...], jax.Array]) -> tuple[Grads, Any]:
-        slices, w = inputs
-
+    def _grad(self, slices: tuple[Any, ...], w: jax.Array) -> tuple[Grads, tuple[Any, Any]]:
         def objective() -> tuple[Any, tuple[Any, Any]]:
             loss, aux = self._loss(self.step_fn(*slices))
             return u.math.sum(w * loss), (loss, aux)
 
-        g, loss_aux = brainstate.transform.grad(objective, self.weights, has_aux=True)()
+        grads: tuple[Grads, tuple[Any, Any]] = brainstate.transform.grad(objective, self.weights, has_aux=True)()
+        return grads
+
+    def _body(self, acc: Grads, inputs: tuple[tuple[Any, ...], jax.Array]) -> tuple[Grads, Any]:
+        g, loss_aux = self._grad(*inputs)
         return jax.tree.map(lambda a, b: a + b, acc, g), loss_aux
+
+    def _checked_body(
+        self, carry: tuple[Grads, Status], inputs: tuple[tuple[Any, ...], jax.Array, jax.Array]
+    ) -> tuple[tuple[Grads, Status], Any]:
+        """:meth:`_body`, with every update discarded from the first non-finite step on."""
+        (acc, status), (slices, w, step) = carry, inputs
+        guard = StateGuard(self.guarded or ())
+        g, (loss, aux) = self._grad(slices, w)
+        checks = {"input": all_finite(slices), "loss": all_finite(loss), "gradient": all_finite(g),
+                  "trace": all_finite(guard.written())}
+        status = advance(status, step, checks)
+        guard.keep_if(status.fine)
+        acc = jax.tree.map(lambda a, b: jnp.where(status.fine, a + b, a), acc, g)
+        return (acc, status), (loss, aux)
 
     def _loss(self, result: Any) -> tuple[Any, Any]:
         """``(loss, aux)`` of one ``step_fn`` result, with the loss's shape checked."""
@@ -568,7 +685,8 @@ def _check_sequences(call: str, sequences: tuple[Any, ...]) -> int:
                     f"{call}: every leaf must have the same leading (time) length, but {reference[0]} "
                     f"has length {reference[1]} and {where} has length {n}."
                 )
-    assert reference is not None
+    if reference is None:
+        raise internal_error("non-empty sequences without leaves")
     if reference[1] == 0:
         raise ValueError(f"{call}: the sequences are empty (length 0 along the time axis); give at least one step.")
     return reference[1]
@@ -639,6 +757,12 @@ def _check_mask(call: str, mask: Any, length: int) -> jax.Array:
         raise ValueError(
             f"{call}: mask must have shape (T,) = ({length},), one loss weight per step, got "
             f"shape {shape}."
+        )
+    dtype = np.dtype(mask.dtype) if hasattr(mask, "dtype") else np.asarray(mask).dtype
+    if not (np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer) or dtype == np.bool_):
+        raise TypeError(
+            f"{call}: mask must hold real numbers (per-step loss weights; bool, int or float), got "
+            f"dtype {dtype}. Pass e.g. jnp.asarray(mask, jnp.float32)."
         )
     mask = jnp.asarray(mask)
     return mask if jnp.issubdtype(mask.dtype, jnp.floating) else mask.astype(jnp.float32)

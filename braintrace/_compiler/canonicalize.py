@@ -47,7 +47,7 @@ from braintrace._compiler.jaxpr_graph import (
     inline_jit_calls,
     subjaxprs,
 )
-from braintrace._errors import CompilationError
+from braintrace._errors import CompilationError, internal_error
 from braintrace._op._registries import is_etp_primitive
 
 __all__ = [
@@ -119,7 +119,8 @@ def _splice_fn(fn: Callable[..., Any], inputs: Sequence[Any], outvars: Sequence[
     """Append the equations of ``fn`` applied to ``inputs``; results written to ``outvars`` if given."""
     avals = [jax.ShapeDtypeStruct(a.aval.shape, a.aval.dtype) for a in inputs]
     closed = jax.make_jaxpr(fn)(*avals)
-    assert not closed.consts, "spliced helpers must not close over arrays"
+    if closed.consts:
+        raise internal_error("a spliced helper closes over arrays")
     subst: dict[Var, Any] = dict(zip(closed.jaxpr.invars, inputs))
     targets = dict(zip(closed.jaxpr.outvars, outvars)) if outvars is not None else {}
 

@@ -161,9 +161,9 @@ class HiddenParamOpRelation(NamedTuple):
         """``value``, laid out over ``group``'s positions, re-laid over the positions of ``y``.
 
         ``value`` is ``(*lead axes, *group.varshape, *rest)`` (a ``df``, a hidden Jacobian, a
-        learning signal). Where ``y`` is the group's shape with extra leading axes of size one
-        (a layer that adds a batch of one to an unbatched state, ``(1, 28, 28, 8)`` driving
-        ``(28, 28, 8)``) the result is ``(*lead axes, *y.shape, *rest)``, the layout the
+        learning signal). Where ``y`` is the group's shape with extra axes of size one (a layer
+        that adds a batch of one to an unbatched state, ``(1, 28, 28, 8)`` driving
+        ``(28, 28, 8)``; a channel axis of one, ``(B, 1, N)`` driving ``(B, N)``) the result is ``(*lead axes, *y.shape, *rest)``, the layout the
         primitive's rules work in; otherwise ``value`` itself.
 
         Examples
@@ -187,10 +187,15 @@ class HiddenParamOpRelation(NamedTuple):
         return value.reshape(shape[:lead] + shape_of(self.y_var) + shape[lead + rank:])
 
     def adds_unit_axes(self, group: HiddenGroup) -> bool:
-        """Whether ``y`` is ``group``'s shape with extra leading axes of size one (see :meth:`output_layout`)."""
+        """Whether ``y`` is ``group``'s shape with extra axes of size one (see :meth:`output_layout`).
+
+        The extra axes may lead (``(1, 28, 28, 8)`` driving ``(28, 28, 8)``) or sit behind the
+        batch (``(B, 1, N)`` driving ``(B, N)``): either way the values keep their order, so a
+        reshape moves between the two layouts.
+        """
         y_shape, varshape = shape_of(self.y_var), tuple(group.varshape)
-        extra = len(y_shape) - len(varshape)
-        return extra > 0 and y_shape[extra:] == varshape and all(n == 1 for n in y_shape[:extra])
+        return (len(y_shape) > len(varshape)
+                and [n for n in y_shape if n != 1] == [n for n in varshape if n != 1])
 
     def traces_lead_with_batch(self, group: HiddenGroup) -> bool:
         """Whether this relation's traces for ``group`` lead with the group's batch axis.
@@ -200,9 +205,11 @@ class HiddenParamOpRelation(NamedTuple):
         batched primitive; false when ``y`` adds leading axes of its own (see
         :meth:`output_layout`) or the primitive is unbatched.
         """
-        y_rank, rank = len(shape_of(self.y_var)), len(group.varshape)
-        if y_rank != rank:
-            return y_rank < rank
+        y_shape, varshape = shape_of(self.y_var), tuple(group.varshape)
+        if len(y_shape) != len(varshape):
+            if self.adds_unit_axes(group) and y_shape[0] == varshape[0] != 1:
+                return is_batched_primitive(self.primitive)  # unit axes behind the batch
+            return len(y_shape) < len(varshape)
         return is_batched_primitive(self.primitive)
 
     def dict(self) -> dict[str, Any]:

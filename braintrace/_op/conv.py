@@ -41,7 +41,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import Var
 
-from braintrace._errors import OperandShapeError
+from braintrace._errors import OperandShapeError, internal_error
 from braintrace._op._conv_arguments import (
     check_bias,
     check_hook_shape,
@@ -176,7 +176,8 @@ def _etp_conv_impl(
         batch_group_count=batch_group_count,
     )
     if has_bias:
-        assert bias is not None, "has_bias=True binds a bias operand"
+        if bias is None:
+            raise internal_error("has_bias=True without a bias operand")
         layout = dict(strides=strides, dimension_numbers=dimension_numbers)
         y = y + _bias_on_output(apply_hook(bias_fn, bias), y.ndim, _conv_layout(layout)[1])
     return y[0] if single else y

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Var
 
-from braintrace._errors import OperandShapeError
+from braintrace._errors import OperandShapeError, internal_error
 from braintrace._op._operands import (
     bias_mantissa,
     check_bias_shape,
@@ -80,7 +80,8 @@ def _etp_matmul_impl(
 ) -> Array:
     y = x @ apply_hook(weight_fn, weight)
     if has_bias:
-        assert bias is not None, "has_bias=True binds a bias operand"
+        if bias is None:
+            raise internal_error("has_bias=True without a bias operand")
         y = y + apply_hook(bias_fn, bias)
     return y
 

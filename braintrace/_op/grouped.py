@@ -34,7 +34,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax.extend.core import Var
 
-from braintrace._errors import OperandShapeError
+from braintrace._errors import OperandShapeError, internal_error
 from braintrace._op._operands import (
     bias_mantissa,
     check_hook,
@@ -73,7 +73,8 @@ def _etp_grouped_matmul_impl(
 ) -> Array:
     y = jnp.einsum("...gk,gkn->...gn", x, apply_hook(weight_fn, weight))
     if has_bias:
-        assert bias is not None, "has_bias=True binds a bias operand"
+        if bias is None:
+            raise internal_error("has_bias=True without a bias operand")
         y = y + apply_hook(bias_fn, bias)
     return y
 

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Var
 
-from braintrace._errors import OperandShapeError
+from braintrace._errors import OperandShapeError, internal_error
 from braintrace._op._operands import (
     bias_mantissa,
     check_hook,
@@ -77,7 +77,8 @@ def _etp_lora_impl(
     # (x @ B) @ A: the rank-R intermediate keeps the cost at O(I·R + R·O) per row.
     y = alpha * ((x @ apply_hook(b_fn, lora_b)) @ apply_hook(a_fn, lora_a))
     if has_bias:
-        assert bias is not None, "has_bias=True binds a bias operand"
+        if bias is None:
+            raise internal_error("has_bias=True without a bias operand")
         y = y + apply_hook(bias_fn, bias)
     return y
 
