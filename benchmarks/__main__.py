@@ -6,9 +6,16 @@ states reset, the gradient of the sequence's mean loss (``jax.grad`` through tim
 compiled temporary memory at two sequence lengths, and prints ratios measured in this run:
 
 * ``vs BPTT``: the method's step time over the BPTT step time;
-* ``vs floor`` (D_RTRL single-step): step time over the trace's memory-traffic floor,
-  ``2 x trace bytes x T / bandwidth``, with the bandwidth of a jitted ``a*x+b`` measured here;
-* ``mem T1000/T100``: compiled temporary memory at T=1000 over T=100.
+* ``vs D_RTRL``: the step time over the D_RTRL single-step time;
+* ``vs floor`` (D_RTRL and EProp single-step): step time over the traces' memory-traffic floor,
+  ``2 x trace bytes x T / bandwidth`` (EProp with ``κ > 0`` carries a second trace-sized array,
+  the filter ``ē``, so twice D_RTRL's bytes), with the bandwidth of a jitted ``a*x+b`` measured here;
+* ``mem T1000/T100``: compiled temporary memory at T=1000 over T=100;
+* ``bf16/f32``: the single-step time with traces stored in bfloat16 (``trace_dtype``) over the
+  float32-trace time (D_RTRL, pp_prop). ``python -m benchmarks.half_precision`` measures the
+  gradient drift of that storage over a long stream.
+
+Then the connectome-scale workload of :mod:`benchmarks.connectome` (``--no-connectome`` skips it).
 """
 
 from __future__ import annotations
@@ -44,7 +51,12 @@ SETTINGS = {
     "lif256": Setting("lif256", LIF, 256),
     "lif1024": Setting("lif1024", LIF, 1024),
 }
-METHODS = ("BPTT", "D_RTRL single", "D_RTRL multi(10)", "pp_prop single", "pp_prop multi(10)")
+METHODS = ("BPTT", "D_RTRL single", "D_RTRL multi(10)", "pp_prop single", "pp_prop multi(10)",
+           "EProp(κ=.9) single", "D_RTRL single bf16", "pp_prop single bf16")
+#: The rows with traces stored in bfloat16, and the float32-trace rows they are compared with.
+BF16_OF = {"D_RTRL single bf16": "D_RTRL single", "pp_prop single bf16": "pp_prop single"}
+#: The trace-sized arrays each single-step method reads and writes once per step.
+TRACES_PER_STEP = {"D_RTRL single": 1, "EProp(κ=.9) single": 2}
 
 
 def _loss(out: jax.Array, target: jax.Array) -> jax.Array:
@@ -155,6 +167,10 @@ def run(setting: Setting, batch: int, steps: int, long_steps: int, repeats: int,
         "D_RTRL multi(10)": lambda: online_step(setting, batch, "d_rtrl", 10),
         "pp_prop single": lambda: online_step(setting, batch, "pp_prop", 1, decay_or_rank=0.9),
         "pp_prop multi(10)": lambda: online_step(setting, batch, "pp_prop", 10, decay_or_rank=0.9),
+        "EProp(κ=.9) single": lambda: online_step(setting, batch, "eprop", 1, kappa_filter_decay=0.9),
+        "D_RTRL single bf16": lambda: online_step(setting, batch, "d_rtrl", 1, trace_dtype=jnp.bfloat16),
+        "pp_prop single bf16": lambda: online_step(setting, batch, "pp_prop", 1, decay_or_rank=0.9,
+                                                   trace_dtype=jnp.bfloat16),
     }
     rows: dict[str, Any] = {}
     steps_of: dict[str, Any] = {}
@@ -168,13 +184,16 @@ def run(setting: Setting, batch: int, steps: int, long_steps: int, repeats: int,
         }
     for name, seconds in time_steps(steps_of, xs, ys, repeats).items():
         rows[name]["seconds"] = seconds
-    bptt = rows["BPTT"]["seconds"]
+    bptt, d_rtrl = rows["BPTT"]["seconds"], rows["D_RTRL single"]["seconds"]
     for name, r in rows.items():
         r["vs_bptt"] = r["seconds"] / bptt
+        r["vs_d_rtrl"] = r["seconds"] / d_rtrl
         r["mem_growth"] = r["mem_long"] / r["mem_short"] if r["mem_short"] else float("nan")
-    single = rows["D_RTRL single"]
-    floor = 2 * single["trace_bytes"] * steps / bw
-    single["vs_floor"] = single["seconds"] / floor if floor else float("nan")
+    for name, traces in TRACES_PER_STEP.items():
+        floor = 2 * traces * rows["D_RTRL single"]["trace_bytes"] * steps / bw
+        rows[name]["vs_floor"] = rows[name]["seconds"] / floor if floor else float("nan")
+    for name, f32 in BF16_OF.items():
+        rows[name]["bf16_vs_f32"] = rows[name]["seconds"] / rows[f32]["seconds"]
     return rows
 
 
@@ -187,6 +206,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--connectome", action=argparse.BooleanOptionalAction, default=None,
+                        help="the connectome-scale workload (benchmarks/connectome.py); default: on unless --quick")
     args = parser.parse_args(argv)
     if args.quick:
         args.batch, args.steps, args.long_steps, args.repeats = 4, 20, 40, 1
@@ -199,11 +220,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows = run(SETTINGS[name], args.batch, args.steps, args.long_steps, args.repeats, bw)
         results["models"][name] = rows
         print(f"{name}")
-        print(f"  {'method':<18}{'vs BPTT':>9}{'vs floor':>10}{'mem T' + str(args.long_steps) + '/T' + str(args.steps):>18}")
+        print(f"  {'method':<20}{'vs BPTT':>9}{'vs D_RTRL':>11}{'vs floor':>10}"
+              f"{'mem T' + str(args.long_steps) + '/T' + str(args.steps):>18}")
         for method, r in rows.items():
             floor = f"{r['vs_floor']:.2f}" if "vs_floor" in r else "-"
-            print(f"  {method:<18}{r['vs_bptt']:9.2f}{floor:>10}{r['mem_growth']:18.2f}")
+            print(f"  {method:<20}{r['vs_bptt']:9.2f}{r['vs_d_rtrl']:11.2f}{floor:>10}{r['mem_growth']:18.2f}")
+        print("  bf16/f32 trace: " + ", ".join(f"{f32} {rows[n]['bf16_vs_f32']:.2f}" for n, f32 in BF16_OF.items()))
         print()
+    if args.connectome if args.connectome is not None else not args.quick:
+        from benchmarks import connectome  # it imports this module's timing helpers
+
+        results["connectome"] = connectome.main(connectome.QUICK_ARGS if args.quick else [])
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=2)

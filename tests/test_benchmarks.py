@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from benchmarks import ostl_recurrent
-from benchmarks.__main__ import METHODS, main
+from benchmarks.__main__ import BF16_OF, METHODS, main
 
 
 def test_learner_benchmark_reports_every_method() -> None:
@@ -14,8 +14,12 @@ def test_learner_benchmark_reports_every_method() -> None:
     assert set(rows) == set(METHODS)
     for row in rows.values():
         assert row["vs_bptt"] > 0 and math.isfinite(row["vs_bptt"])
-    assert rows["D_RTRL single"]["vs_floor"] > 0
+    assert rows["D_RTRL single"]["vs_floor"] > 0 and rows["EProp(κ=.9) single"]["vs_floor"] > 0
+    assert rows["D_RTRL single"]["vs_d_rtrl"] == 1.0
     assert rows["D_RTRL single"]["trace_bytes"] > 0 and rows["BPTT"]["mem_growth"] > 1
+    # The weight's trace halves; the element-wise leak's (off the fast path) stays float32.
+    assert 0.5 < rows["D_RTRL single bf16"]["trace_bytes"] / rows["D_RTRL single"]["trace_bytes"] < 0.51
+    assert all(rows[name]["bf16_vs_f32"] > 0 for name in BF16_OF)
 
 
 def test_ostl_benchmark_reports_every_method() -> None:

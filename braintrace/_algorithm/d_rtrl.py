@@ -55,6 +55,7 @@ Examples
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any, ClassVar, NamedTuple, Sequence
 
 import brainstate
@@ -75,8 +76,10 @@ from braintrace._algorithm.input_data import get_single_step_data
 from braintrace._algorithm.learning_signal import SignalPair, draw_feedback, feedback_signals
 from braintrace._algorithm.modulator import ModulatorSlot, modulator_signals, without_etp_gradients
 from braintrace._algorithm.snn_helpers import FixedRandomFeedback
+from braintrace._algorithm.trace_storage import math_dtype, storage_dtype, store, upcast
 from braintrace._compiler import DEFAULT_MAX_JACOBIAN_ELEMENTS, ControlFlowPolicy
 from braintrace._compiler.snap_pattern import gather_signal
+from braintrace._errors import internal_error
 from braintrace._op import _registries as reg
 from braintrace._op._rule_helpers import SPELLED_OUT_STATES, mix_states
 
@@ -108,7 +111,8 @@ class BackwardTrace(NamedTuple):
     Attributes
     ----------
     traces : dict
-        Per trace key, the trace entering the step, or, for keys in ``instant``, the new trace.
+        Per trace key, the trace entering the step, or, for keys in ``instant``, the new trace
+        (the new filter ``ē^t`` under ``trace_filter='kappa'``).
     history_jacobians : list or None
         Per hidden group, the Jacobian ``D`` the signal is transposed by before it meets an
         entering trace (``None``: contract the signal with the traces as they are).
@@ -138,7 +142,8 @@ class BackwardResidual(NamedTuple):
         Single step: D-RTRL's history term ``⟨Dᵀ g, ε^{t-1}⟩``; multi-step: the (filtered)
         trace entering the window, met by the learning signal.
     old_filter : dict or None
-        Single step, filtered, symmetric signal: ``ē^{t-1}`` (the term ``κ ⟨g, ē^{t-1}⟩``).
+        Single step, filtered, symmetric signal: ``ē^{t-1}`` of the keys whose history is read
+        off the entering trace (the term ``κ ⟨g, ē^{t-1}⟩``; the others read it off ``ē^t``).
     learning_trace : dict or None
         Single step, replaced signal: ``ē^t`` (``ε^t`` unfiltered), met by the learning signal.
     new_trace : dict or None
@@ -186,8 +191,13 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
     fast_solve : bool
         Use the primitive's closed-form kernels when it has them and no transform hook is active.
     trace_dtype : dtype, optional
-        Storage dtype of fast-path traces (e.g. ``jnp.bfloat16``); the math stays in the
-        parameters' precision.
+        Storage dtype of the traces (e.g. ``jnp.bfloat16``: half the memory and memory traffic
+        of float32). Each step upcasts the stored trace, rolls it in the parameters' precision
+        and rounds once on write (see :mod:`braintrace._algorithm.trace_storage`). Only the
+        traces of fast-path relations are stored in it (and their ``trace_filter='kappa'``
+        filters); a relation off the fast path (a transform hook such as ``weight_fn``, an
+        operation without closed-form kernels, ``fast_solve=False``) keeps its trace in the
+        parameters' dtype. :meth:`get_etrace_of` shows each trace's dtype.
     chunked_trace : bool
         Roll multi-step windows in closed form where the kernels allow it.
     control_flow : ControlFlowPolicy, optional
@@ -215,7 +225,8 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         For a config of another trace factorization, ``'random_feedback'`` without a key, or a
         ceiling below 1.
     ValueError
-        For ``learning_signal='modulatory'`` with ``vjp_method='multi-step'``.
+        For ``learning_signal='modulatory'`` with ``vjp_method='multi-step'``, or a
+        ``trace_dtype`` that is not a floating dtype.
     NotImplementedError
         For ``learning_signal='bootstrapped'`` (DNI's coordinate); at compile time, for a
         ``coupled`` or ``sparse_n`` scope over a descended scan.
@@ -263,7 +274,7 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         require_feedback_key(self.config, random_feedback_key, type(self).__name__)
         require_single_step_modulator(self.config, vjp_method, type(self).__name__)
         self.fast_solve = bool(fast_solve)
-        self.trace_dtype = None if trace_dtype is None else jnp.dtype(trace_dtype)
+        self.trace_dtype = storage_dtype(trace_dtype, type(self).__name__)
         self.chunked_trace = bool(chunked_trace)
         self.random_feedback_key = random_feedback_key
         self.snap_max_jacobian_elements = ceiling
@@ -271,8 +282,8 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         executor.snap_max_jacobian_elements = ceiling
         executor.recurrence = recurrence(self.config)
         self.kappa = 0.0 if self.config.kappa is None else self.config.kappa
-        if self.kappa > 0 or self.replaces_signal:
-            # A filtered trace or a replaced signal is not the plain ⟨∂L/∂h^t, x ⊗ df⟩ history.
+        if self.replaces_signal:
+            # A replaced signal does not meet the trace in the plain ⟨∂L/∂h^t, x ⊗ df⟩ history.
             self._history_holds_same_step = False
         self.etrace_bwg: dict[Any, EligibilityTrace] = {}
         self._trace_filters: dict[Any, brainstate.ShortTermState] = {}
@@ -324,6 +335,7 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
                     value = {k: v.astype(self.trace_dtype) for k, v in value.items()}
                 traces[key] = EligibilityTrace(value)
         self.etrace_bwg = traces
+        self._warn_unused_trace_dtype()
         self._allocate_final_shapes(*args)
         self._trace_filters = {
             k: brainstate.ShortTermState(jax.tree.map(jnp.zeros_like, st.value)) for k, st in traces.items()
@@ -331,6 +343,15 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         self._feedback_matrices = {}
         if self.config.learning_signal == "random_feedback":
             self._feedback_matrices = draw_feedback(self.graph, self.random_feedback_key)
+
+    def _warn_unused_trace_dtype(self) -> None:
+        if self.trace_dtype is None or any(self._fast_path(r) for r in self.graph.hidden_param_op_relations):
+            return
+        warnings.warn(
+            f"{type(self).__name__}: trace_dtype={self.trace_dtype} applies to no trace: only relations on "
+            f"the fast path store their trace in it, and none is (a transform hook such as weight_fn, "
+            f"an operation without closed-form kernels, or fast_solve=False). Every trace stays in "
+            f"the parameters' dtype.", UserWarning, stacklevel=3)
 
     def _allocate_final_shapes(self, *args: Any) -> None:
         """Re-allocate traces that one step would broadcast to a larger shape.
@@ -431,11 +452,11 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         num_state = diag.shape[-1]  # the trace's trailing width (HiddenGroup.trace_state_width)
         fp = self._fast_path(rel)
         if fp is not None:
-            math_dtype = jnp.result_type(*[w.dtype for w in weights.values()], df.dtype)
-            old_m = {k: v.astype(math_dtype) for k, v in old.items()}
-            new = fp.recurrent(diag, old_m, num_state)
+            # Upcast on read, one roll in the math dtype, one rounding on write (trace_storage).
+            math = math_dtype(*[w.dtype for w in weights.values()], df.dtype)
+            new = fp.recurrent(diag, upcast(old, math), num_state)
             inst = fp.instant(x, df, bool(rel.eqn_params.get("has_bias", False)))
-            return {k: (new[k] + inst[k]).astype(old[k].dtype) for k in old}
+            return store({k: new[k] + inst[k] for k in old}, old)
         recurrent = self._general_recurrent(rel, diag, old, num_state)
         inst = self._general_instant(rel, x, df, weights)
         return {k: (recurrent[k] + inst[k]).astype(old[k].dtype) for k in old}
@@ -558,8 +579,12 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         """One step of the traces and their filters, ``ē ← κ ē + ε`` (each state channel apart)."""
         eps = self._step_all(etrace["eps"], xs, dfs, Ds, weight_vals)
         kappa = self.kappa
-        filt = {k: jax.tree.map(lambda f, e: (kappa * f + e).astype(f.dtype), etrace["filt"][k], eps[k])
-                for k in etrace["filt"]}
+
+        def filtered(f: jax.Array, e: jax.Array) -> jax.Array:
+            math = math_dtype(f, e, jnp.float32)  # a bfloat16 filter is advanced in float32
+            return (kappa * f.astype(math) + e.astype(math)).astype(f.dtype)
+
+        filt = {k: jax.tree.map(filtered, etrace["filt"][k], eps[k]) for k in etrace["filt"]}
         return {"eps": eps, "filt": filt}
 
     def _roll_window(self, etrace: dict[Any, Trace], xs: Any, dfs: Any, Ds: Any, weight_vals: Any) -> dict[Any, Trace]:
@@ -597,7 +622,8 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         out = {}
         for rel in relations:
             fp = self._fast_path(rel)
-            assert fp is not None and fp.chunk is not None
+            if fp is None or fp.chunk is None:
+                raise internal_error("a relation without a chunked fast path was chosen for the chunk roll")
             x_seq = None if rel.x_var is None else xs[id(rel.x_var)]
             for group in rel.hidden_groups:
                 if group.index not in suffix:
@@ -606,10 +632,9 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
                 key = trace_key(rel, group)
                 old = etrace[key]
                 df_seq = rel.output_layout(group, dfs[df_key(rel, group)], lead=1)
-                old_m = {k: v.astype(df_seq.dtype) for k, v in old.items()}
                 new = fp.chunk(x_seq, df_seq, rel.output_layout(group, p_seq, lead=1),
-                               rel.output_layout(group, m_full), old_m, df_seq.shape[-1])
-                out[key] = {k: new[k].astype(old[k].dtype) for k in old}
+                               rel.output_layout(group, m_full), upcast(old, df_seq.dtype), df_seq.shape[-1])
+                out[key] = store(new, old)
         return out
 
     def _make_etrace_stepper(self, weight_vals: Any) -> Any:
@@ -635,9 +660,16 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         new_eps = new_etrace["eps"] if filtered else new_etrace
         if self._modulated:
             return BackwardResidual(BackwardTrace({}, None), learning_trace=new_etrace["filt"] if filtered else new_eps)
+        if not self.replaces_signal and filtered:
+            # ē^t − x ⊗ df = κ ē^{t-1} + D ε^{t-1}: where the history is read off a new trace it is
+            # read off the new filter, which holds both terms; the entering filter is then read by
+            # its update alone (in place) and only the other keys keep the term κ ⟨g, ē^{t-1}⟩.
+            history = self._history_trace(old_eps, new_etrace["filt"], jac)
+            old_filter = {k: v for k, v in old_etrace["filt"].items() if k not in history.instant}
+            return BackwardResidual(history, old_filter=old_filter)
         history = self._history_trace(old_eps, new_eps, jac)
         if not self.replaces_signal:
-            return BackwardResidual(history, old_filter=old_etrace["filt"] if filtered else None)
+            return BackwardResidual(history)
         return BackwardResidual(history, learning_trace=new_etrace["filt"] if filtered else new_eps,
                                 new_trace=new_eps)
 
@@ -719,7 +751,8 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         if self._modulated:  # ⟨s, ē^t⟩ is the relation weights' whole gradient
             s = [p.learning for p in dl_to_hidden_groups]
             plain = without_etp_gradients(dl_to_etws_at_t, self._relation_parameter_paths())
-            assert residual.learning_trace is not None, "the single-step residual of a modulated rule"
+            if residual.learning_trace is None:
+                raise internal_error("the single-step residual of a modulated rule has no learning trace")
             return self._solve_traces(BackwardTrace(residual.learning_trace, None), s, weight_vals, plain)
         if self.replaces_signal:
             g = [p.autodiff for p in dl_to_hidden_groups]
@@ -729,7 +762,7 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         if not self.vjp_executor.is_single_step_vjp:  # multi-step: ⟨s, (filtered) entering trace⟩
             return self._solve_traces(residual.trace, s, weight_vals, dl_to_etws_at_t)
         grads = self._solve_traces(residual.trace, g, weight_vals, dl_to_etws_at_t)  # ⟨Dᵀ g, ε^{t-1}⟩
-        if residual.old_filter is not None:  # + κ ⟨g, ē^{t-1}⟩
+        if residual.old_filter:  # + κ ⟨g, ē^{t-1}⟩
             kappa_g = [self.kappa * x for x in g]
             grads = self._solve_traces(BackwardTrace(residual.old_filter, None), kappa_g, weight_vals, grads)
         if residual.learning_trace is not None and residual.new_trace is not None:
@@ -750,6 +783,8 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
             weights = self._relation_operands(rel, weight_vals)
             for group in rel.hidden_groups:
                 key = trace_key(rel, group)
+                if key not in etrace:  # a term that reads some keys only (the entering filter)
+                    continue
                 signal = dl_to_hidden_groups[group.index]
                 if key in instant:
                     per_key = self._solve_history_from_new(
@@ -785,7 +820,8 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         the contraction, which would give the entering trace a second reader and cost a copy of it.
         """
         fp = self._fast_path(rel)
-        assert fp is not None
+        if fp is None:
+            raise internal_error("a trace without a fast path was rolled by one")
         total = self._solve_relation(rel, signal, jax.lax.optimization_barrier(new), weights)
         if not set(total) - covered:
             return total
@@ -868,7 +904,8 @@ class D_RTRL(ParamDimVjpAlgorithm):
     fast_solve : bool
         Use the primitive's closed-form kernels when the library's rules are in force.
     trace_dtype : dtype, optional
-        Storage dtype of fast-path traces.
+        Storage dtype of fast-path traces (e.g. ``jnp.bfloat16``); the arithmetic stays in the
+        parameters' precision (see :class:`ParamDimVjpAlgorithm`).
     chunked_trace : bool
         Roll multi-step windows in closed form where the kernels allow it.
     control_flow : ControlFlowPolicy, optional

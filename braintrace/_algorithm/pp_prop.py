@@ -74,6 +74,7 @@ from braintrace._algorithm.graph_executor import df_key
 from braintrace._algorithm.learning_signal import SignalPair, draw_feedback, feedback_signals
 from braintrace._algorithm.modulator import ModulatorSlot, modulator_signals, without_etp_gradients
 from braintrace._algorithm.snn_helpers import FixedRandomFeedback
+from braintrace._algorithm.trace_storage import math_dtype, storage_dtype
 from braintrace._compiler import ControlFlowPolicy
 from braintrace._op import _registries as reg
 from braintrace._op._rule_helpers import mix_states, shape_of, sum_states
@@ -180,6 +181,12 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         default ``ETraceConfig(trace_factorization='io_factorized', decay=(α_x, α_f))``.
     random_feedback_key : int or PRNG key, optional
         Seed of the feedback matrices; required by ``learning_signal='random_feedback'``.
+    trace_dtype : dtype, optional
+        Storage dtype of both factors (e.g. ``jnp.bfloat16``); each step upcasts them, filters
+        in the step's precision and rounds once on write (see
+        :mod:`braintrace._algorithm.trace_storage`). Input traces of a non-float input (integer
+        indices without a ``pp_x_repr``) keep their dtype. The factors are ``O(|x| + |y|)``, so
+        this saves little memory next to D_RTRL's per-parameter trace.
 
     Attributes
     ----------
@@ -200,7 +207,8 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
     ------
     ValueError
         For a bad ``decay_or_rank``, one that disagrees with the config's decays, a config of
-        another trace factorization, or ``'random_feedback'`` without a key.
+        another trace factorization, ``'random_feedback'`` without a key, or a ``trace_dtype``
+        that is not a floating dtype.
     TypeError
         For a ``config`` that is not an ETraceConfig.
         Also for ``learning_signal='modulatory'`` with ``vjp_method='multi-step'``.
@@ -237,7 +245,9 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         control_flow: ControlFlowPolicy | None = None,
         config: ETraceConfig | None = None,
         random_feedback_key: Any = None,
+        trace_dtype: Any = None,
     ) -> None:
+        self.trace_dtype = storage_dtype(trace_dtype, type(self).__name__)
         if config is None:
             config = ETraceConfig(trace_factorization="io_factorized", decay=parse_decay_pair(decay_or_rank))
         else:
@@ -303,15 +313,21 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
                 key = df_key(rel, group)
                 if key in dfs:
                     raise ValueError(f"The relation {rel} has been added (duplicate trace key {key}).")
-                dfs[key] = EligibilityTrace(self._init_df_trace(rel, group))
+                value = self._init_df_trace(rel, group)
+                dfs[key] = EligibilityTrace(value.astype(self._stored_dtype(value.dtype)))
         self.etrace_xs, self.etrace_dfs, self._x_reprs = xs, dfs, reprs
         self._feedback_matrices = {}
         if self.config.learning_signal == "random_feedback":
             self._feedback_matrices = draw_feedback(self.graph, self.random_feedback_key)
 
-    @staticmethod
+    def _stored_dtype(self, dtype: Any) -> Any:
+        """The dtype a trace of native ``dtype`` is stored in (``trace_dtype`` for floats)."""
+        if self.trace_dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            return dtype
+        return self.trace_dtype
+
     def _init_x_trace(
-        rel: Any, xs: dict[int, EligibilityTrace], reprs: dict[int, tuple[Any, dict[str, Any]]]
+        self, rel: Any, xs: dict[int, EligibilityTrace], reprs: dict[int, tuple[Any, dict[str, Any]]]
     ) -> None:
         avals = {k: v.aval for k, v in rel.trainable_vars.items()}
         rule = reg.get_pp_x_repr(rel.primitive)
@@ -321,16 +337,17 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         else:
             spec = jax.eval_shape(lambda x: rule(x, avals), jax.ShapeDtypeStruct(x_aval.shape, x_aval.dtype))
         key = id(rel.x_var)
+        dtype = self._stored_dtype(spec.dtype)
         if key in xs:
             old = xs[key].value
-            if (old.shape, old.dtype) != (tuple(spec.shape), spec.dtype):
+            if (old.shape, old.dtype) != (tuple(spec.shape), dtype):
                 raise ValueError(
                     f"pp_prop: two relations read the same input {rel.x_var} but represent it "
                     f"differently ({old.shape}/{old.dtype} vs {tuple(spec.shape)}/{spec.dtype}); "
                     f"feed them separate inputs or train them with D_RTRL."
                 )
             return
-        xs[key] = EligibilityTrace(jnp.zeros(spec.shape, spec.dtype))
+        xs[key] = EligibilityTrace(jnp.zeros(spec.shape, dtype))
         reprs[key] = (rule, avals)
 
     @staticmethod
@@ -467,16 +484,19 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
                 f"{sorted(etrace['xs'])}; recompile the learner."
             )
         x_tilde = self._x_tilde(xs)
-        new_xs = {k: (alpha_x * v + x_tilde[k]).astype(v.dtype) for k, v in etrace["xs"].items()}
+        # A stored trace is upcast to the step's precision, filtered, and rounded once on write.
+        new_xs = {k: (alpha_x * v.astype(math_dtype(v, x_tilde[k])) + x_tilde[k]).astype(v.dtype)
+                  for k, v in etrace["xs"].items()}
         new_dfs = {}
         for rel in self.graph.hidden_param_op_relations:
             for group in rel.hidden_groups:
                 key = df_key(rel, group)
                 old = etrace["dfs"][key]
+                math = math_dtype(old, dfs[key])
                 # (1 − α) rounded like the bias correction's 1 − α^1, so they cancel at step one.
                 # Ds holds the f side's R (the executor substitutes it for D).
-                gain = 1 - jnp.asarray(alpha, old.dtype)
-                new = alpha * mix_states(Ds[group.index], old) + gain * dfs[key]
+                gain = 1 - jnp.asarray(alpha, math)
+                new = alpha * mix_states(Ds[group.index], old.astype(math)) + gain * dfs[key]
                 new_dfs[key] = new.astype(old.dtype)
         steps = jnp.minimum(etrace["steps"] + 1, _MAX_STEPS).astype(etrace["steps"].dtype)
         return {"xs": new_xs, "dfs": new_dfs, "steps": steps}
@@ -605,6 +625,8 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         otherwise one call per state, summed.
         """
         delta = rel.output_layout(group, delta)
+        if x is not None and jnp.issubdtype(x.dtype, jnp.floating):
+            x = x.astype(math_dtype(x, delta))  # a stored input trace meets delta in its precision
         rule = reg.ETP_RULES_XY_TO_DW[rel.primitive]
         if self.fast_solve:
             out: dict[str, jax.Array] = rule(x, sum_states(delta), weights, **rel.eqn_params)
@@ -638,6 +660,9 @@ class pp_prop(IODimVjpAlgorithm):
         ``ETraceConfig(trace_factorization='io_factorized', decay=(α, α))``).
     random_feedback_key : int or PRNG key, optional
         Required by ``learning_signal='random_feedback'``.
+    trace_dtype : dtype, optional
+        Storage dtype of both factors (e.g. ``jnp.bfloat16``); the arithmetic stays in the
+        step's precision (see :class:`IODimVjpAlgorithm`).
 
     Examples
     --------

@@ -13,9 +13,11 @@ Array([[1., 1., 1.],
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import operator
-from typing import Any, Callable, TypeVar, cast
+from typing import Any, Callable, Iterator, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +47,7 @@ __all__ = [
     "strip_hooks",
     "sum_rows",
     "sum_over_rows",
+    "vectorised_rows",
     "zeros_pp",
 ]
 
@@ -247,13 +250,46 @@ def sum_rows(solve_row: Callable[[Array, dict[str, Array]], dict[str, Array]],
 
 
 def _row_at(x: Array, b: Array) -> Array:
-    """``x[b]`` for a traced index ``0 <= b < len(x)``."""
+    """``x[b]`` for a traced index ``0 <= b < len(x)``.
+
+    XLA on CPU slices a 16-bit float array (a trace stored in ``bfloat16``) in float32: it
+    converts the whole array and, the array being loop-invariant, hoists that conversion out of
+    the row loop, a float32 copy of the trace. Tying the array to the index keeps the conversion
+    inside the loop, where it fuses with the slice and converts one row per iteration.
+    """
+    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize < 4:
+        x, b = jax.lax.optimization_barrier((x, b))
     return jax.lax.dynamic_index_in_dim(x, b, keepdims=False)
 
 
 #: The rows one iteration of the CPU row loop of :func:`sum_over_rows` adds. Each iteration has
 #: a fixed cost on CPU, and XLA fuses the rows of one iteration into one update of the running sum.
 ROWS_PER_ITERATION = 8
+
+
+#: Whether :func:`sum_over_rows` may loop over rows on CPU (see :func:`vectorised_rows`).
+_ROW_LOOP: contextvars.ContextVar[bool] = contextvars.ContextVar("braintrace_row_loop", default=True)
+
+
+@contextlib.contextmanager
+def vectorised_rows() -> Iterator[None]:
+    """Within this block, :func:`sum_over_rows` adds the rows as one reduction on every platform.
+
+    For operands whose rows are split over devices (a batch sharded over a mesh): indexing them
+    row by row in a loop would gather every row onto every device.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp
+    >>> with vectorised_rows():
+    ...     sum_leading(jnp.ones((4, 2)))
+    Array([4., 4.], dtype=float32)
+    """
+    token = _ROW_LOOP.set(False)
+    try:
+        yield
+    finally:
+        _ROW_LOOP.reset(token)
 
 
 def sum_over_rows(row: Callable[[Array], Tree], vectorised: Callable[[], Tree], num_rows: int) -> Tree:
@@ -264,7 +300,7 @@ def sum_over_rows(row: Callable[[Array], Tree], vectorised: Callable[[], Tree], 
     operand, over ten times slower on a large trace than streaming it row by row. Elsewhere the
     batched ``vectorised()`` (the same sum as one reduction) runs.
     """
-    if num_rows == 0:
+    if num_rows == 0 or not _ROW_LOOP.get():
         return vectorised()
     if num_rows == 1:
         return row(jnp.zeros((), jnp.int32))

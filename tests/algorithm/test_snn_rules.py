@@ -251,6 +251,27 @@ def test_eprop_kappa_zero_symmetric_is_d_rtrl_step_by_step(x64: None, model: Any
         assert max_rel_err(r, g) < EXACT
 
 
+class ReadsDrive(_Layer):
+    """``y = matmul(x, W)``, ``h = 0.8 h + tanh(y)``, output ``h + y / 2``: ``W`` also reaches the
+    output past ``h``, so its one-step gradient is more than ``⟨g, x ⊗ df⟩``."""
+
+    def update(self, x: Any) -> Any:
+        y = braintrace.matmul(x, self.w.value)
+        self.h.value = 0.8 * self.h.value + jnp.tanh(y)
+        return self.h.value + 0.5 * y
+
+
+@pytest.mark.parametrize("model", [ElementwiseLeaky, ReadsDrive, TwoState], ids=["readout", "reads-drive", "two-state"])
+def test_eprop_filtered_single_step_matches_the_general_solve(x64: None, model: Any) -> None:
+    """The closed-form kernels read the history off the new filter (``ē^t − x ⊗ df``); the
+    general rules contract ``Dᵀ g`` with ``ε^{t-1}`` and ``κ g`` with ``ē^{t-1}``."""
+    xs = inputs(4, 2)
+    ref = per_step_grads(compile_(model(), braintrace.EProp, xs[0], 2, kappa_filter_decay=0.6, fast_solve=False), xs)
+    got = per_step_grads(compile_(model(), braintrace.EProp, xs[0], 2, kappa_filter_decay=0.6), xs)
+    for r, g in zip(ref, got):
+        assert max_rel_err(r, g) < EXACT
+
+
 def _eligibility(xs: np.ndarray, lam: float, kappa: float) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """ε^t = λ ε^{t-1} + x^t and ē^t = κ ē^{t-1} + ε^t for a linear leaky layer (per batch row)."""
     eps, filt, out_e, out_f = 0.0, 0.0, [], []

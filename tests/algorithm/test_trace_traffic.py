@@ -1,4 +1,4 @@
-"""How much of the trace one compiled D_RTRL training step moves (read from XLA's optimised HLO).
+"""How much of the trace one compiled D_RTRL or EProp training step moves (read from XLA's optimised HLO).
 
 D_RTRL's single-step cost is dominated by the trace. In a jitted scan over time, the loop body
 should write the trace once (the update, in place) and read it once more (the history term of
@@ -44,11 +44,20 @@ class _LIF(brainstate.nn.Module):
         return self.v.value
 
 
-def _loop_body_hlo(**options: Any) -> str:
-    model = _LIF()
+class _Tanh(_LIF):
+    """``h ← σ(τ) h + tanh(matmul([x, h], W))``, the same trace shape as :class:`_LIF`."""
+
+    def update(self, x: jax.Array) -> jax.Array:
+        leak = braintrace.element_wise(self.tau.value, weight_fn=jax.nn.sigmoid)
+        drive = braintrace.matmul(jnp.concatenate([x, self.v.value], -1), self.w.value)
+        self.v.value = leak * self.v.value + jnp.tanh(drive)
+        return self.v.value
+
+
+def _loop_body_hlo(model: brainstate.nn.Module, algorithm: Any = braintrace.D_RTRL, **options: Any) -> str:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        learner = braintrace.compile(model, braintrace.D_RTRL, jnp.zeros((B, I)), batch_size=B, **options)
+        learner = braintrace.compile(model, algorithm, jnp.zeros((B, I)), batch_size=B, **options)
     params = learner.param_states
 
     def one(acc: Any, x: jax.Array) -> tuple[Any, None]:
@@ -85,5 +94,18 @@ def _trace_sized(body: str) -> list[str]:
 
 
 def test_single_step_writes_the_trace_once_and_copies_nothing() -> None:
-    produced = _trace_sized(_loop_body_hlo())
+    produced = _trace_sized(_loop_body_hlo(_LIF()))
     assert len(produced) == 1, produced
+
+
+def test_filtered_eprop_writes_each_trace_once_and_copies_nothing() -> None:
+    """EProp with ``κ > 0`` carries two traces, ``ε`` and its filter ``ē``: one write of each.
+
+    The gradient reads ``ē^t`` (which holds ``κ ē^{t-1} + D ε^{t-1}``), so neither entering trace
+    has a reader besides its update: no copy of either, and no trace-sized ``x ⊗ df``. (On the
+    LIF cell, whose trace update is cheap, XLA recomputes ``ε^t`` inside the filter's update and
+    copies the entering trace once per step.)
+    """
+    produced = _trace_sized(_loop_body_hlo(_Tanh(), braintrace.EProp, kappa_filter_decay=0.9))
+    assert len(produced) == 2, produced
+    assert not [p for p in produced if p.startswith("%copy")], produced

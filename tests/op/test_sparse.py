@@ -114,7 +114,7 @@ def test_rank_selects_the_primitive_and_binds_the_documented_params() -> None:
 def test_the_structure_holder_hashes_by_identity_and_is_fresh_per_call() -> None:
     h1, h2 = _HashableSparseMat(CSR), _HashableSparseMat(CSR)
     assert h1 != h2 and h1 == h1 and hash(h1) != hash(h2)
-    assert h1.__slots__ == ("mat",)
+    assert h1.__slots__ == ("mat", "coordinates")
     with pytest.raises(TypeError):
         hash(CSR)  # why the holder exists
     w = rand(1, (P,))

@@ -1,0 +1,134 @@
+"""``sparse_matmul`` at scale: how it is differentiated and which kernels it runs.
+
+Differentiating a CSR/CSC product with respect to its values goes through host-side entry
+coordinates, not brainevent's in-program row reconstruction (a cumulative sum over every
+stored entry, folded by XLA in O(nnz²) at compile time when the pattern is constant); the JVP
+and VJP still equal the dense product's. Reverse mode through a time loop keeps the inputs,
+not one value per stored entry, per step. With brainevent's numba kernels a batch goes through
+the vector kernel row by row.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import brainevent
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from braintrace._op import sparse as sp
+from braintrace._op.sparse import sparse_matmul
+from tests.algorithm.bptt import x64
+from tests.op.cases.sparse import CSC, CSR, MASK, I, O
+
+__all__ = ["x64"]  # the fixture is used by name
+
+ROWS, COLS = np.nonzero(MASK)
+P = ROWS.size
+HAS_NUMBA = importlib.util.find_spec("numba") is not None
+
+
+def _dense(values: jax.Array) -> jax.Array:
+    return jnp.zeros((I, O), values.dtype).at[ROWS, COLS].set(values)
+
+
+def _csc_values(values: jax.Array) -> jax.Array:
+    """Row-major values reordered into the CSC structure's (column-major) storage order."""
+    return values[np.lexsort((ROWS, COLS))]
+
+
+def _x(batched: bool) -> jax.Array:
+    shape = (3, I) if batched else (I,)
+    return jnp.asarray(np.random.default_rng(0).standard_normal(shape), jnp.result_type(float))
+
+
+def _values() -> jax.Array:
+    return jnp.asarray(np.random.default_rng(1).standard_normal(P), jnp.result_type(float))
+
+
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("structure", ["csr", "csc"])
+def test_value_gradient_builds_no_row_index_scan(structure: str, batched: bool) -> None:
+    mat = CSR if structure == "csr" else CSC
+    x = _x(batched)
+    ours = jax.make_jaxpr(jax.grad(lambda w: sparse_matmul(x, w, sparse_mat=mat).sum()))(_values())
+    assert "cumsum" not in str(ours)
+    # Negative control: brainevent's own rule rebuilds the rows with a cumulative sum.
+    plain = sp._structure(mat)
+    theirs = jax.make_jaxpr(jax.grad(lambda w: (x @ plain.with_data(w)).sum()))(_values())
+    assert "cumsum" in str(theirs)
+
+
+@pytest.mark.parametrize("structure, batched", [("csr", True), ("csc", False)])
+def test_jvp_and_vjp_equal_the_dense_product(x64: None, structure: str, batched: bool) -> None:
+    mat = CSR if structure == "csr" else CSC
+    order = (lambda v: v) if structure == "csr" else _csc_values
+    x, w = _x(batched), _values()
+    dx, dw = 0.5 * x[::-1], jnp.cos(w)
+    hook = jnp.tanh
+
+    def ours(x: jax.Array, w: jax.Array) -> jax.Array:
+        return sparse_matmul(x, order(w), sparse_mat=mat, weight_fn=hook)
+
+    def dense(x: jax.Array, w: jax.Array) -> jax.Array:
+        return x @ _dense(hook(w))
+
+    y, ty = jax.jvp(ours, (x, w), (dx, dw))
+    y_ref, ty_ref = jax.jvp(dense, (x, w), (dx, dw))
+    np.testing.assert_allclose(y, y_ref, rtol=1e-12)
+    np.testing.assert_allclose(ty, ty_ref, rtol=1e-12)
+    ct = jnp.sin(y_ref)
+    got, ref = jax.vjp(ours, x, w)[1](ct), jax.vjp(dense, x, w)[1](ct)
+    for g, r in zip(got, ref):
+        np.testing.assert_allclose(g, r, rtol=1e-12, atol=1e-14)
+
+
+def test_reverse_mode_through_time_keeps_inputs_not_one_value_per_entry() -> None:
+    n, nnz = 64, 2000
+    rng = np.random.default_rng(0)
+    flat = np.sort(rng.choice(n * n, nnz, replace=False))
+    indptr = np.concatenate([[0], np.cumsum(np.bincount(flat // n, minlength=n))]).astype(np.int32)
+    mat = brainevent.CSR((jnp.zeros(nnz), jnp.asarray((flat % n).astype(np.int32)), jnp.asarray(indptr)),
+                         shape=(n, n))
+
+    def loss(w: jax.Array, h0: jax.Array, steps: int) -> jax.Array:
+        def body(h: jax.Array, _: Any) -> tuple[jax.Array, None]:
+            return jnp.tanh(sparse_matmul(h, w, sparse_mat=mat)), None
+
+        return jax.lax.scan(body, h0, None, length=steps)[0].sum()
+
+    def temp_bytes(steps: int) -> int:
+        step = jax.jit(jax.grad(lambda w, h0: loss(w, h0, steps)))
+        return int(step.lower(jnp.ones(nnz), jnp.ones((1, n))).compile().memory_analysis().temp_size_in_bytes)
+
+    per_step = (temp_bytes(40) - temp_bytes(20)) / 20
+    assert 0 < per_step < 0.25 * nnz * 4  # a few (1, 64) arrays, not a (1, 2000) one
+
+
+@pytest.mark.skipif(not HAS_NUMBA, reason="brainevent's numba kernels need numba")
+def test_a_batch_runs_through_the_numba_vector_kernel_row_by_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    x, w = _x(True), _values()
+
+    def fn(x: jax.Array, w: jax.Array) -> Any:
+        return jax.value_and_grad(lambda x, w: sparse_matmul(x, w, sparse_mat=CSR).sum(), argnums=(0, 1))(x, w)
+
+    text = str(jax.make_jaxpr(fn)(x, w))
+    assert "csrmv" in text and "csrmm" not in text
+    (value, grads), ref = fn(x, w), jax.value_and_grad(lambda x, w: (x @ _dense(w)).sum(), argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(value, ref[0], rtol=1e-5)
+    for g, r in zip(grads, ref[1]):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+    # Negative control: brainevent's matrix kernel, where the row loop is switched off.
+    monkeypatch.setattr(sp, "_numba_kernels", lambda mat: False)
+    impl = jax.make_jaxpr(lambda x, w: sp._etp_sp_matmul_impl(x, w, sparse_mat=sp._HashableSparseMat(CSR)))(x, w)
+    assert "csrmm" in str(impl) and "csrmv" not in str(impl)
+
+
+def test_only_numba_kernels_take_the_row_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sp, "_NUMBA_AVAILABLE", False)
+    assert not sp._numba_kernels(sp._structure(CSR))  # brainevent's pure-JAX kernels
+    pinned = brainevent.CSR((CSR.data, CSR.indices, CSR.indptr), shape=(I, O), backend="numba")
+    assert sp._numba_kernels(pinned)
