@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test test-exhaustive typecheck demo bench docs clean
+.PHONY: test test-oldest test-exhaustive test-long test-optimized fuzz typecheck demo bench docs clean
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -25,12 +25,49 @@ $(VENV)/.docs: $(VENV)/.base pyproject.toml requirements.txt
 	touch $@
 
 test: $(VENV)/.test
-	$(PY) -m pytest -n 2 -q --durations=20 -m "not exhaustive"
+	$(PY) -m pytest -n 2 -q --durations=20 -m "not exhaustive and not long"
 	$(MAKE) typecheck
 
 # The whole of the test grids whose representative cases run in `make test`.
 test-exhaustive: $(VENV)/.test
 	$(PY) -m pytest -n 2 -q -m exhaustive
+
+# The model fuzzer's long profile: fresh random models for FUZZ_SECONDS of wall time (one process).
+FUZZ_SECONDS ?= 600
+fuzz: $(VENV)/.test
+	FUZZ_SECONDS=$(FUZZ_SECONDS) $(PY) -m pytest -q -s -p no:cacheprovider tests/fuzz/test_fuzz.py -k for_the_given_time
+
+# Streams of 10^6 steps through etrace_train (minutes; make test runs 10^5).
+test-long: $(VENV)/.test
+	$(PY) -m pytest -q -m long
+
+# The suite of make test under python -O, which strips assert statements: the same results.
+test-optimized: $(VENV)/.test
+	$(PY) -O -m pytest -n 2 -q -m "not exhaustive and not long"
+
+# The oldest releases of the supported range (requirements-oldest.txt, the lower bounds in
+# pyproject.toml) in their own environment, and a smoke subset of the suite on them: ops, the
+# compiler, every learner family, the drivers, checkpoints and nn. `make test` covers the newest.
+OLDEST := .venv-oldest
+OLDEST_PY := $(OLDEST)/bin/python
+SMOKE_TESTS := tests/test_supported_versions.py \
+	tests/op/test_primitive.py tests/op/test_dense.py tests/op/test_sparse.py \
+	tests/compiler/test_jaxpr_graph.py tests/compiler/test_relations.py \
+	tests/algorithm/test_config.py tests/algorithm/test_api_0_2_5.py tests/algorithm/test_dni.py \
+	tests/algorithm/test_reset.py tests/algorithm/test_etrace_train.py \
+	tests/test_checkpoint.py tests/nn/test_online_learning.py tests/nn/test_exports.py
+
+$(OLDEST)/.base:
+	$(PYTHON) -m venv $(OLDEST)
+	$(OLDEST_PY) -m pip install --quiet --upgrade pip
+	touch $@
+
+$(OLDEST)/.test: $(OLDEST)/.base pyproject.toml requirements-oldest.txt
+	$(OLDEST_PY) -m pip install --quiet -c requirements-oldest.txt -e . pytest pytest-xdist hypothesis
+	touch $@
+
+test-oldest: $(OLDEST)/.test
+	$(OLDEST_PY) -m pytest -n 2 -q -p no:cacheprovider -m "not slow and not exhaustive and not long" $(SMOKE_TESTS)
 
 typecheck: $(VENV)/.test
 	$(PY) -m mypy
@@ -39,10 +76,12 @@ demo: $(VENV)/.demo
 	$(PY) examples/online_learning_demo.py
 
 bench: $(VENV)/.test
+	$(PY) -m pip install --quiet -e ".[bench]" || echo "numba not installable: sparse products run on brainevent's pure-JAX kernels"
 	$(PY) -m benchmarks
+	$(PY) -m benchmarks.scale_out
 
 docs: $(VENV)/.docs
 	$(PY) -m sphinx -W --keep-going -b html docs docs/_build/html
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache
+	rm -rf $(VENV) $(OLDEST) .pytest_cache .mypy_cache

@@ -35,6 +35,7 @@ from braintrace._algorithm import (
     MultiStepData,
     ParamDimVjpAlgorithm,
     SequenceDriverMixin,
+    Sharding,
     SingleStepData,
     pp_prop,
     train_synthetic_gradient,
@@ -63,7 +64,7 @@ from braintrace._compiler import (
     find_hidden_param_op_relations_from_minfo,
     find_hidden_param_op_relations_from_module,
 )
-from braintrace._errors import CompilationError, NotSupportedError
+from braintrace._errors import CompilationError, NonFiniteError, NotSupportedError
 from braintrace._grad_exponential import GradExpon
 from braintrace._op import (
     ETPPrimitive,
@@ -157,6 +158,7 @@ __all__ = [
     "PresynapticTrace",
     "NotSupportedError",
     "CompilationError",
+    "NonFiniteError",
     "nn",
     "save_checkpoint",
     "load_checkpoint",
@@ -177,6 +179,7 @@ __all__ = [
     "MemoryPlan",
     "MemoryEstimate",
     "ETraceConfig",
+    "Sharding",
 ]
 
 # deprecated v0.1 names, served lazily by __getattr__ with a one-time DeprecationWarning

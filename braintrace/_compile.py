@@ -46,6 +46,7 @@ from braintrace._algorithm import (
     UORO,
     pp_prop,
 )
+from braintrace._algorithm.sharding import Sharding, check_batch_size, plan_sharding
 from braintrace._errors import CompilationError
 
 __all__ = ["compile", "ALGORITHM_NAMES", "ENGINES"]
@@ -172,6 +173,7 @@ def compile(
     seed: int | None = None,
     verbose: int = 0,
     vmap: bool = False,
+    sharding: Sharding | None = None,
     **options: Any,
 ) -> Any:
     """Initialise ``model``'s states, wrap it in ``algorithm`` and compile its eligibility-trace graph.
@@ -197,11 +199,17 @@ def compile(
     vmap : bool
         Build per-sample states and return :class:`~braintrace.ETraceVmap`
         ``(learner, vmap_states='new')`` (a ``brainstate.nn.Vmap``); requires ``batch_size``.
+    sharding : Sharding, optional
+        Split the learner over a device mesh: the batch over ``sharding.batch`` (data parallel),
+        the hidden units, their weights' output axis and their traces over ``sharding.hidden``
+        (model parallel). Every state is placed on the mesh, and every call keeps them there;
+        the gradients are those of one device. See :class:`~braintrace.Sharding`.
     **options
         Forwarded to the algorithm's constructor: ``vjp_method`` (``'single-step'`` or
         ``'multi-step'``, the estimator; see :class:`~braintrace.ETraceVjpAlgorithm`),
         ``control_flow``, ``fast_solve``; ``trace_dtype``, ``chunked_trace`` (D_RTRL and its
-        family); ``decay_or_rank`` (pp_prop, required); ``feedback``, ``kappa_filter_decay``
+        family; ``trace_dtype`` also pp_prop); ``decay_or_rank`` (pp_prop, required);
+        ``feedback``, ``kappa_filter_decay``
         (EProp); ``leak`` (OTTT, OTPE, required); ... each learner's docstring lists its own. An
         option the learner does not take is refused, naming the valid ones.
 
@@ -214,8 +222,9 @@ def compile(
     TypeError, ValueError
         For a bad ``algorithm`` or option, a ``config=`` next to an ETraceConfig algorithm, no example input, a ``verbose`` outside ``{0, 1, 2}``,
         ``vmap=True`` without ``batch_size``, an example input whose axis 0 is not
-        ``batch_size``, or a step that would change a hidden state's shape (a batched example
-        compiled without ``batch_size``).
+        ``batch_size``, a step that would change a hidden state's shape (a batched example
+        compiled without ``batch_size``), a ``sharding`` that is not a :class:`~braintrace.Sharding`,
+        or a batch size or hidden unit count that its mesh axis's device count does not divide.
     CompilationError
         When no weight of the model is routed through an ETP operation to a hidden state.
 
@@ -250,6 +259,12 @@ def compile(
         raise ValueError("compile: vmap=True needs the batch_size to build per-sample states.")
     if vmap and batch_size is not None:
         _check_vmap_batch_axis(example_inputs, batch_size)
+    if sharding is not None:
+        if not isinstance(sharding, Sharding):
+            raise TypeError(
+                f"compile: sharding must be a braintrace.Sharding(mesh, batch=..., hidden=...), got "
+                f"{type(sharding).__name__}.")
+        check_batch_size(sharding, batch_size)
     if vmap:
         learner = cls(model, **options)
         unbatched = jax.tree.map(_one_sample, example_inputs)
@@ -275,6 +290,9 @@ def compile(
             "online. Use braintrace.matmul / element_wise / conv ... for the weights that drive hidden "
             "states; compile(..., verbose=2) shows why each weight was excluded."
         )
+    if sharding is not None:
+        result.sharding_plan = plan_sharding(result, learner, sharding, batch_size, vmapped=vmap)
+        result.sharding_plan.place()
     if verbose:
         learner.report.show(level=verbose)
     return result

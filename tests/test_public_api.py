@@ -1,4 +1,4 @@
-"""The top-level namespace is exactly upstream 0.2.4's, plus 0.2.5's additions and our checkpoints."""
+"""The top-level namespace is exactly upstream 0.2.4's, plus 0.2.5's additions, our checkpoints and sharding."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ EXPECTED_ALL = [
     "GradExpon",
     "EProp", "OSTLRecurrent", "OSTLFeedforward", "OTPE", "OTTT", "OSTTP",
     "FixedRandomFeedback", "KappaFilter", "PresynapticTrace",
-    "NotSupportedError", "CompilationError",
+    "NotSupportedError", "CompilationError", "NonFiniteError",
     "nn",
     "save_checkpoint", "load_checkpoint",
     "RandomProjectionVjpAlgorithm", "UORO", "SnAp",
@@ -37,12 +37,13 @@ EXPECTED_ALL = [
     "check_gradients", "compare_learners", "GradientAudit", "GradientRow", "LearnerComparison",
     "estimate_memory", "learner_memory", "MemoryPlan", "MemoryEstimate",
     "ETraceConfig",
+    "Sharding",
 ]
 
 
 def test_all_is_exactly_upstreams() -> None:
     assert braintrace.__all__ == EXPECTED_ALL
-    assert len(EXPECTED_ALL) == 77
+    assert len(EXPECTED_ALL) == 79
     for name in EXPECTED_ALL:
         assert hasattr(braintrace, name), name
 

@@ -11,6 +11,7 @@ from braintrace._algorithm.d_rtrl import D_RTRL, ParamDimVjpAlgorithm
 from braintrace._algorithm.graph_executor import ETraceGraphExecutor, ETraceVjpGraphExecutor
 from braintrace._algorithm.input_data import MultiStepData, SingleStepData
 from braintrace._algorithm.sequence import SequenceDriverMixin
+from braintrace._algorithm.sharding import Sharding
 from braintrace._algorithm.vmap import ETraceVmap
 from braintrace._algorithm.pp_prop import ES_D_RTRL, IODimVjpAlgorithm, pp_prop
 from braintrace._algorithm.eprop import EProp
@@ -59,4 +60,5 @@ __all__ = [
     "SyntheticGradient",
     "train_synthetic_gradient",
     "ETraceConfig",
+    "Sharding",
 ]

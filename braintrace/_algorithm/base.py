@@ -33,6 +33,7 @@ from braintrace._algorithm.config import ETraceConfig
 from braintrace._algorithm.graph_executor import ETraceGraphExecutor, ETraceVjpGraphExecutor
 from braintrace._algorithm.input_data import has_multistep_data
 from braintrace._algorithm.sequence import SequenceDriverMixin
+from braintrace._algorithm.sharding import ShardingPlan, rows_follow_sharding, sharded_call
 from braintrace._compiler import (
     CompilationReport,
     ControlFlowPolicy,
@@ -41,9 +42,9 @@ from braintrace._compiler import (
     groups_read_past_update,
     local_relation_weights,
 )
-from braintrace._compatible_imports import CustomVJPPrimal, SymbolicZero, ad
+from braintrace._compatible_imports import CustomVJPPrimal, SymbolicZero, ad, call_pullback
 from braintrace._compiler.operand_chain import OperandChain, operand_chain
-from braintrace._errors import NotSupportedError
+from braintrace._errors import NotSupportedError, internal_error
 from braintrace._op._registries import has_library_rules
 from braintrace._op._rule_helpers import shape_of, sum_leading
 
@@ -182,6 +183,8 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
         return self._split_states()[2]
 
     _supports_scan_descent = False
+    #: Where the states live on a device mesh (set by ``braintrace.compile(..., sharding=...)``).
+    sharding_plan: ShardingPlan | None = None
     #: The learner's coordinate among the learning rules (``None``: a rule outside that space).
     config: ETraceConfig | None = None
 
@@ -386,6 +389,8 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
             _put_at(model, path, state)
         self._check_hidden_shapes({p: st.value for p, st in self.hidden_states.items()})
         self.reset_state(batch_size=batch_size)
+        if self.sharding_plan is not None:
+            self.sharding_plan.place()
 
     def _check_hidden_shapes(self, hidden_vals: dict[Path, Any]) -> None:
         """Hidden states must keep the shapes the learner was compiled for."""
@@ -406,8 +411,12 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
         return self.graph_executor.show_graph(verbose=verbose, return_msg=return_msg)
 
     def __call__(self, *args: Any, **options: Any) -> Any:
-        """:meth:`update`: model inputs positionally, the learner's own options (``modulator=``) by keyword."""
-        return self.update(*args, **options)
+        """:meth:`update`: model inputs positionally, the learner's own options (``modulator=``) by keyword.
+
+        A sharded learner (``braintrace.compile(..., sharding=...)``) constrains the inputs and
+        the states the call writes to their placement (see :class:`~braintrace.Sharding`).
+        """
+        return sharded_call(self.sharding_plan, self.update, args, options)
 
     def update(self, *args: Any, **options: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must implement update().")
@@ -569,7 +578,8 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
 
     @property
     def vjp_executor(self) -> ETraceVjpGraphExecutor:
-        assert isinstance(self.graph_executor, ETraceVjpGraphExecutor)
+        if not isinstance(self.graph_executor, ETraceVjpGraphExecutor):
+            raise internal_error(f"{type(self).__name__} runs on a {type(self.graph_executor).__name__}, not a VJP executor")
         return self.graph_executor
 
     def _assert_compiled(self) -> None:
@@ -619,7 +629,8 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         if stepper is not None:
             new_etrace = final
         else:
-            assert jac is not None, "the executor returns Jacobians when no stepper rolls the trace"
+            if jac is None:
+                raise internal_error("the executor returned no Jacobians for a call without a stepper")
             new_etrace = self._update_etrace_data(running_index, etrace_vals, jac[0], jac[1], weight_vals, multi)
         hid, oth = ex.split_hidden_other(new_vals)
         return out, hid, oth, new_etrace
@@ -670,6 +681,7 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         residuals = (vjp_fn, trace_for_bwd, weight_vals, running_index, args, aux, exit_cotangent)
         return (out, hid, oth, new_etrace), residuals
 
+    @rows_follow_sharding
     def _update_fn_bwd(self, residuals: Any, cotangents: Any) -> tuple[Any, ...]:
         vjp_fn, trace_for_bwd, weight_vals, running_index, args, aux, exit_cotangent = residuals
         d_out, d_hid, d_oth, _ = jax.tree.map(
@@ -677,12 +689,13 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
             is_leaf=lambda x: isinstance(x, SymbolicZero))
         if not self.vjp_executor.is_single_step_vjp:
             d_out = _materialised(d_out)  # a window's outputs are stacked by a scan (see the helper)
-        grads = vjp_fn((d_out, d_hid, d_oth))
+        grads = call_pullback(vjp_fn, (d_out, d_hid, d_oth))
         groups = self.graph.hidden_groups
         if self.vjp_executor.is_single_step_vjp:
             dg_args, dg_weights, dg_hidden, dg_other, dg_perturb = grads
             perturb = self.graph.hidden_perturb
-            assert perturb is not None
+            if perturb is None:
+                raise internal_error("a single-step VJP graph without the hidden perturbation")
             signal = perturb.perturb_data_to_hidden_group_data(dg_perturb, groups)
             previous = [
                 g.concat_hidden([u.get_mantissa(dg_hidden[p]) for p in g.hidden_paths]) for g in groups
@@ -696,7 +709,7 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         signal = self._compute_learning_signal(signal, (*args, aux))
         dg_weights = self._solve_weight_gradients(running_index, trace_for_bwd, signal, weight_vals, {}, dg_weights)
         if exit_cotangent is not None:
-            injected = vjp_fn(_injection_cotangents(d_out, d_hid, d_oth, exit_cotangent))
+            injected = call_pullback(vjp_fn, _injection_cotangents(d_out, d_hid, d_oth, exit_cotangent))
             dg_args, dg_weights, dg_hidden, dg_other = self._with_exit_pass(
                 (dg_args, dg_weights, dg_hidden, dg_other), injected)
         return dg_args, dg_weights, dg_hidden, dg_other, None, None, None

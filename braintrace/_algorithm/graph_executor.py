@@ -61,6 +61,7 @@ from braintrace._compiler.snap_pattern import (
     pad_states,
     widened_tail_jacobian,
 )
+from braintrace._errors import NotSupportedError, internal_error
 from braintrace._op._registries import get_y_outvar_index, has_library_rules, is_etp_primitive
 
 __all__ = [
@@ -176,6 +177,7 @@ class ETraceGraphExecutor:
         self._state_id_to_path: dict[int, Path] | None = None
         self._out_treedef: Any = None
         self._compiled_signature: tuple[Any, tuple[tuple[int, ...], ...]] | None = None
+        self._compiled_dtypes: tuple[str, ...] = ()
         # Outputs of the relation equations whose primitive has user-registered rules.
         self._ruled_outputs: set[Var] = set()
 
@@ -217,9 +219,10 @@ class ETraceGraphExecutor:
         }
         self._out_treedef = self._graph.module_info.stateful_model.get_out_treedef(*args)
         self._compiled_signature = _arg_signature(args)
+        self._compiled_dtypes = _arg_dtypes(args)
 
     def _check_call_args(self, args: Sequence[Any]) -> None:
-        """Raise a ``ValueError`` unless one step of ``args`` has the compiled structure and shapes.
+        """Refuse a step of ``args`` without the compiled structure and shapes (``ValueError``) or dtypes (``TypeError``).
 
         The compiled step is shape-specialised: another batch size, a missing argument or a
         different layout would otherwise fail deep inside the evaluation of the step.
@@ -233,6 +236,14 @@ class ETraceGraphExecutor:
                 f"but this call's step inputs have shapes {_describe(got)}. Call it with inputs of the "
                 f"compiled structure and shapes (MultiStepData adds a leading time axis); a new batch "
                 f"size or input layout needs a new braintrace.compile(...)."
+            )
+        dtypes = _arg_dtypes(get_single_step_data(*args))
+        if dtypes != self._compiled_dtypes:
+            raise TypeError(
+                f"The learner was compiled for step inputs of dtypes {_listed(self._compiled_dtypes)}, "
+                f"but this call's step inputs have dtypes {_listed(dtypes)}. The compiled step is "
+                f"specialised to its dtypes: cast the inputs (x.astype(...)), or compile with an "
+                f"example input of the new dtype."
             )
 
     def show_graph(self, verbose: bool = True, return_msg: bool = False) -> str | None:
@@ -274,7 +285,8 @@ class ETraceGraphExecutor:
             outs = eval_jaxpr(jaxpr, consts, flat, self._bind)
             invars = list(jaxpr.invars)
         else:
-            assert graph.hidden_perturb is not None, "compiled without the hidden perturbation"
+            if graph.hidden_perturb is None:
+                raise internal_error("a perturbed run of a graph compiled without the hidden perturbation")
             closed = graph.hidden_perturb.perturb_jaxpr
             jaxpr, consts = closed.jaxpr, closed.consts
             outs = eval_jaxpr(jaxpr, consts, [*flat, *perturb], self._bind)
@@ -418,6 +430,15 @@ def _arg_signature(args: Sequence[Any]) -> tuple[Any, tuple[tuple[int, ...], ...
     return treedef, tuple(tuple(jnp.shape(leaf)) for leaf in leaves)
 
 
+def _arg_dtypes(args: Sequence[Any]) -> tuple[str, ...]:
+    """The canonical dtype of every leaf (a Python number as the array JAX makes of it)."""
+    return tuple(np.dtype(jnp.result_type(leaf)).name for leaf in jax.tree.leaves(tuple(args)))
+
+
+def _listed(dtypes: tuple[str, ...]) -> str:
+    return "(" + ", ".join(dtypes) + ("," if len(dtypes) == 1 else "") + ")"
+
+
 def _describe(signature: tuple[Any, tuple[tuple[int, ...], ...]]) -> str:
     treedef, shapes = signature
     return str(jax.tree.unflatten(treedef, [f"<{s}>" for s in shapes])).replace("'", "")
@@ -451,6 +472,27 @@ def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], bind: Eqn
             outs = bind(eqn, [read(a) for a in eqn.invars])
         env.update((v, o) for v, o in zip(eqn.outvars, outs) if not isinstance(v, DropVar))
     return [read(v) for v in jaxpr.outvars]
+
+
+def _refuse_while_in_windows(graph: Any) -> None:
+    """Raise ``NotSupportedError`` for a ``while_loop`` on a hidden group's path under multi-step windows.
+
+    A window is differentiated in reverse mode through its whole step; reverse mode cannot
+    cross a ``while_loop`` (single-step learners detach it and add the part it carries).
+    """
+    def is_while(eqn: JaxprEqn) -> bool:
+        return bool(eqn.primitive.name == "while")
+
+    for group in graph.hidden_groups:
+        tails = [tail for rel in graph.hidden_param_op_relations
+                 for g, tail in zip(rel.hidden_groups, rel.y_to_hidden_group_jaxprs) if g is group]
+        if contains_eqn(group.transition_jaxpr, is_while) or any(contains_eqn(t, is_while) for t in tails):
+            raise NotSupportedError(
+                f"vjp_method='multi-step': hidden group {group.index} ({group.hidden_paths}) is updated "
+                f"through a while_loop, and a multi-step window differentiates its steps in reverse mode, "
+                f"which cannot cross a while_loop. Use vjp_method='single-step', or write the loop with "
+                f"a fixed trip count (lax.fori_loop with static bounds, or lax.scan)."
+            )
 
 
 def _bind_detaching_whiles(eqn: JaxprEqn, operands: list[Any]) -> list[Any]:
@@ -572,6 +614,11 @@ class ETraceVjpGraphExecutor(ETraceGraphExecutor):
     @property
     def is_multi_step_vjp(self) -> bool:
         return self.vjp_method == "multi-step"
+
+    def compile_graph(self, *args: Any) -> None:
+        super().compile_graph(*args)
+        if self.is_multi_step_vjp:
+            _refuse_while_in_windows(self.graph)
 
     def _compile_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"include_hidden_perturb": self.is_single_step_vjp}

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from braintrace._algorithm.sequence import Path, SequenceDriverMixin
+from braintrace._algorithm.sharding import ShardingPlan, sharded_call
 
 __all__ = ["ETraceVmap"]
 
@@ -59,6 +60,13 @@ class ETraceVmap(SequenceDriverMixin, brainstate.nn.Vmap):
     def __init__(self, module: Any, *, vmap_states: Any = None, **kwargs: Any) -> None:
         super().__init__(module, vmap_states=vmap_states, **kwargs)
         self._lane_states = vmap_states
+
+    #: Where the states live on a device mesh (set by ``braintrace.compile(..., sharding=...)``).
+    sharding_plan: ShardingPlan | None = None
+
+    def __call__(self, *args: Any, **options: Any) -> Any:
+        """:meth:`update`, its inputs and written states constrained to a sharding's placement (if any)."""
+        return sharded_call(self.sharding_plan, self.update, args, options)
 
     def update(self, *args: Any, **options: Any) -> Any:
         """One call of every lane; keyword options (``modulator=``) are mapped over the lanes too.
@@ -121,6 +129,8 @@ class ETraceVmap(SequenceDriverMixin, brainstate.nn.Vmap):
             learner.reset()
 
         reset_lanes()
+        if self.sharding_plan is not None:
+            self.sharding_plan.place()
 
     @property
     def _seq_param_states(self) -> Mapping[Path, Any]:
