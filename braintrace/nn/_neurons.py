@@ -29,6 +29,7 @@ import jax
 
 from braintrace.nn._constants import ConstantsDynamics
 from braintrace.nn._initial import initial_state
+from braintrace.nn._input_check import check_broadcast_input
 
 __all__ = ["IF", "LIF", "ALIF"]
 
@@ -158,6 +159,7 @@ class IF(_SpikingNeuron):
 
     def update(self, x: Any = 0.0 * u.mA) -> Any:
         """Advance one step with input current ``x``; return the spikes of the new potential."""
+        check_broadcast_input(type(self).__name__, x, "V", u.math.shape(self.V.value))
         threshold = self._read(self.V_th)
         last_v = self.V.value
         v = last_v - self._reset_level(last_v, threshold) * self._spike(last_v, threshold)
@@ -265,6 +267,7 @@ class LIF(_SpikingNeuron):
 
     def update(self, x: Any = 0.0 * u.mA) -> Any:
         """Advance one step with input current ``x``; return the spikes of the new potential."""
+        check_broadcast_input(type(self).__name__, x, "V", u.math.shape(self.V.value))
         threshold = self._read(self.V_th)
         last_v = self.V.value
         spike = self._spike(last_v, threshold)
@@ -392,6 +395,7 @@ class ALIF(_SpikingNeuron):
 
     def update(self, x: Any = 0.0 * u.mA) -> Any:
         """Advance one step with input current ``x``; return the spikes of the new state."""
+        check_broadcast_input(type(self).__name__, x, "V", u.math.shape(self.V.value))
         threshold, beta = self._read(self.V_th), self._read(self.beta)
         last_v, last_a = self.V.value, self.a.value
         spike = self._spike(last_v, last_a, threshold, beta)

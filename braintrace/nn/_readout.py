@@ -15,6 +15,7 @@ import brainunit as u
 
 from braintrace._op import matmul
 from braintrace.nn._initial import initial_state
+from braintrace.nn._input_check import check_step_input
 from braintrace.nn._linear import _fold_leading_axes
 
 __all__ = ["LeakyRateReadout"]
@@ -118,6 +119,9 @@ class LeakyRateReadout(brainstate.nn.Module):
         self.r.value = initial_state(self._r_initializer, self.out_size, batch_size)
 
     def update(self, x: Any) -> Any:
+        state_shape = tuple(u.math.shape(self.r.value))
+        leading = state_shape[: len(state_shape) - len(self.out_size)]
+        check_step_input("LeakyRateReadout", x, leading + (self.in_size[0],), "r", state_shape)
         x2, unfold = _fold_leading_axes(x)
         self.r.value = self.decay * self.r.value + unfold(matmul(x2, self.W.value))
         return self.r.value

@@ -17,6 +17,7 @@ import brainunit as u
 import jax.numpy as jnp
 
 from braintrace._op import element_wise
+from braintrace.nn._input_check import check_step_input
 from braintrace.nn._linear import Linear
 
 __all__ = ["LRUCell"]
@@ -135,6 +136,8 @@ class LRUCell(brainstate.nn.Module):
         self.h_im.value = self._zeros(batch_size)
 
     def update(self, x: Any) -> Any:
+        state_shape = tuple(u.math.shape(self.h_re.value))
+        check_step_input("LRUCell", x, state_shape[:-1] + (self.d_model,), "h_re", state_shape)
         a = u.math.exp(-u.math.exp(element_wise(self.nu_log.value)))
         b = u.math.exp(element_wise(self.theta_log.value))
         c = u.math.exp(element_wise(self.gamma_log.value))

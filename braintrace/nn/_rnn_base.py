@@ -13,6 +13,7 @@ import braintools
 import brainunit as u
 
 from braintrace.nn._initial import initial_state
+from braintrace.nn._input_check import check_step_input
 
 __all__ = ["CellBase", "resolve_activation", "concat"]
 
@@ -93,6 +94,12 @@ class CellBase(brainstate.nn.RNNCell):
 
     def _initial(self, batch_size: int | None) -> Any:
         return initial_state(self._state_initializer, self.out_size, batch_size)
+
+    def _check_input(self, x: Any) -> None:
+        """``x`` must be ``(*leading axes of the hidden state, num_in)``, checked before any gate runs."""
+        name = self.state_names[0]
+        state_shape = tuple(u.math.shape(getattr(self, name).value))
+        check_step_input(type(self).__name__, x, state_shape[:-1] + (self.num_in,), name, state_shape)
 
     def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
         """Create the hidden states, ``(batch_size, *out_size)`` or ``out_size``."""

@@ -74,6 +74,7 @@ class ValinaRNNCell(CellBase):
         self.W = Linear(self.num_in + self.num_out, self.num_out, w_init=w_init, b_init=b_init)
 
     def update(self, x: Any) -> Any:
+        self._check_input(x)
         self.h.value = self.activation(self.W(concat(x, self.h.value)))
         return self.h.value
 
@@ -140,6 +141,7 @@ class GRUCell(CellBase):
         self.Wh = Linear(n_xh, self.num_out, w_init=w_init, b_init=b_init)
 
     def update(self, x: Any) -> Any:
+        self._check_input(x)
         old_h = self.h.value
         xh = concat(x, old_h)
         z = sigmoid(self.Wz(xh))
@@ -202,6 +204,7 @@ class MGUCell(CellBase):
         self.Wh = Linear(n_xh, self.num_out, w_init=w_init, b_init=b_init)
 
     def update(self, x: Any) -> Any:
+        self._check_input(x)
         old_h = self.h.value
         f = sigmoid(self.Wf(concat(x, old_h)))
         candidate = self.activation(self.Wh(concat(x, f * old_h)))
@@ -266,6 +269,7 @@ class LSTMCell(CellBase):
         self.Wo = Linear(n_xh, self.num_out, w_init=w_init, b_init=b_init)
 
     def update(self, x: Any) -> Any:
+        self._check_input(x)
         xh = concat(x, self.h.value)
         i, g, f, o = self.Wi(xh), self.Wg(xh), self.Wf(xh), self.Wo(xh)
         c = sigmoid(f + 1.0) * self.c.value + sigmoid(i) * self.activation(g)
@@ -343,6 +347,7 @@ class URLSTMCell(CellBase):
         self.bias = brainstate.ParamState(_logit_uniform_bias(self.num_out))
 
     def update(self, x: Any) -> Any:
+        self._check_input(x)
         xh = concat(x, self.h.value)
         f, r, u, o = self.Wf(xh), self.Wr(xh), self.Wu(xh), self.Wo(xh)
         f_gate = sigmoid(element_wise(self.bias.value) + f)
@@ -409,6 +414,7 @@ class CFNCell(CellBase):
         self.Wh = Linear(self.num_in, self.num_out, w_init=w_init, b_init=b_init)
 
     def update(self, x: Any) -> Any:
+        self._check_input(x)
         old_h = self.h.value
         xh = concat(x, old_h)
         f = sigmoid(self.Wf(xh))

@@ -85,6 +85,7 @@ class MinimalRNNCell(CellBase):
         self.W_u = Linear(2 * self.num_out, self.num_out, w_init=w_init, b_init=b_init)
 
     def update(self, x: Any) -> Any:
+        self._check_input(x)
         old_h = self.h.value
         z = self.phi(x)
         f = sigmoid(self.W_u(concat(z, old_h)))
@@ -137,6 +138,7 @@ class MiniGRU(CellBase):
         self.W_z = Linear(self.num_in + self.num_out, self.num_out, w_init=w_init, b_init=b_init)
 
     def update(self, x: Any) -> Any:
+        self._check_input(x)
         old_h = self.h.value
         z = sigmoid(self.W_z(concat(x, old_h)))
         self.h.value = (1 - z) * old_h + z * self.W_x(x)
@@ -192,6 +194,7 @@ class MiniLSTM(CellBase):
         self.W_i = Linear(n_xh, self.num_out, w_init=w_init, b_init=b_init)
 
     def update(self, x: Any) -> Any:
+        self._check_input(x)
         old_h = self.h.value
         xh = concat(x, old_h)
         f = sigmoid(self.W_f(xh))

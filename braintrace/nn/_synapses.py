@@ -21,6 +21,7 @@ import numpy as np
 
 from braintrace.nn._constants import ConstantsDynamics
 from braintrace.nn._initial import initial_state
+from braintrace.nn._input_check import check_broadcast_input
 
 __all__ = ["Expon", "Alpha", "DualExpon"]
 
@@ -91,6 +92,8 @@ class Expon(ConstantsDynamics):
 
     def update(self, x: Any = None) -> Any:
         """Decay ``g`` by one step, add ``x`` (if given) and return the new ``g``."""
+        if x is not None:
+            check_broadcast_input(type(self).__name__, x, "g", u.math.shape(self.g.value))
         g = self.g.value
         g = g - self._step_fraction(self._read(self.tau)) * g
         if x is not None:
@@ -164,6 +167,8 @@ class Alpha(ConstantsDynamics):
 
     def update(self, x: Any = None) -> Any:
         """Advance ``g`` towards ``h``, decay ``h`` and add ``x`` (if given) to it; return ``g``."""
+        if x is not None:
+            check_broadcast_input(type(self).__name__, x, "h", u.math.shape(self.h.value))
         k = self._step_fraction(self._read(self.tau))
         g, h = self.g.value, self.h.value
         self.g.value = g + k * (h - g)
@@ -269,6 +274,8 @@ class DualExpon(ConstantsDynamics):
 
     def update(self, x: Any = None) -> Any:
         """Decay both components, add ``x`` (if given) to each, return ``A (g_decay − g_rise)``."""
+        if x is not None:
+            check_broadcast_input(type(self).__name__, x, "g_rise", u.math.shape(self.g_rise.value))
         tau_rise, tau_decay = self._read(self.tau_rise), self._read(self.tau_decay)
         g_rise, g_decay = self.g_rise.value, self.g_decay.value
         g_rise = g_rise - self._step_fraction(tau_rise, "tau_rise") * g_rise
