@@ -106,6 +106,7 @@ class OSTLFeedforward(pp_prop):
         ``1``) is the exact feedforward coordinate ``('none', 'none')``.
     name : str, optional
     vjp_method : {'single-step', 'multi-step'}, fast_solve : bool, control_flow : ControlFlowPolicy
+    trace_dtype : dtype, optional
     config : ETraceConfig, optional
     random_feedback_key : int or PRNG key, optional
         Keyword options forwarded to :class:`pp_prop`.

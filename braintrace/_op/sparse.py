@@ -367,7 +367,16 @@ def _sp_snap_adjacency(
     if len(x_shape) != len(y_shape) or x_shape[:-1] != y_shape[:-1]:
         return None
     mat = _structure(sparse_mat)
-    stored = np.asarray(mat.with_data(jnp.ones(_nnz_shape(mat), mat.data.dtype)).todense()) != 0
+    coordinates = _entry_coordinates(mat)
+    if coordinates is not None:
+        stored = np.zeros(mat.shape, bool)
+        stored[coordinates] = True
+    else:
+        try:
+            with jax.ensure_compile_time_eval():  # the rule may run while a step is traced
+                stored = np.asarray(mat.with_data(jnp.ones(_nnz_shape(mat), mat.data.dtype)).todense()) != 0
+        except jax.errors.TracerArrayConversionError:
+            return None
     if stored.shape != (x_shape[-1], y_shape[-1]):
         return None
     return (*[None] * (len(y_shape) - 1), stored.T)

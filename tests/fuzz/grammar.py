@@ -10,6 +10,11 @@ unit, wraps its update in control flow (``cond``, an inner ``lax.scan`` or
 ``brainstate.transform.for_loop``, a weight-free ``while``), reads its previous value past the
 update, and keeps its state in ``mV``.
 
+:func:`cases` draws every feature equally, so few of its models get an ``exact`` label;
+:func:`exact_leaning_cases` draws the models a learner is exact for (element-wise recurrences
+under D_RTRL and EProp at κ = 0, mixing ones under a saturated SnAp) with the other features
+free, and :func:`mixed_cases`, the fuzzer's profile, draws two of those for each unconstrained one.
+
 Specs are plain data with a ``repr`` that is valid Python, so a failure the fuzzer finds is
 pasted into ``test_regressions.py`` as an explicit model. The sizes are tiny on purpose.
 """
@@ -22,7 +27,7 @@ from hypothesis import strategies as st
 
 __all__ = [
     "FAMILIES", "HOOKS", "RECURRENCES", "CONTROLS", "LEARNERS",
-    "OpSpec", "GroupSpec", "ModelSpec", "FuzzCase", "cases",
+    "EXACT_LEARNERS", "OpSpec", "GroupSpec", "ModelSpec", "FuzzCase", "cases", "exact_leaning_cases", "mixed_cases",
 ]
 
 FAMILIES = ("matmul", "sparse", "grouped", "lora", "einsum", "conv", "elemwise", "embedding")
@@ -41,7 +46,12 @@ LEARNERS: dict[str, tuple[str, dict[str, object], int]] = {
     "d_rtrl_window": ("d_rtrl", {"vjp_method": "multi-step"}, 2),
     "pp_prop": ("pp_prop", {"decay_or_rank": 0.9}, 1),
     "eprop": ("eprop", {"kappa_filter_decay": 0.5}, 1),
+    "eprop_k0": ("eprop", {"kappa_filter_decay": 0.0}, 1),
+    "snap_saturated": ("snap", {"n": 10}, 1),
 }
+#: The learners that can label a relation exact (pp_prop's factorised trace and EProp's κ > 0 never do).
+#: D_RTRL and EProp at κ = 0 are exact for element-wise recurrences; a saturated SnAp also for mixing ones.
+EXACT_LEARNERS = ("d_rtrl", "d_rtrl_window", "eprop_k0", "snap_saturated")
 
 N_IN = 3
 VOCAB = 5
@@ -168,5 +178,56 @@ def model_specs(draw: st.DrawFn) -> ModelSpec:
 
 
 def cases() -> st.SearchStrategy[FuzzCase]:
-    """A model and a learner."""
+    """A model and a learner, every feature equally likely: mostly models no learner is exact for."""
     return st.builds(FuzzCase, model_specs(), st.sampled_from(tuple(LEARNERS)))
+
+
+@st.composite
+def exact_leaning_groups(draw: st.DrawFn, index: int, widths: list[int], mixing: bool) -> GroupSpec:
+    """Group ``index`` of an exact-leaning model: an element-wise recurrence (a mixing one when
+    ``mixing``, for a saturated SnAp), driven from the input through any family, mostly flat control.
+
+    A stacked group (``source >= 0``) leaves the group it reads approximate (cross-group coupling)
+    and its own drive exact, so it still reaches the element-wise comparison.
+    """
+    source = -1 if index == 0 or draw(st.integers(0, 3)) else draw(st.integers(0, index - 1))
+    n_src = N_IN if source < 0 else widths[source]
+    families = FAMILIES if source < 0 else tuple(f for f in FAMILIES if f != "embedding")
+    drive = draw(op_specs(n_src, families))
+    width = drive.n_out
+    recurrence = draw(st.sampled_from(("mix",) if mixing else ("const", "param", "param", "none")))
+    mix = draw(op_specs(width, MIXING, width=width)) if recurrence == "mix" else None
+    control = draw(st.sampled_from(("none", "none", "none", "cond", "while", "scan", "for_loop")))
+    return GroupSpec(
+        width=width, drive=drive, source=source, recurrence=recurrence, mix=mix,
+        adapt=draw(st.sampled_from(("", "", "old", "new"))), reset=draw(st.booleans()),
+        control=control, steps=draw(st.integers(1, 3)), read=draw(st.sampled_from(READS)),
+        unit=draw(st.booleans()),
+    )
+
+
+@st.composite
+def exact_leaning_cases(draw: st.DrawFn) -> FuzzCase:
+    """A case a learner is likely to label exact, so that the element-wise BPTT comparison runs.
+
+    One or two groups with element-wise recurrences (constant or trainable leak, or none; no
+    mixing weight, no roll) under D_RTRL (one step or windows of two) or EProp at κ = 0; or
+    mixing recurrences under a saturated SnAp. Drives, hooks, biases, adaptation, resets, units,
+    readouts and batches vary as in :func:`cases`, so the surprising combinations still come up.
+    """
+    learner = draw(st.sampled_from(("d_rtrl", "d_rtrl", "d_rtrl_window", "eprop_k0", "snap_saturated")))
+    mixing = learner == "snap_saturated" and draw(st.booleans())
+    groups: list[GroupSpec] = []
+    for index in range(draw(st.integers(1, 2))):
+        groups.append(draw(exact_leaning_groups(index, [g.width for g in groups], mixing)))
+    model = ModelSpec(
+        groups=tuple(groups), readout=draw(st.sampled_from(READOUTS)),
+        batch=draw(st.sampled_from((None, 2))), seed=draw(st.integers(0, 999)),
+    )
+    return FuzzCase(model, learner)
+
+
+@st.composite
+def mixed_cases(draw: st.DrawFn) -> FuzzCase:
+    """Two exact-leaning cases for every unconstrained one (the profile of the fuzzer)."""
+    return draw(exact_leaning_cases() if draw(st.integers(0, 2)) < 2 else cases())

@@ -55,12 +55,17 @@ _PACKAGE = os.path.dirname(braintrace.__file__)
 
 @dataclasses.dataclass
 class Outcome:
-    """``status`` is ``'refused'``, ``'exact'`` (every label exact) or ``'approximate'``; ``problems`` must be empty."""
+    """``status`` is ``'refused'``, ``'exact'`` (every label exact) or ``'approximate'``; ``problems`` must be empty.
+
+    ``compared`` names the weights driving hidden states that were labelled exact and so compared
+    with BPTT element-wise (the readout, always compared, is not counted).
+    """
 
     status: str
     problems: list[str]
     labels: list[str]
     detail: str = ""
+    compared: list[str] = dataclasses.field(default_factory=list)
 
 
 @contextmanager
@@ -162,4 +167,4 @@ def judge(labels: Any, grads: Any, loss: float, ref: dict[str, np.ndarray], ref_
         if name not in said:
             problems.append(f"{name} drives a hidden state but has no exactness label and no warning")
     status = "exact" if labels and all(lab.exact for lab in labels) else "approximate"
-    return Outcome(status, problems, texts)
+    return Outcome(status, problems, texts, compared=sorted(exact - {"readout"}))

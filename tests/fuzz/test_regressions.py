@@ -8,14 +8,21 @@
 * A ``while_loop`` settling a hidden state under ``vjp_method='multi-step'``: the window's VJP
   reached JAX's "Reverse-mode differentiation does not work for lax.while_loop". Now refused at
   compile time with a ``NotSupportedError`` naming the loop and the fix.
+* A sparse mixing recurrence under a saturated SnAp: the ``snap_adjacency`` rule of
+  ``sparse_matmul`` densified the structure with ``jnp`` and read it on the host, which raised a
+  ``TracerArrayConversionError`` when the rule ran while ``one_step`` was traced. The rule now reads
+  the stored pattern from the concrete indices (or declines to describe a traced one).
 """
 
 from __future__ import annotations
 
 import warnings
 
+import brainevent
 import brainstate
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import braintrace
@@ -46,3 +53,54 @@ def test_a_while_loop_under_multi_step_windows_is_refused_by_name() -> None:
         warnings.simplefilter("ignore", UserWarning)  # the plain readout, reported as not online
         brainstate.random.seed(0)
         braintrace.compile(FuzzModel(spec), "d_rtrl", jnp.ones(3), vjp_method="multi-step")
+
+
+SPARSE_MIX_UNDER_SNAP = FuzzCase(ModelSpec((GroupSpec(
+    width=3, drive=OpSpec("grouped", 3, 3, hook="roll", bias=True, size=1, seed=308), recurrence="mix",
+    mix=OpSpec("sparse", 3, 3, hook="affine", bias=True, seed=0), control="for_loop", steps=2),),
+    readout="etp", batch=2, seed=548), "snap_saturated")
+
+
+def test_a_sparse_mixing_recurrence_under_a_saturated_snap_is_compared_with_bptt() -> None:
+    outcome = run_case(SPARSE_MIX_UNDER_SNAP)
+    assert outcome.problems == [], outcome.detail
+    assert "g0_mix_w" in outcome.compared, outcome.labels
+
+
+def test_the_sparse_adjacency_rule_reads_the_pattern_while_traced() -> None:
+    from braintrace._op.sparse import _sp_snap_adjacency
+
+    mask = np.array([[1, 0, 1], [0, 1, 0], [1, 1, 0]], bool)
+    csr = brainevent.CSR.fromdense(jnp.asarray(mask, jnp.float32))
+    read: list[object] = []
+
+    def traced(x: jax.Array) -> jax.Array:
+        read.append(_sp_snap_adjacency((2, 3), (2, 3), sparse_mat=csr))
+        return x
+
+    jax.jit(traced)(jnp.ones(()))
+    (rule,) = read
+    assert rule is not None and rule[0] is None
+    np.testing.assert_array_equal(rule[1], mask.T)
+
+
+#: Found by the long profile, not fixed: compiling SnAp raises an ``IndexError`` in the grouped
+#: operator's fast recurrent rule (``_grouped_fast_recurrent``, reached from ``D_RTRL._step_relation``
+#: while ``_allocate_final_shapes`` traces one step).
+GROUPED_MIX_UNDER_SNAP = FuzzCase(model=ModelSpec(groups=(
+    GroupSpec(width=3, drive=OpSpec(family='matmul', n_in=3, n_out=3, hook='none', bias=True, size=1, seed=999),
+              source=-1, recurrence='none', mix=None, adapt='', reset=True, control='none', steps=2, read='new',
+              unit=False),
+    GroupSpec(width=2, drive=OpSpec(family='matmul', n_in=3, n_out=2, hook='none', bias=False, size=1, seed=120),
+              source=-1, recurrence='mix',
+              mix=OpSpec(family='grouped', n_in=2, n_out=2, hook='none', bias=True, size=2, seed=838), adapt='',
+              reset=True, control='cond', steps=2, read='new', unit=False),
+    GroupSpec(width=4, drive=OpSpec(family='einsum', n_in=2, n_out=4, hook='roll', bias=False, size=1, seed=222),
+              source=1, recurrence='roll', mix=None, adapt='', reset=False, control='for_loop', steps=1,
+              read='new', unit=True)), readout='identity', batch=None, seed=720), learner='snap_saturated')
+
+
+@pytest.mark.xfail(strict=True, reason="IndexError in the grouped operator's fast recurrent rule under SnAp")
+def test_a_grouped_mixing_recurrence_read_by_a_stacked_group_under_snap_runs() -> None:
+    outcome = run_case(GROUPED_MIX_UNDER_SNAP)
+    assert outcome.problems == [], outcome.detail
