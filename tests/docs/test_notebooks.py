@@ -19,6 +19,10 @@ import run_notebooks  # noqa: E402
 
 NOTEBOOKS = run_notebooks.notebooks()
 IDS = [str(p.relative_to(DOCS)) for p in NOTEBOOKS]
+#: The tutorials that take about a minute each to run: executed by make test-exhaustive, while
+#: make test checks that their saved outputs are one clean run.
+LONG_RUNNING = {"choosing_a_learner.ipynb", "learning_rules.ipynb", "rnn_online_learning.ipynb"}
+EXECUTED = [pytest.param(p, marks=pytest.mark.exhaustive) if p.name in LONG_RUNNING else p for p in NOTEBOOKS]
 
 
 def _code_cells(nb: nbformat.NotebookNode) -> list[nbformat.NotebookNode]:
@@ -59,7 +63,7 @@ def _output_kinds(nb: nbformat.NotebookNode) -> list[set[str]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+@pytest.mark.parametrize("path", EXECUTED, ids=IDS)
 def test_notebook_executes_and_shows_what_was_saved(path: Path) -> None:
     saved = nbformat.read(path, as_version=4)
     nb = run_notebooks.execute(path)
