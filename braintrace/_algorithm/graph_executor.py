@@ -66,7 +66,7 @@ from braintrace._op._registries import get_y_outvar_index, has_library_rules, is
 
 __all__ = [
     "ETraceGraphExecutor", "ETraceVjpGraphExecutor", "StepJacobians", "TransitionPoint", "TailPoint", "df_key",
-    "detached_df_key", "trace_key", "history_jacobian_key", "widens",
+    "detached_df_key", "trace_key", "history_jacobian_key", "widens", "refuse_while_in_windows",
 ]
 
 Path = tuple[Any, ...]
@@ -474,7 +474,7 @@ def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], bind: Eqn
     return [read(v) for v in jaxpr.outvars]
 
 
-def _refuse_while_in_windows(graph: Any) -> None:
+def refuse_while_in_windows(graph: Any) -> None:
     """Raise ``NotSupportedError`` for a ``while_loop`` on a hidden group's path under multi-step windows.
 
     A window is differentiated in reverse mode through its whole step; reverse mode cannot
@@ -614,11 +614,6 @@ class ETraceVjpGraphExecutor(ETraceGraphExecutor):
     @property
     def is_multi_step_vjp(self) -> bool:
         return self.vjp_method == "multi-step"
-
-    def compile_graph(self, *args: Any) -> None:
-        super().compile_graph(*args)
-        if self.is_multi_step_vjp:
-            _refuse_while_in_windows(self.graph)
 
     def _compile_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"include_hidden_perturb": self.is_single_step_vjp}
