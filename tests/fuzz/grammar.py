@@ -146,23 +146,28 @@ def op_specs(draw: st.DrawFn, n_in: int, families: tuple[str, ...], width: int |
     return OpSpec(family, n_in, n_out, hook, bias, size, seed)
 
 
-@st.composite
-def group_specs(draw: st.DrawFn, index: int, widths: list[int]) -> GroupSpec:
-    """Group ``index``; ``widths`` are the output widths of the groups before it."""
-    source = draw(st.integers(-1, index - 1))
+def _group(draw: st.DrawFn, source: int, widths: list[int], recurrences: tuple[str, ...],
+           controls: tuple[str, ...]) -> GroupSpec:
+    """A group reading ``source`` (``-1``: the input), its recurrence and control flow drawn from
+    ``recurrences`` and ``controls``, every other feature drawn freely."""
     n_src = N_IN if source < 0 else widths[source]
     families = FAMILIES if source < 0 else tuple(f for f in FAMILIES if f != "embedding")
     drive = draw(op_specs(n_src, families))
     width = drive.n_out
-    recurrence = draw(st.sampled_from(RECURRENCES))
+    recurrence = draw(st.sampled_from(recurrences))
     mix = draw(op_specs(width, MIXING, width=width)) if recurrence == "mix" else None
-    control = draw(st.sampled_from(CONTROLS))
     return GroupSpec(
         width=width, drive=drive, source=source, recurrence=recurrence, mix=mix,
         adapt=draw(st.sampled_from(("", "", "old", "new"))), reset=draw(st.booleans()),
-        control=control, steps=draw(st.integers(1, 3)), read=draw(st.sampled_from(READS)),
-        unit=draw(st.booleans()),
+        control=draw(st.sampled_from(controls)), steps=draw(st.integers(1, 3)),
+        read=draw(st.sampled_from(READS)), unit=draw(st.booleans()),
     )
+
+
+@st.composite
+def group_specs(draw: st.DrawFn, index: int, widths: list[int]) -> GroupSpec:
+    """Group ``index``; ``widths`` are the output widths of the groups before it."""
+    return _group(draw, draw(st.integers(-1, index - 1)), widths, RECURRENCES, CONTROLS)
 
 
 @st.composite
@@ -191,19 +196,8 @@ def exact_leaning_groups(draw: st.DrawFn, index: int, widths: list[int], mixing:
     and its own drive exact, so it still reaches the element-wise comparison.
     """
     source = -1 if index == 0 or draw(st.integers(0, 3)) else draw(st.integers(0, index - 1))
-    n_src = N_IN if source < 0 else widths[source]
-    families = FAMILIES if source < 0 else tuple(f for f in FAMILIES if f != "embedding")
-    drive = draw(op_specs(n_src, families))
-    width = drive.n_out
-    recurrence = draw(st.sampled_from(("mix",) if mixing else ("const", "param", "param", "none")))
-    mix = draw(op_specs(width, MIXING, width=width)) if recurrence == "mix" else None
-    control = draw(st.sampled_from(("none", "none", "none", "cond", "while", "scan", "for_loop")))
-    return GroupSpec(
-        width=width, drive=drive, source=source, recurrence=recurrence, mix=mix,
-        adapt=draw(st.sampled_from(("", "", "old", "new"))), reset=draw(st.booleans()),
-        control=control, steps=draw(st.integers(1, 3)), read=draw(st.sampled_from(READS)),
-        unit=draw(st.booleans()),
-    )
+    recurrences = ("mix",) if mixing else ("const", "param", "param", "none")
+    return _group(draw, source, widths, recurrences, ("none", "none", "none", "cond", "while", "scan", "for_loop"))
 
 
 @st.composite
