@@ -33,6 +33,9 @@ test-exhaustive: $(VENV)/.test
 	$(PY) -m pytest -n 2 -q -m exhaustive
 
 # The model fuzzer's long profile: fresh random models for FUZZ_SECONDS of wall time (one process).
+# Each case has FUZZ_CASE_SECONDS (default 180 s) of wall time; one that overruns it is a hang, and the
+# watchdog prints "FUZZ CASE HANG", the phase, the FuzzCase(...) to paste into
+# tests/fuzz/test_regressions.py and every thread's stack, then exits with status 124.
 FUZZ_SECONDS ?= 600
 fuzz: $(VENV)/.test
 	FUZZ_SECONDS=$(FUZZ_SECONDS) $(PY) -m pytest -q -s -p no:cacheprovider tests/fuzz/test_fuzz.py -k for_the_given_time

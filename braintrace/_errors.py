@@ -115,7 +115,9 @@ _NON_FINITE_ADVICE = {
     "input": ". Clean the data (e.g. jnp.nan_to_num) or mask it out before driving the learner.",
     "loss": ". Check the loss for log(0), division by zero or overflow at that step.",
     "gradient": ". Lower the learning rate, clip gradients, or check the loss's derivative there.",
-    "trace": ". The dynamics diverged: lower the learning rate or make the recurrence contractive.",
+    "trace": (". Either the dynamics diverged (lower the learning rate or make the recurrence "
+              "contractive) or the step made a NaN from finite inputs (an Embedding index outside "
+              "[0, num_embeddings) reads a NaN row; log or sqrt of a negative value)."),
     "update": ". Lower the learning rate or clip the updates.",
 }
 

@@ -102,6 +102,9 @@ def state_rows(cls: type, unit: Any) -> list[tuple[str, Callable[[], Any], type,
          ("(2, 4)", "(2, 6)")),
         (f"{name}/batch", lambda: stepped(lambda: cls(N_OUT), jnp.ones((B + 1, N_OUT)) * unit), ValueError,
          ("(2, 4)", "(3, 4)")),
+        # a plain input where the state carries a unit (InputUnitError, also a brainunit UnitMismatchError)
+        (f"{name}/unit", lambda: stepped(lambda: cls(N_OUT), jnp.ones((B, N_OUT))), ValueError,
+         (f"a quantity in {unit}", "no unit", f"x * brainunit.{unit}")),
     ]
 
 
@@ -163,12 +166,16 @@ ROWS: list[tuple[str, Callable[[], Any], type, tuple[str, ...]]] = [
      ("(2, 5)", "(3, 2)")),
     ("nn.Embedding/dtype", lambda: braintrace.nn.Embedding(10, N_OUT)(jnp.array([1.0, 2.0])), TypeError,
      ("integers", "float32")),
+    ("nn.Embedding/range", lambda: braintrace.nn.Embedding(10, N_OUT)(jnp.array([1, 10])), ValueError,
+     ("index 10", "[0, 10)")),
     ("nn.Conv1d/shape", lambda: braintrace.nn.Conv1d((2, N_IN), N_OUT, 1)(jnp.ones((B, 2, N_IN + 2))), ValueError,
      ("(2, 3)", "(2, 5)")),
     ("nn.Conv1d/rank", lambda: braintrace.nn.Conv1d((2, N_IN), N_OUT, 1)(jnp.ones((B, 2, 2, N_IN))), ValueError,
      ("3D", "(2, 2, 2, 3)")),
     ("nn.Conv2d/shape", lambda: braintrace.nn.Conv2d((2, 2, N_IN), N_OUT, 1)(jnp.ones((B, 2, 2, N_IN + 2))), ValueError,
      ("(2, 2, 3)", "(2, 2, 5)")),
+    ("nn.Conv2d/layout", lambda: braintrace.nn.Conv2d((2, 2, N_IN), N_OUT, 1)(jnp.ones((B, N_IN, 2, 2))), ValueError,
+     ("(2, 2, 3)", "(3, 2, 2)", "channel_first=True")),
     ("nn.Conv3d/shape", lambda: braintrace.nn.Conv3d((2, 2, 2, N_IN), N_OUT, 1)(jnp.ones((B, 2, 2, 2, N_IN + 2))),
      ValueError, ("(2, 2, 2, 3)", "(2, 2, 2, 5)")),
     ("nn.LeakyRateReadout/shape", lambda: stepped(lambda: braintrace.nn.LeakyRateReadout(N_IN, N_OUT),
@@ -221,3 +228,6 @@ def test_the_right_layer_inputs_pass() -> None:  # negative control of the layer
     assert stepped(lambda: braintrace.nn.LeakyRateReadout(N_IN, N_OUT), jnp.ones((B, N_IN))).shape == (B, N_OUT)
     assert stepped(lambda: braintrace.nn.LIF(N_OUT), 0.0 * u.mA).shape == (B, N_OUT)  # a scalar broadcasts
     assert stepped(lambda: braintrace.nn.Alpha(N_OUT), jnp.ones(N_OUT) * u.mS).shape == (B, N_OUT)
+    assert stepped(lambda: braintrace.nn.IF(N_OUT), jnp.ones((B, N_OUT)) * u.nA).shape == (B, N_OUT)  # any current
+    assert braintrace.nn.Embedding(10, N_OUT)(jnp.array([0, 9])).shape == (2, N_OUT)
+    assert braintrace.nn.Conv2d((2, 2, N_IN), N_OUT, 1)(jnp.ones((2, 2, N_IN))).shape == (2, 2, N_OUT)  # unbatched

@@ -193,9 +193,7 @@ class HiddenParamOpRelation(NamedTuple):
         batch (``(B, 1, N)`` driving ``(B, N)``): either way the values keep their order, so a
         reshape moves between the two layouts.
         """
-        y_shape, varshape = shape_of(self.y_var), tuple(group.varshape)
-        return (len(y_shape) > len(varshape)
-                and [n for n in y_shape if n != 1] == [n for n in varshape if n != 1])
+        return _adds_unit_axes(shape_of(self.y_var), tuple(group.varshape))
 
     def traces_lead_with_batch(self, group: HiddenGroup) -> bool:
         """Whether this relation's traces for ``group`` lead with the group's batch axis.
@@ -224,6 +222,29 @@ class HiddenParamOpRelation(NamedTuple):
 
 
 HiddenParamOpRelation.__module__ = "braintrace"
+
+
+def _adds_unit_axes(y_shape: tuple[int, ...], varshape: tuple[int, ...]) -> bool:
+    """Whether ``y_shape`` is ``varshape`` with extra axes of size one (in any places)."""
+    return (len(y_shape) > len(varshape)
+            and [n for n in y_shape if n != 1] == [n for n in varshape if n != 1])
+
+
+def _lays_over_hidden(y_shape: tuple[int, ...], varshape: tuple[int, ...], resized: bool) -> bool:
+    """Whether each position of a hidden state of ``varshape`` reads one position of ``y``.
+
+    True when ``y`` broadcasts to the hidden shape, or is it with extra axes of size one
+    (:meth:`HiddenParamOpRelation.output_layout` re-lays those). A ``y`` that only broadcasts
+    *with* it (``(2, 1)`` against ``(4,)``, giving ``(2, 4)``) was reshaped into another layout or
+    reaches the state through a reduction: its positions are not the state's. A state the step
+    ``resized`` (a batch the state lacks) only has to broadcast with ``y``: the learner refuses
+    the resize itself, with the fix, before any trace is built.
+    """
+    try:
+        joint = jnp.broadcast_shapes(y_shape, varshape)
+    except ValueError:
+        return False
+    return resized or joint == varshape or _adds_unit_axes(y_shape, varshape)
 
 
 def _is_var(a: Any) -> bool:
@@ -443,13 +464,12 @@ def _relation_of(
         # Compare with the state's varshape: a HiddenGroupState's trailing state axis is not a
         # position axis (0.2.4 compared the full shape and excluded every such relation).
         y_shape, h_shape = shape_of(y_var), tuple(path_to_state[h_path].varshape)
-        try:
-            jnp.broadcast_shapes(y_shape, h_shape)
-        except ValueError:
+        if not _lays_over_hidden(y_shape, h_shape, resized=shape_of(h)[:len(h_shape)] != h_shape):
             emit(DiagnosticKind.RELATION_EXCLUDED_SHAPE_MISMATCH, DiagnosticLevel.WARNING,
                  f"The output of {prim.name} with weight {weight_path} has shape {y_shape}, which "
-                 f"does not broadcast with hidden state {h_path} of shape {h_shape}; that hidden "
-                 f"state is left out of the relation.", primitive=prim, weight_path=weight_path,
+                 f"neither broadcasts to hidden state {h_path} of shape {h_shape} nor is that shape "
+                 f"with axes of size one; that hidden state is left out of the relation.",
+                 primitive=prim, weight_path=weight_path,
                  hidden_paths=(h_path,), context={"y_shape": y_shape, "hidden_shape": h_shape})
             continue
         kept[h] = _classify(graph, eqn, y_var, h)

@@ -19,6 +19,9 @@ from braintrace._op.conv import conv
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d"]
 
+#: The names of the spatial axes of one sample, as brainstate's docstrings write them.
+_SPATIAL_AXES = {1: ("L",), 2: ("H", "W"), 3: ("H", "W", "D")}
+
 
 def _kernel_mask_fn(mask: Any) -> Callable[[jax.Array], jax.Array]:
     mask_m = jnp.asarray(u.get_mantissa(mask))
@@ -29,10 +32,18 @@ def _kernel_mask_fn(mask: Any) -> Callable[[jax.Array], jax.Array]:
     return apply
 
 
+def _layout(names: tuple[str, ...]) -> str:
+    return "(" + ", ".join(names) + ")"
+
+
 class _OnlineConv:
-    """The convolution hook shared by the three layers (a mixin placed before the parent)."""
+    """The convolution hook and input check shared by the three layers (a mixin placed before the parent)."""
 
     # attributes provided by brainstate's _Conv
+    num_spatial_dims: int
+    in_size: tuple[int, ...]
+    in_channels: int
+    channel_first: bool
     w_mask: Any
     stride: tuple[int, ...]
     padding: Any
@@ -40,6 +51,59 @@ class _OnlineConv:
     rhs_dilation: tuple[int, ...]
     groups: int
     dimension_numbers: Any
+
+    def _check_input_dim(self, x: Any) -> None:
+        """``x`` must be one sample ``in_size`` or a batch of them, ``(batch, *in_size)``.
+
+        Raises
+        ------
+        ValueError
+            Naming the layer, the expected and the received shapes and the fix.
+        """
+        shape = tuple(jnp.shape(u.get_mantissa(x)))
+        n = self.num_spatial_dims
+        sample = shape[1:] if len(shape) == n + 2 else shape if len(shape) == n + 1 else None
+        if sample == tuple(self.in_size):
+            return
+        spatial = _SPATIAL_AXES[n]
+        names = ("C_in", *spatial) if self.channel_first else (*spatial, "C_in")
+        layer = type(self).__name__
+        raise ValueError(
+            f"{layer}: the expected input shape is {_layout(('batch', *names))} ({n + 2}D) or, for "
+            f"one sample, {_layout(names)} ({n + 1}D), with in_size={tuple(self.in_size)} "
+            f"({self.in_channels} input channels); got shape {shape} ({len(shape)}D)"
+            + ("" if sample is None or len(shape) == n + 1 else f" (one sample: {sample})")
+            + f". {self._input_fix(shape, sample)}"
+        )
+
+    def _input_fix(self, shape: tuple[int, ...], sample: tuple[int, ...] | None) -> str:
+        in_size = tuple(self.in_size)
+        dims = ", ".join(map(str, in_size))
+        if sample is None:
+            if len(shape) > len(in_size) + 1 and shape[-len(in_size):] == in_size:
+                return f"Merge the leading axes into one batch axis: x.reshape(-1, {dims})."
+            return f"Reshape the input to (batch, {dims}) or {in_size}."
+        n = self.num_spatial_dims
+        if self.channel_first and sample[-1:] + sample[:-1] == in_size:
+            return (
+                f"The input looks channels-last: move its channel axis (jnp.moveaxis(x, -1, {-n - 1})), "
+                f"or build the layer with channel_first=False."
+            )
+        if not self.channel_first and sample[1:] + sample[:1] == in_size:
+            return (
+                f"The input looks channels-first: move its channel axis (jnp.moveaxis(x, {-n - 1}, -1)), "
+                f"or build the layer with channel_first=True."
+            )
+        channels = sample[0 if self.channel_first else -1]
+        if channels == self.in_channels:
+            return (
+                f"Its spatial size differs from the layer's: build the layer with in_size={sample}, "
+                f"or crop or resize the input to {in_size}."
+            )
+        return (
+            f"It has {channels} channels where the layer takes {self.in_channels}: build the "
+            f"layer with in_size={sample}, or feed {self.in_channels}-channel inputs."
+        )
 
     def _conv_op(self, x: Any, params: dict[str, Any]) -> Any:
         # the mask runs inside the primitive so masked kernel entries get exactly zero gradient
@@ -89,6 +153,13 @@ _PARAMETERS = """
         ``{'weight': kernel, 'bias': ...}`` (``'bias'`` only with ``b_init``).
     out_size : tuple of int
         One output sample's shape, inferred at construction.
+
+    Raises
+    ------
+    ValueError
+        At the call, if the input is neither one sample of shape ``in_size`` nor a batch
+        ``(batch, *in_size)``; the message names the expected and the received shapes and the
+        fix (a channels-first map fed to a channels-last layer is recognised as such).
 
     Notes
     -----

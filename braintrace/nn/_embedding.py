@@ -8,7 +8,9 @@ from typing import Any
 
 import brainstate
 import brainunit as u
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from braintrace._op import embedding
 
@@ -29,6 +31,13 @@ class Embedding(brainstate.nn.Embedding):
     The constructor, table and validation are those of ``brainstate.nn.Embedding``; the
     lookup runs through :func:`braintrace.embedding`, so the rows read at each step carry an
     eligibility trace when the output drives a hidden state.
+
+    Indices must be integers in ``[0, num_embeddings)``. Where they are known at the call (not
+    under ``jit``, ``vmap`` or a scan), one outside that range, negative ones included, is
+    refused with a ``ValueError`` naming it. Under tracing their values are unknown: an
+    out-of-range or negative index then reads a row of NaN (for a float table) instead of being
+    clamped to the last row, as ``brainstate.nn.Embedding`` does, or wrapping around; a driver
+    run with ``check_finite=True`` reports it. Gradients of in-range rows are unchanged.
 
     Parameters
     ----------
@@ -54,7 +63,10 @@ class Embedding(brainstate.nn.Embedding):
     ------
     ValueError
         From ``brainstate.nn.Embedding``'s own checks (a negative ``num_embeddings``, an
-        out-of-range ``padding_idx``, a non-positive ``max_norm``), before the check below.
+        out-of-range ``padding_idx``, a non-positive ``max_norm``), before the check below; at
+        call time, if a concrete index is outside ``[0, num_embeddings)``.
+    TypeError
+        At call time, if the indices are not integers (a float array, a quantity with a unit).
     NotImplementedError
         On construction, if ``max_norm``, ``freeze``, ``scale_grad_by_freq`` or ``padding_idx``
         is set (again at call time, if one is set on the layer afterwards); at call time, if
@@ -69,6 +81,14 @@ class Embedding(brainstate.nn.Embedding):
     (2, 2, 2)
     >>> layer(1)
     Array([2., 3.], dtype=float32)
+    >>> layer(jnp.array([0, 3]))
+    Traceback (most recent call last):
+        ...
+    ValueError: braintrace.nn.Embedding: index 3 at position (1,) is outside the table's rows [0, 3) ...
+    >>> import jax
+    >>> jax.jit(layer)(jnp.array([0, 3]))  # under tracing: a NaN row, not the last one
+    Array([[ 0.,  1.],
+           [nan, nan]], dtype=float32)
     >>> braintrace.nn.Embedding(3, 2, padding_idx=0)
     Traceback (most recent call last):
         ...
@@ -99,10 +119,68 @@ class Embedding(brainstate.nn.Embedding):
                 f"and reshape the output."
             )
 
+    def _indices(self, indices: Any) -> jax.Array:
+        """Integer indices, refused when known to be out of range, marked out of range when not."""
+        if isinstance(indices, u.Quantity):
+            if not indices.is_unitless:
+                raise TypeError(
+                    f"braintrace.nn.Embedding: indices must be plain integers, got a quantity in "
+                    f"{indices.unit}. Pass the integer array without its unit."
+                )
+            indices = indices.mantissa
+        try:
+            idx = jnp.asarray(indices)
+        except TypeError as err:
+            raise TypeError(
+                f"braintrace.nn.Embedding: indices must be integers (an int array, list or scalar), "
+                f"got {type(indices).__name__}."
+            ) from err
+        if not jnp.issubdtype(idx.dtype, jnp.integer):
+            raise TypeError(
+                f"braintrace.nn.Embedding: indices must be integers, got dtype {idx.dtype}. Cast "
+                f"them, e.g. indices.astype(jnp.int32)."
+            )
+        vocab = self.num_embeddings
+        if not isinstance(idx, jax.core.Tracer):
+            self._check_range(np.asarray(idx), vocab)
+            return idx
+        # Under jit, vmap or scan the values are unknown here: a negative index is sent past the
+        # end so that, like an index >= vocab, it reads a NaN row (the lookup's fill mode)
+        # instead of wrapping around to the end of the table.
+        if jnp.issubdtype(idx.dtype, jnp.signedinteger):
+            idx = jnp.where(idx < 0, vocab, idx)
+        return idx
+
+    @staticmethod
+    def _check_range(idx: np.ndarray, vocab: int) -> None:
+        bad = (idx < 0) | (idx >= vocab)
+        if not bad.any():
+            return
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        value = int(idx[where])
+        at = f" at position {where}" if where else ""
+        n_bad = int(bad.sum())
+        count = f" ({n_bad} of the {idx.size} indices {'is' if n_bad == 1 else 'are'})" if idx.size > 1 else ""
+        if value < 0:
+            fix = (
+                f"A negative index is not a row here (it does not count from the end of the "
+                f"table): map the indices into [0, {vocab}), e.g. indices % {vocab} to count "
+                f"from the end."
+            )
+        else:
+            fix = (
+                f"Map the indices into [0, {vocab}) (e.g. reserve a row for unknown tokens), or "
+                f"build the layer with num_embeddings > {int(idx.max())}."
+            )
+        raise ValueError(
+            f"braintrace.nn.Embedding: index {value}{at} is outside the table's rows "
+            f"[0, {vocab}){count}. {fix}"
+        )
+
     def update(self, indices: Any) -> Any:
         self._check_options()
         self._check_embedding_size()
-        idx = jnp.asarray(indices)
+        idx = self._indices(indices)
         table = self.weight.value
         if idx.ndim <= 1:
             return embedding(idx, table)

@@ -29,11 +29,15 @@ import jax
 
 from braintrace.nn._constants import ConstantsDynamics
 from braintrace.nn._initial import initial_state
-from braintrace.nn._input_check import check_broadcast_input
+from braintrace.nn._input_check import check_broadcast_input, check_input_unit
 
 __all__ = ["IF", "LIF", "ALIF"]
 
 _RESETS = ("soft", "hard")
+
+#: The default step input: no current. Recognised by identity, so that a layer built in other
+#: units (or none) gets a zero in its own input unit rather than a mismatch.
+_NO_INPUT = 0.0 * u.mA
 
 
 class _SpikingNeuron(ConstantsDynamics):
@@ -73,6 +77,28 @@ class _SpikingNeuron(ConstantsDynamics):
     def _relax(self, v: Any, v_inf: Any, tau: Any) -> Any:
         return v + self._step_fraction(tau) * (v_inf - v)
 
+    def _input(self, x: Any) -> Any:
+        """The step input, checked: it broadcasts onto ``V`` and ``R · x`` is in ``V``'s unit.
+
+        Raises
+        ------
+        ValueError
+            If ``x`` does not broadcast onto ``V``.
+        InputUnitError
+            (a ``ValueError``) If ``x`` is not in ``V``'s unit divided by ``R``'s (``mA`` with
+            the default ``mV`` and ``ohm``).
+        """
+        layer = type(self).__name__
+        v_unit, r_unit = u.get_unit(self.V.value), u.get_unit(self.R)
+        expected = v_unit / r_unit
+        if x is _NO_INPUT and u.get_unit(x).dim != expected.dim:
+            x = 0.0 if expected.is_unitless else 0.0 * expected
+        check_broadcast_input(layer, x, "V", u.math.shape(self.V.value))
+        r_desc = "unitless" if r_unit.is_unitless else f"in {r_unit}"
+        v_desc = "unitless" if v_unit.is_unitless else f"in {v_unit}"
+        enters = f"R · x joins the membrane potential V ({v_desc}) and R is {r_desc}"
+        return check_input_unit(layer, x, expected, enters)
+
 
 class IF(_SpikingNeuron):
     r"""Integrate-and-fire neuron, ``τ dV/dt = −V + R I``, with a soft or hard reset.
@@ -110,7 +136,9 @@ class IF(_SpikingNeuron):
     ------
     ValueError
         If ``spk_reset`` is not ``'soft'`` or ``'hard'``, or a ``ParamState`` constant does not
-        have shape ``in_size``.
+        have shape ``in_size``; at the call, if the input does not broadcast onto ``V`` or is not
+        in ``V``'s unit divided by ``R``'s (e.g. a plain number for the default ``mV`` layer:
+        multiply it by ``brainunit.mA``).
     TypeError
         If ``spk_fun`` is not callable.
 
@@ -157,9 +185,16 @@ class IF(_SpikingNeuron):
         """
         return self._spike(self.V.value if V is None else V, self._peek(self.V_th))
 
-    def update(self, x: Any = 0.0 * u.mA) -> Any:
-        """Advance one step with input current ``x``; return the spikes of the new potential."""
-        check_broadcast_input(type(self).__name__, x, "V", u.math.shape(self.V.value))
+    def update(self, x: Any = _NO_INPUT) -> Any:
+        """Advance one step with input current ``x``; return the spikes of the new potential.
+
+        ``x`` broadcasts onto ``V`` and is in ``V``'s unit divided by ``R``'s (``mA`` with the
+        defaults; unitless for a unitless layer); a plain zero fits any unit. Called without
+        ``x``, the step has no input. Otherwise a ``ValueError`` names the expected shape or
+        unit and the fix (for units an ``InputUnitError``, also a brainunit
+        ``UnitMismatchError``).
+        """
+        x = self._input(x)
         threshold = self._read(self.V_th)
         last_v = self.V.value
         v = last_v - self._reset_level(last_v, threshold) * self._spike(last_v, threshold)
@@ -208,7 +243,9 @@ class LIF(_SpikingNeuron):
     ------
     ValueError
         If ``spk_reset`` is not ``'soft'`` or ``'hard'``, or a ``ParamState`` constant does not
-        have shape ``in_size``.
+        have shape ``in_size``; at the call, if the input does not broadcast onto ``V`` or is not
+        in ``V``'s unit divided by ``R``'s (e.g. a plain number for the default ``mV`` layer:
+        multiply it by ``brainunit.mA``).
     TypeError
         If ``spk_fun`` is not callable.
 
@@ -265,9 +302,16 @@ class LIF(_SpikingNeuron):
         """
         return self._spike(self.V.value if V is None else V, self._peek(self.V_th))
 
-    def update(self, x: Any = 0.0 * u.mA) -> Any:
-        """Advance one step with input current ``x``; return the spikes of the new potential."""
-        check_broadcast_input(type(self).__name__, x, "V", u.math.shape(self.V.value))
+    def update(self, x: Any = _NO_INPUT) -> Any:
+        """Advance one step with input current ``x``; return the spikes of the new potential.
+
+        ``x`` broadcasts onto ``V`` and is in ``V``'s unit divided by ``R``'s (``mA`` with the
+        defaults; unitless for a unitless layer); a plain zero fits any unit. Called without
+        ``x``, the step has no input. Otherwise a ``ValueError`` names the expected shape or
+        unit and the fix (for units an ``InputUnitError``, also a brainunit
+        ``UnitMismatchError``).
+        """
+        x = self._input(x)
         threshold = self._read(self.V_th)
         last_v = self.V.value
         spike = self._spike(last_v, threshold)
@@ -323,7 +367,9 @@ class ALIF(_SpikingNeuron):
     ------
     ValueError
         If ``spk_reset`` is not ``'soft'`` or ``'hard'``, or a ``ParamState`` constant does not
-        have shape ``in_size``.
+        have shape ``in_size``; at the call, if the input does not broadcast onto ``V`` or is not
+        in ``V``'s unit divided by ``R``'s (e.g. a plain number for the default ``mV`` layer:
+        multiply it by ``brainunit.mA``).
     TypeError
         If ``spk_fun`` is not callable.
 
@@ -393,9 +439,16 @@ class ALIF(_SpikingNeuron):
         a = self.a.value if a is None else a
         return self._spike(V, a, self._peek(self.V_th), self._peek(self.beta))
 
-    def update(self, x: Any = 0.0 * u.mA) -> Any:
-        """Advance one step with input current ``x``; return the spikes of the new state."""
-        check_broadcast_input(type(self).__name__, x, "V", u.math.shape(self.V.value))
+    def update(self, x: Any = _NO_INPUT) -> Any:
+        """Advance one step with input current ``x``; return the spikes of the new state.
+
+        ``x`` broadcasts onto ``V`` and is in ``V``'s unit divided by ``R``'s (``mA`` with the
+        defaults; unitless for a unitless layer); a plain zero fits any unit. Called without
+        ``x``, the step has no input. Otherwise a ``ValueError`` names the expected shape or
+        unit and the fix (for units an ``InputUnitError``, also a brainunit
+        ``UnitMismatchError``).
+        """
+        x = self._input(x)
         threshold, beta = self._read(self.V_th), self._read(self.beta)
         last_v, last_a = self.V.value, self.a.value
         spike = self._spike(last_v, last_a, threshold, beta)

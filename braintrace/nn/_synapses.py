@@ -21,13 +21,28 @@ import numpy as np
 
 from braintrace.nn._constants import ConstantsDynamics
 from braintrace.nn._initial import initial_state
-from braintrace.nn._input_check import check_broadcast_input
+from braintrace.nn._input_check import check_broadcast_input, check_input_unit
 
 __all__ = ["Expon", "Alpha", "DualExpon"]
 
 
 def _state(init: Any, varshape: tuple[int, ...], batch_size: int | None) -> Any:
     return initial_state(init, varshape, batch_size)
+
+
+def _checked_input(layer: str, x: Any, name: str, state: Any) -> Any:
+    """``x``, checked to broadcast onto ``state`` and to be in its unit (it is added to it).
+
+    Raises
+    ------
+    ValueError
+        If it does not broadcast (shape), or is not in ``state``'s unit (an ``InputUnitError``,
+        also a brainunit ``UnitMismatchError``); a plain zero fits any unit.
+    """
+    check_broadcast_input(layer, x, name, u.math.shape(state))
+    unit = u.get_unit(state)
+    where = "unitless" if unit.is_unitless else f"in {unit}"
+    return check_input_unit(layer, x, unit, f"it is added to the state {name} ({where})")
 
 
 class Expon(ConstantsDynamics):
@@ -56,7 +71,9 @@ class Expon(ConstantsDynamics):
     Raises
     ------
     ValueError
-        If a ``ParamState`` time constant does not have shape ``in_size``.
+        If a ``ParamState`` time constant does not have shape ``in_size``; at the call, if the
+        input does not broadcast onto the state or is not in its unit (``g_initializer``'s,
+        ``mS`` by default: multiply a plain input by ``brainunit.mS``).
 
     Examples
     --------
@@ -93,7 +110,7 @@ class Expon(ConstantsDynamics):
     def update(self, x: Any = None) -> Any:
         """Decay ``g`` by one step, add ``x`` (if given) and return the new ``g``."""
         if x is not None:
-            check_broadcast_input(type(self).__name__, x, "g", u.math.shape(self.g.value))
+            x = _checked_input(type(self).__name__, x, "g", self.g.value)
         g = self.g.value
         g = g - self._step_fraction(self._read(self.tau)) * g
         if x is not None:
@@ -129,7 +146,9 @@ class Alpha(ConstantsDynamics):
     Raises
     ------
     ValueError
-        If a ``ParamState`` time constant does not have shape ``in_size``.
+        If a ``ParamState`` time constant does not have shape ``in_size``; at the call, if the
+        input does not broadcast onto the state or is not in its unit (``g_initializer``'s,
+        ``mS`` by default: multiply a plain input by ``brainunit.mS``).
 
     Examples
     --------
@@ -168,7 +187,7 @@ class Alpha(ConstantsDynamics):
     def update(self, x: Any = None) -> Any:
         """Advance ``g`` towards ``h``, decay ``h`` and add ``x`` (if given) to it; return ``g``."""
         if x is not None:
-            check_broadcast_input(type(self).__name__, x, "h", u.math.shape(self.h.value))
+            x = _checked_input(type(self).__name__, x, "h", self.h.value)
         k = self._step_fraction(self._read(self.tau))
         g, h = self.g.value, self.h.value
         self.g.value = g + k * (h - g)
@@ -212,7 +231,9 @@ class DualExpon(ConstantsDynamics):
     ------
     ValueError
         If ``normalize`` and ``tau_rise == tau_decay`` somewhere (use :class:`Alpha`), or a
-        ``ParamState`` time constant does not have shape ``in_size``.
+        ``ParamState`` time constant does not have shape ``in_size``; at the call, if the input
+        does not broadcast onto the state or is not in its unit (``g_initializer``'s, ``mS`` by
+        default: multiply a plain input by ``brainunit.mS``).
 
     Examples
     --------
@@ -275,7 +296,7 @@ class DualExpon(ConstantsDynamics):
     def update(self, x: Any = None) -> Any:
         """Decay both components, add ``x`` (if given) to each, return ``A (g_decay − g_rise)``."""
         if x is not None:
-            check_broadcast_input(type(self).__name__, x, "g_rise", u.math.shape(self.g_rise.value))
+            x = _checked_input(type(self).__name__, x, "g_rise", self.g_rise.value)
         tau_rise, tau_decay = self._read(self.tau_rise), self._read(self.tau_decay)
         g_rise, g_decay = self.g_rise.value, self.g_decay.value
         g_rise = g_rise - self._step_fraction(tau_rise, "tau_rise") * g_rise

@@ -15,7 +15,8 @@ For one :class:`~tests.fuzz.grammar.FuzzCase`, in float64:
 
 The online gradient is the learner's own driver, ``etrace_grad(..., reduction='sum')``, one call
 per step (``chunk_size=2`` windows for the multi-step learner) from a fresh start. The reference
-is :func:`tests.fuzz.models.bptt_reference`.
+is :func:`tests.fuzz.models.bptt_reference`. :func:`run_case` marks the phase it is in for the
+hang report of :func:`tests.fuzz.watchdog.deadline`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import braintrace
 from braintrace._errors import ModelTypeError, OperandShapeError, OperandTypeError
 from tests.fuzz.grammar import LEARNERS, FuzzCase
 from tests.fuzz.models import FuzzModel, bptt_reference, sequences
+from tests.fuzz.watchdog import phase
 
 __all__ = ["Outcome", "run_case", "judge", "float64", "RTOL", "ATOL", "refusal_problem"]
 
@@ -104,6 +106,7 @@ def _learner_run(case: FuzzCase, xs: Any, ys: Any, caught: list[warnings.Warning
     brainstate.random.seed(0)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
+        phase("building and compiling the learner (FuzzModel, braintrace.compile)")
         learner = braintrace.compile(FuzzModel(case.model), algorithm, xs[0], batch_size=case.model.batch, **options)
         if chunk == 1:
             def step_fn(x: Any, y: Any) -> Any:
@@ -112,6 +115,7 @@ def _learner_run(case: FuzzCase, xs: Any, ys: Any, caught: list[warnings.Warning
             def step_fn(x: Any, y: Any) -> Any:
                 out = learner(braintrace.MultiStepData(x))
                 return jnp.sum((out - y) ** 2, axis=tuple(range(1, y.ndim)))
+        phase("running the learner (etrace_grad: tracing, XLA compilation, execution)")
         grads, loss = learner.etrace_grad(xs, ys, step_fn=step_fn, reduction="sum", return_value=True,
                                           loss_output="scalar", chunk_size=None if chunk == 1 else chunk)
     caught.extend(record)
@@ -126,7 +130,9 @@ def _close(got: np.ndarray, ref: np.ndarray) -> tuple[bool, float]:
 def run_case(case: FuzzCase) -> Outcome:
     """Run ``case`` through its learner and BPTT and list everything the oracle objects to."""
     with float64():
+        phase("building the data")
         xs, ys = sequences(case.model)
+        phase("the BPTT reference (building the model, tracing, compiling, running)")
         ref, ref_loss = bptt_reference(case.model, xs, ys)
         caught: list[warnings.WarningMessage] = []
         try:
@@ -136,6 +142,7 @@ def run_case(case: FuzzCase) -> Outcome:
             detail = "".join(traceback.format_exception(exc)) if problem else f"{type(exc).__name__}: {exc}"
             return Outcome("refused", [problem] if problem else [], [], detail)
         said = " ".join(str(w.message) for w in caught)
+        phase("judging the outcome")
         return judge(learner.report.exactness, grads, float(loss), ref, ref_loss, said)
 
 

@@ -10,6 +10,15 @@ Two profiles of one property (every generated case passes the oracle):
   until the time is spent; hypothesis shrinks the first failure and prints it as a
   ``FuzzCase(...)``, which goes into ``test_regressions.py`` as an explicit model.
 
+In both, each case runs under a wall-clock deadline (:func:`tests.fuzz.watchdog.deadline`:
+``FUZZ_CASE_SECONDS``, default 180 s, several times the slowest legitimate case on a loaded
+machine). A case that overruns it hangs: the watchdog writes ``FUZZ CASE HANG``, the phase the
+case was in, its ``FuzzCase(...)`` (for ``test_regressions.py``) and the Python stack of every
+thread to the terminal, past pytest's capture, and ends the process with status 124 (hypothesis
+cannot shrink a hang; the case is reported as drawn). A hung XLA program cannot be interrupted
+from Python, hence a process exit rather than a test failure; under pytest-xdist the worker
+crashes and xdist names the test.
+
 The negative controls show the oracle rejecting what it must: a wrong gradient under an exact
 label, an internal error, a NaN BPTT does not have, a driving weight without a label.
 """
@@ -27,25 +36,27 @@ from hypothesis import HealthCheck, given, seed, settings
 
 import braintrace
 from braintrace._compiler.exactness_label import ExactnessLabel
+from tests.fuzz import watchdog
 from tests.fuzz.grammar import FuzzCase, GroupSpec, ModelSpec, OpSpec, mixed_cases
 from tests.fuzz.oracle import Outcome, judge, refusal_problem, run_case
 
 _SETTINGS = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck), print_blob=False)
 
 
-def _check(case: FuzzCase) -> Outcome:
-    outcome = run_case(case)
+def _check(case: FuzzCase, config: pytest.Config) -> Outcome:
+    with watchdog.deadline(repr(case), before_report=watchdog.release_capture(config)):
+        outcome = run_case(case)
     assert not outcome.problems, f"{case!r}\n{outcome.problems}\n{outcome.labels}\n{outcome.detail}"
     return outcome
 
 
-def test_generated_models_pass_the_oracle() -> None:
+def test_generated_models_pass_the_oracle(pytestconfig: pytest.Config) -> None:
     outcomes: list[Outcome] = []
 
     @settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "8")), derandomize=True, **_SETTINGS)
     @given(mixed_cases())
     def run(case: FuzzCase) -> None:
-        outcomes.append(_check(case))
+        outcomes.append(_check(case, pytestconfig))
 
     run()
     compared = sum(bool(outcome.compared) for outcome in outcomes)
@@ -54,12 +65,12 @@ def test_generated_models_pass_the_oracle() -> None:
 
 
 @pytest.mark.skipif("FUZZ_SECONDS" not in os.environ, reason="the long profile: make fuzz FUZZ_SECONDS=...")
-def test_fuzz_for_the_given_time() -> None:
+def test_fuzz_for_the_given_time(pytestconfig: pytest.Config) -> None:
     deadline = time.monotonic() + float(os.environ["FUZZ_SECONDS"])
     outcomes: list[Outcome] = []
 
     def one(case: FuzzCase) -> None:
-        outcomes.append(_check(case))
+        outcomes.append(_check(case, pytestconfig))
 
     batches = 0
     while time.monotonic() < deadline:

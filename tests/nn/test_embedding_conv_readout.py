@@ -42,6 +42,69 @@ def test_embedding_keeps_brainstate_validation() -> None:
         braintrace.nn.Embedding(-1, 3)
 
 
+@pytest.mark.parametrize(
+    "indices, value, fix",
+    [
+        ([0, 5, 1], "index 5 at position (1,)", "num_embeddings > 5"),
+        (7, "index 7 is", "num_embeddings > 7"),
+        ([[1, 2], [3, -1]], "index -1 at position (1, 1)", "indices % 5"),
+    ],
+)
+def test_embedding_refuses_concrete_out_of_range_indices(indices: Any, value: str, fix: str) -> None:
+    layer = braintrace.nn.Embedding(5, 3, embedding_init=TABLE)
+    with pytest.raises(ValueError) as info:
+        layer(jnp.asarray(indices))
+    message = str(info.value)
+    assert "braintrace.nn.Embedding" in message and value in message
+    assert "[0, 5)" in message and fix in message
+
+
+def test_embedding_in_range_indices_still_work() -> None:  # control of the refusal above
+    layer = braintrace.nn.Embedding(5, 3, embedding_init=TABLE)
+    np.testing.assert_array_equal(layer(jnp.array([0, 4])), TABLE[jnp.array([0, 4])])
+
+
+@pytest.mark.parametrize(
+    "indices, shown",
+    [(jnp.array([1.0, 2.0]), ("integers", "float32", "astype(jnp.int32)")),
+     (jnp.array([1, 2]) * u.mV, ("plain integers", "mV", "without its unit"))],
+)
+def test_embedding_refuses_indices_that_are_not_integers(indices: Any, shown: tuple[str, ...]) -> None:
+    with pytest.raises(TypeError) as info:
+        braintrace.nn.Embedding(5, 3)(indices)
+    assert "braintrace.nn.Embedding" in str(info.value)
+    assert all(part in str(info.value) for part in shown)
+
+
+def test_embedding_under_jit_reads_out_of_range_indices_as_nan_rows() -> None:
+    layer = braintrace.nn.Embedding(5, 3, embedding_init=TABLE)
+    y = np.asarray(jax.jit(layer)(jnp.array([[4, 5], [-1, 0]])))
+    np.testing.assert_array_equal(y[0, 0], TABLE[4])
+    np.testing.assert_array_equal(y[1, 1], TABLE[0])
+    assert np.isnan(y[0, 1]).all() and np.isnan(y[1, 0]).all()  # not clamped, not wrapped
+
+
+def test_embedding_gradient_of_in_range_rows_is_unchanged_under_jit() -> None:
+    layer = braintrace.nn.Embedding(5, 3, embedding_init=TABLE)
+    params = layer.states(brainstate.ParamState)
+    idx = jnp.array([[0, 4], [4, 2]])
+    grads = brainstate.transform.jit(
+        lambda i: brainstate.transform.grad(lambda: jnp.sum(layer(i) * jnp.arange(3.0)), params)()
+    )(idx)
+    (g,) = grads.values()
+    expected = jnp.zeros((5, 3)).at[idx.reshape(-1)].add(jnp.arange(3.0))
+    np.testing.assert_allclose(np.asarray(g), expected)
+
+
+def test_check_finite_reports_an_out_of_range_index_seen_under_tracing() -> None:
+    brainstate.random.seed(0)
+    learner = compile_quiet(LeakyEmbedding(), jnp.array([0, 1]))
+    with pytest.raises(braintrace.NonFiniteError, match="step 1"):
+        learner.etrace_evolve(jnp.array([[0, 1], [4, 5], [2, 2]]), check_finite=True)
+    brainstate.nn.reset_all_states(learner)  # control: the same sequence within the table runs
+    assert learner.etrace_evolve(jnp.array([[0, 1], [4, 3], [2, 2]]), check_finite=True) is None
+
+
 # --- Convolutions ---------------------------------------------------------------------------
 
 
@@ -111,6 +174,42 @@ def test_conv_keeps_brainstate_checks() -> None:
     layer = braintrace.nn.Conv1d((6, 2), 4, 3)
     with pytest.raises(ValueError, match="expected input shape"):
         layer(jnp.ones((1, 5, 2)))
+
+
+CONV_BAD_INPUTS = {
+    # case: (layer, input shape, what the message must name besides the layer and the shapes)
+    "channels": (lambda: braintrace.nn.Conv2d((4, 4, 3), 2, 3), (2, 4, 4, 5),
+                 ("(batch, H, W, C_in)", "in_size=(4, 4, 3)", "(2, 4, 4, 5)", "(4, 4, 5)", "5 channels",
+                  "in_size=(4, 4, 5)")),
+    "channels-first map": (lambda: braintrace.nn.Conv2d((4, 4, 3), 2, 3), (3, 4, 4),
+                           ("(H, W, C_in)", "(3, 4, 4)", "jnp.moveaxis(x, -3, -1)", "channel_first=True")),
+    "channels-last map": (lambda: braintrace.nn.Conv1d((3, 6), 2, 3, channel_first=True), (2, 6, 3),
+                          ("(batch, C_in, L)", "(2, 6, 3)", "jnp.moveaxis(x, -1, -2)", "channel_first=False")),
+    "spatial": (lambda: braintrace.nn.Conv1d((6, 2), 4, 3), (1, 5, 2),
+                ("expected input shape", "(1, 5, 2)", "(5, 2)", "spatial size", "in_size=(5, 2)")),
+    "extra axis": (lambda: braintrace.nn.Conv3d((2, 2, 2, 1), 2, 1), (3, 2, 2, 2, 2, 1),
+                   ("(batch, H, W, D, C_in)", "5D", "(3, 2, 2, 2, 2, 1) (6D)", "x.reshape(-1, 2, 2, 2, 1)")),
+    "too few axes": (lambda: braintrace.nn.Conv1d((6, 2), 4, 3), (6,),
+                     ("(L, C_in)", "(6,) (1D)", "Reshape the input to (batch, 6, 2) or (6, 2)")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONV_BAD_INPUTS))
+def test_conv_refuses_a_wrong_input_shape_at_the_call(case: str) -> None:
+    factory, shape, shown = CONV_BAD_INPUTS[case]
+    layer = factory()
+    with pytest.raises(ValueError) as info:
+        layer(jnp.ones(shape))
+    message = str(info.value)
+    assert message.startswith(f"{type(layer).__name__}: ")
+    for part in shown:
+        assert part in message, f"{part!r} not in {message!r}"
+
+
+@pytest.mark.parametrize("shape", [(6, 6, 2), (1, 6, 6, 2), (3, 6, 6, 2)])
+def test_conv_still_takes_one_sample_or_a_batch(shape: tuple[int, ...]) -> None:  # control
+    layer = braintrace.nn.Conv2d((6, 6, 2), 3, 3)  # an unbatched map gets a batch of one inside
+    assert layer(jnp.ones(shape)).shape == (*shape[:-3], 6, 6, 3)
 
 
 # --- LeakyRateReadout -----------------------------------------------------------------------

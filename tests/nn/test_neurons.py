@@ -158,6 +158,72 @@ def test_units_are_enforced() -> None:
         run(lif, 1.0 * u.mV, 1)  # R · (1 mV) is not a potential
 
 
+def build(cls: str, unitless: bool = False, **kwargs: Any) -> Any:
+    """A neuron of 2 units with its states created; ``unitless``: every constant a plain number."""
+    if unitless:
+        kwargs.update(R=1.0, tau=4.0, V_th=1.0, V_initializer=braintools.init.Constant(0.0))
+        if cls != "IF":
+            kwargs.update(V_reset=0.0, V_rest=0.0)
+        if cls == "ALIF":
+            kwargs.update(beta=0.1, tau_a=100.0)
+    neuron = getattr(nn, cls)(2, **kwargs)
+    neuron.init_state()
+    return neuron
+
+
+@pytest.mark.parametrize("cls", ["IF", "LIF", "ALIF"])
+@pytest.mark.parametrize(
+    "unitless, kwargs, x, shown",
+    [
+        (False, {}, jnp.ones(2), ("a quantity in mA", "V (in mV)", "R is in ohm", "a plain number or array (no unit)",
+                                  "x * brainunit.mA")),
+        (False, {}, jnp.ones(2) * u.mV, ("a quantity in mA", "got a quantity in mV", "value * brainunit.mA")),
+        (False, {"R": 2.0 * u.Mohm}, 1.0, ("a quantity in nA", "R is in Mohm", "x * brainunit.nA")),
+        (True, {}, jnp.ones(2) * u.mA, ("a plain number or array (no unit)", "V (unitless)", "got a quantity in mA",
+                                        "x.to_decimal(brainunit.mA)")),
+    ],
+    ids=["plain-for-mV", "mV-for-mA", "plain-for-Mohm", "mA-for-unitless"],
+)
+def test_an_input_in_the_wrong_unit_is_refused_at_the_call(
+    cls: str, unitless: bool, kwargs: dict[str, Any], x: Any, shown: tuple[str, ...]
+) -> None:
+    neuron = build(cls, unitless, **kwargs)
+    for step in (neuron, brainstate.transform.jit(neuron)):  # also under tracing, before the update
+        with brainstate.environ.context(dt=1.0 if unitless else DT), pytest.raises(ValueError) as info:
+            step(x)
+        assert isinstance(info.value, u.UnitMismatchError)  # what the update itself raised before
+        message = str(info.value)
+        assert message.startswith(f"{cls}: ")
+        for part in shown:
+            assert part in message, f"{part!r} not in {message!r}"
+    assert float(u.get_mantissa(neuron.V.value).max()) == 0.0  # nothing ran
+
+
+@pytest.mark.parametrize("cls", ["IF", "LIF", "ALIF"])
+@pytest.mark.parametrize(
+    "unitless, kwargs, x",
+    [(False, {}, 3.0 * u.mA), (False, {}, jnp.ones(2) * 3000.0 * u.uA), (False, {"R": 1.0 * u.kohm}, 3.0 * u.uA),
+     (True, {}, jnp.full(2, 3.0))],
+    ids=["mA", "uA", "kohm-uA", "unitless"],
+)
+def test_inputs_in_the_expected_unit_still_work(cls: str, unitless: bool, kwargs: dict[str, Any], x: Any) -> None:
+    neuron = build(cls, unitless, **kwargs)  # control of the refusal above
+    with brainstate.environ.context(dt=1.0 if unitless else DT):
+        neuron(x)
+    v, tau = (neuron.V.value, 4.0) if unitless else (mV(neuron.V.value), 5.0)  # R x = 3 (mV)
+    np.testing.assert_allclose(v, 3 * (1 - np.exp(-1 / tau)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("unitless", [False, True], ids=["mV", "unitless"])
+def test_no_input_or_a_plain_zero_is_a_zero_current(unitless: bool) -> None:
+    lif = build("LIF", unitless)
+    with brainstate.environ.context(dt=1.0 if unitless else DT):
+        lif()
+        lif(0.0)
+        lif(jnp.zeros(2))
+    assert float(u.get_mantissa(lif.V.value).max()) == 0.0
+
+
 def test_missing_dt_names_how_to_set_it() -> None:
     lif = nn.LIF(2)
     lif.init_state()

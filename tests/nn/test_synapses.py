@@ -131,3 +131,43 @@ def test_a_trainable_time_constant_must_have_the_population_shape() -> None:
         nn.Expon((2, 3), tau=brainstate.ParamState(jnp.ones(3) * u.ms))
     with pytest.raises(TypeError, match="amplitude is a ParamState; it is not trainable"):
         nn.DualExpon(3, amplitude=brainstate.ParamState(jnp.ones(3)))
+
+
+@pytest.mark.parametrize("cls, state", [("Expon", "g"), ("Alpha", "h"), ("DualExpon", "g_rise")])
+@pytest.mark.parametrize(
+    "g_init, x, shown",
+    [
+        (None, jnp.ones(2), ("a quantity in mS", "(in mS)", "a plain number or array (no unit)",
+                             "x * brainunit.mS")),
+        (None, jnp.ones(2) * u.mA, ("a quantity in mS", "got a quantity in mA", "value * brainunit.mS")),
+        (0.0, jnp.ones(2) * u.mS, ("a plain number or array (no unit)", "(unitless)", "got a quantity in mS",
+                                   "x.to_decimal(brainunit.mS)")),
+    ],
+    ids=["plain-for-mS", "mA-for-mS", "mS-for-unitless"],
+)
+def test_an_input_in_the_wrong_unit_is_refused_at_the_call(
+    cls: str, state: str, g_init: Any, x: Any, shown: tuple[str, ...]
+) -> None:
+    kwargs = {} if g_init is None else {"g_initializer": braintools.init.Constant(g_init)}
+    syn = getattr(nn, cls)(2, **kwargs)
+    syn.init_state()
+    for step in (syn, brainstate.transform.jit(syn)):  # also under tracing
+        with brainstate.environ.context(dt=1.0 * u.ms), pytest.raises(ValueError) as info:
+            step(x)
+        assert isinstance(info.value, u.UnitMismatchError)
+        message = str(info.value)
+        assert message.startswith(f"{cls}: ") and f"added to the state {state}" in message
+        for part in shown:
+            assert part in message, f"{part!r} not in {message!r}"
+    # a unitless state is not silently turned into one in mS
+    assert u.get_unit(getattr(syn, state).value) == (u.mS if g_init is None else u.get_unit(1.0))
+
+
+@pytest.mark.parametrize("cls", ["Expon", "Alpha", "DualExpon"])
+@pytest.mark.parametrize("x", [jnp.ones(2) * u.mS, 1000.0 * u.uS, 0.0, jnp.zeros(2), None], ids=str)
+def test_inputs_in_the_state_unit_still_work(cls: str, x: Any) -> None:  # control
+    syn = getattr(nn, cls)(2)
+    syn.init_state()
+    with brainstate.environ.context(dt=1.0 * u.ms):
+        out = syn(x)
+    assert u.get_unit(out) == u.mS and out.shape == (2,)
