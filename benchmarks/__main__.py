@@ -15,6 +15,10 @@ compiled temporary memory at two sequence lengths, and prints ratios measured in
   float32-trace time (D_RTRL, pp_prop). ``python -m benchmarks.half_precision`` measures the
   gradient drift of that storage over a long stream.
 
+OTTT learns only fixed-leak dense layers, so it has its own models (``lif256-fixed``,
+``lif1024-fixed``: :class:`~benchmarks.models.FixedLeakLIF` at the LIF sizes), each timed against
+BPTT and D_RTRL on that same model (:data:`OTTT_METHODS`).
+
 Then the connectome-scale workload of :mod:`benchmarks.connectome` (``--no-connectome`` skips it).
 """
 
@@ -33,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 import braintrace
-from benchmarks.models import GRU, LIF, LeakyRNN
+from benchmarks.models import GRU, LIF, ConvRNN, FixedLeakLIF, LeakyRNN
 
 
 @dataclass(frozen=True)
@@ -43,13 +47,21 @@ class Setting:
     hidden: int
     n_in: int = 16
     n_out: int = 4
+    #: The methods run on this model (``None``: :data:`METHODS`).
+    methods: tuple[str, ...] | None = None
 
 
+#: The rows of a fixed-leak model: OTTT and what it is compared with on that model.
+OTTT_METHODS = ("BPTT", "D_RTRL single", "OTTT single")
 SETTINGS = {
     "leaky64": Setting("leaky64", LeakyRNN, 64),
     "gru256": Setting("gru256", GRU, 256),
     "lif256": Setting("lif256", LIF, 256),
     "lif1024": Setting("lif1024", LIF, 1024),
+    "lif256-fixed": Setting("lif256-fixed", FixedLeakLIF, 256, methods=OTTT_METHODS),
+    "lif1024-fixed": Setting("lif1024-fixed", FixedLeakLIF, 1024, methods=OTTT_METHODS),
+    # 8x8 map, 8 hidden channels, 3x3 kernel on [x, h]: D_RTRL keeps one kernel per position.
+    "conv8": Setting("conv8", ConvRNN, 8, n_in=64),
 }
 METHODS = ("BPTT", "D_RTRL single", "D_RTRL multi(10)", "pp_prop single", "pp_prop multi(10)",
            "EProp(κ=.9) single", "D_RTRL single bf16", "pp_prop single bf16")
@@ -171,7 +183,10 @@ def run(setting: Setting, batch: int, steps: int, long_steps: int, repeats: int,
         "D_RTRL single bf16": lambda: online_step(setting, batch, "d_rtrl", 1, trace_dtype=jnp.bfloat16),
         "pp_prop single bf16": lambda: online_step(setting, batch, "pp_prop", 1, decay_or_rank=0.9,
                                                    trace_dtype=jnp.bfloat16),
+        "OTTT single": lambda: online_step(setting, batch, "ottt", 1, leak=FixedLeakLIF.leak),
     }
+    methods = METHODS if setting.methods is None else setting.methods
+    builders = {name: build for name, build in builders.items() if name in methods}
     rows: dict[str, Any] = {}
     steps_of: dict[str, Any] = {}
     for name, build in builders.items():
@@ -190,9 +205,13 @@ def run(setting: Setting, batch: int, steps: int, long_steps: int, repeats: int,
         r["vs_d_rtrl"] = r["seconds"] / d_rtrl
         r["mem_growth"] = r["mem_long"] / r["mem_short"] if r["mem_short"] else float("nan")
     for name, traces in TRACES_PER_STEP.items():
+        if name not in rows:
+            continue
         floor = 2 * traces * rows["D_RTRL single"]["trace_bytes"] * steps / bw
         rows[name]["vs_floor"] = rows[name]["seconds"] / floor if floor else float("nan")
     for name, f32 in BF16_OF.items():
+        if name not in rows:
+            continue
         rows[name]["bf16_vs_f32"] = rows[name]["seconds"] / rows[f32]["seconds"]
     return rows
 
@@ -211,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.quick:
         args.batch, args.steps, args.long_steps, args.repeats = 4, 20, 40, 1
-        args.models = [m for m in args.models if m != "lif1024"]
+        args.models = [m for m in args.models if not m.startswith("lif1024")]
     bw = bandwidth(16 * 2**20 if args.quick else 256 * 2**20)
     print(f"device: {jax.devices()[0].device_kind}; streaming bandwidth {bw / 1e9:.1f} GB/s")
     print(f"batch {args.batch}, T={args.steps} (memory also at T={args.long_steps})\n")
@@ -225,7 +244,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for method, r in rows.items():
             floor = f"{r['vs_floor']:.2f}" if "vs_floor" in r else "-"
             print(f"  {method:<20}{r['vs_bptt']:9.2f}{r['vs_d_rtrl']:11.2f}{floor:>10}{r['mem_growth']:18.2f}")
-        print("  bf16/f32 trace: " + ", ".join(f"{f32} {rows[n]['bf16_vs_f32']:.2f}" for n, f32 in BF16_OF.items()))
+        if any(n in rows for n in BF16_OF):
+            print("  bf16/f32 trace: " + ", ".join(f"{f32} {rows[n]['bf16_vs_f32']:.2f}" for n, f32 in BF16_OF.items()))
         print()
     if args.connectome if args.connectome is not None else not args.quick:
         from benchmarks import connectome  # it imports this module's timing helpers

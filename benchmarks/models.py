@@ -1,4 +1,5 @@
-"""The benchmark models: a leaky RNN, a GRU with a readout, and a recurrent LIF network."""
+"""The benchmark models: a leaky RNN, a GRU with a readout, recurrent LIF networks (with a
+trainable leak and with a fixed one) and a convolutional RNN over a small feature map."""
 
 from __future__ import annotations
 
@@ -95,3 +96,63 @@ class LIF(_Recurrent):
         current = braintrace.matmul(jnp.concatenate([x, s], axis=-1), self.w.value)
         self.h.value = leak * v * (1 - s) + current
         return s @ self.w_out.value
+
+
+class FixedLeakLIF(_Recurrent):
+    """Recurrent LIF with a fixed leak, inside OTTT's class: ``v = λ (v - s) + [x, s] W``.
+
+    ``s`` are the previous step's spikes (the reset by subtraction and the recurrent input); the
+    readout reads the spikes of the new potential. ``λ`` (:attr:`leak`) is a constant, not a
+    parameter, and the drive enters ``v`` unscaled.
+    """
+
+    leak = 0.9
+
+    def __init__(self, n_in: int, n_hidden: int, n_out: int) -> None:
+        super().__init__(n_in, n_hidden, n_out)
+        self.w = brainstate.ParamState(_normal(6, (n_in + n_hidden, n_hidden), 1 / np.sqrt(n_in + n_hidden)))
+
+    def update(self, x: jax.Array) -> jax.Array:
+        v = self.h.value
+        s = spike(v - 1.0)
+        self.h.value = self.leak * (v - s) + braintrace.matmul(jnp.concatenate([x, s], axis=-1), self.w.value)
+        return spike(self.h.value - 1.0) @ self.w_out.value
+
+
+class ConvRNN(brainstate.nn.Module):
+    """``h = σ(τ) ⊙ h + tanh(conv([x, h], K) + b)`` on a ``(side, side, C)`` map, with a plain readout.
+
+    ``n_in`` is the input map's size (``side²``, one channel), ``n_hidden`` the hidden channels
+    ``C``; the 3×3 kernel (``HWIO``, channel-last like ``brainstate.nn.Conv2d``) reads the input
+    and the previous hidden map, so D_RTRL keeps one kernel per output position:
+    ``(B, side, side, 3, 3, 1 + C, C, 1)``.
+    """
+
+    def __init__(self, n_in: int, n_hidden: int, n_out: int) -> None:
+        super().__init__()
+        side = int(np.sqrt(n_in))
+        if side * side != n_in:
+            raise ValueError(f"ConvRNN: n_in must be a square (side² input pixels), got {n_in}.")
+        self.n_in, self.n_hidden, self.n_out, self.side = n_in, n_hidden, n_out, side
+        fan_in = 9 * (1 + n_hidden)
+        self.kernel = brainstate.ParamState(_normal(7, (3, 3, 1 + n_hidden, n_hidden), 1 / np.sqrt(fan_in)))
+        self.bias = brainstate.ParamState(jnp.zeros(n_hidden, dtype=jnp.float32))
+        self.tau = brainstate.ParamState(jnp.ones((side, side, n_hidden), dtype=jnp.float32))
+        n_map = side * side * n_hidden
+        self.w_out = brainstate.ParamState(_normal(8, (n_map, n_out), 1 / np.sqrt(n_map)))
+
+    def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+        shape = (self.side, self.side, self.n_hidden)
+        self.h = brainstate.HiddenState(jnp.zeros(shape if batch_size is None else (batch_size, *shape)))
+
+    def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+        self.h.value = jnp.zeros_like(self.h.value)
+
+    def update(self, x: jax.Array) -> jax.Array:
+        h = self.h.value
+        x_map = x.reshape(*x.shape[:-1], self.side, self.side, 1)
+        drive = braintrace.conv(jnp.concatenate([x_map, h], axis=-1), self.kernel.value, self.bias.value,
+                                strides=(1, 1), dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        leak = braintrace.element_wise(self.tau.value, weight_fn=jax.nn.sigmoid)
+        self.h.value = leak * h + jnp.tanh(drive)
+        return self.h.value.reshape(*h.shape[:-3], -1) @ self.w_out.value

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from benchmarks import ostl_recurrent
-from benchmarks.__main__ import BF16_OF, METHODS, main
+from benchmarks.__main__ import BF16_OF, METHODS, OTTT_METHODS, main
 
 
 def test_learner_benchmark_reports_every_method() -> None:
@@ -21,6 +21,15 @@ def test_learner_benchmark_reports_every_method() -> None:
     assert 0.5 < rows["D_RTRL single bf16"]["trace_bytes"] / rows["D_RTRL single"]["trace_bytes"] < 0.51
     assert all(rows[name]["bf16_vs_f32"] > 0 for name in BF16_OF)
 
+
+
+def test_learner_benchmark_reports_ottt_on_the_fixed_leak_lif() -> None:
+    rows = main(["--quick", "--models", "lif256-fixed"])["models"]["lif256-fixed"]
+    assert set(rows) == set(OTTT_METHODS)
+    for row in rows.values():
+        assert row["vs_bptt"] > 0 and math.isfinite(row["vs_bptt"]) and row["vs_d_rtrl"] > 0
+    # The online learners' compiled memory is flat in T; BPTT's grows.
+    assert rows["OTTT single"]["mem_growth"] < rows["BPTT"]["mem_growth"]
 
 def test_ostl_benchmark_reports_every_method() -> None:
     rows = ostl_recurrent.main(["--hidden", "16", "--batch", "2", "--steps", "5", "--repeats", "1", "--no-dense"])

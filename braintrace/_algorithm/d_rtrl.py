@@ -468,8 +468,18 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         Up to ``SPELLED_OUT_STATES`` states the ``S²`` terms are written out (they fuse with the
         surrounding work); wider traces (SnAp's ``K·S``) map the rule over both axes instead,
         so compile time does not grow with ``S²``.
+
+        One state, library rules: every library ``dt_to_t`` scales each trace entry by the
+        Jacobian at the entry's own position, ``dt_to_t(d, ε) = ε ⊙ dt_to_t(d, 1)``
+        (``tests/op/test_rule_oracles.py`` pins it per primitive), so the stored trace is
+        multiplied as it is. Its only use is then element-wise and XLA rolls it in place; the
+        slice ``ε[..., 0]`` that the rule would read costs a copy of the trace every step.
         """
         dt_to_t = reg.ETP_RULES_DT_TO_T[rel.primitive]
+        if num_state == 1 and reg.has_library_rules(rel.primitive):
+            ones = {k: jnp.ones(v.shape[:-1], v.dtype) for k, v in old.items()}
+            factor = dt_to_t(diag[..., 0, 0], ones, **rel.eqn_params)
+            return {k: old[k] * factor[k][..., None] for k in old}
         if num_state > SPELLED_OUT_STATES:
             def over_c(d: jax.Array, o: Trace) -> Trace:
                 out: Trace = dt_to_t(d, o, **rel.eqn_params)
@@ -676,8 +686,9 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
     def _history_trace(self, old_etrace: Any, new_etrace: Any, jac: Any) -> BackwardTrace:
         # Single step: the one-step autodiff gradient already holds the instantaneous term, so
         # the trace contributes its history ⟨g, D ε^{t-1}⟩. Where the trace was rolled with that
-        # same D by a fast path, D ε^{t-1} is ε^t − x ⊗ df: reading the new trace leaves the old
-        # one a single reader (the update, which then runs in place) and needs no transposed signal.
+        # same D (by a fast path or by the primitive's rules), D ε^{t-1} is ε^t − x ⊗ df: reading
+        # the new trace leaves the old one a single reader (the update, which then runs in place
+        # instead of on a copy) and needs no transposed signal.
         # Elsewhere the history is ⟨Dᵀ g, ε^{t-1}⟩, with the history Jacobian (a descended group's
         # substep product; the partial Jacobian of a group whose members read each other's new
         # values).
@@ -688,7 +699,7 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         traces, instant = dict(old_etrace), {}
         relations = self.graph.hidden_param_op_relations if self._rolls_plainly() else []
         for rel in relations:
-            if self._fast_path(rel) is None or rel.control_flow_context is not None:
+            if rel.control_flow_context is not None:
                 continue
             for group in rel.hidden_groups:
                 key = trace_key(rel, group)
@@ -700,12 +711,11 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         return BackwardTrace(traces, history, through_while, instant)
 
     def _same_step_in_history(self, rel: Any) -> bool:
-        # The history is read off the new trace (ε^t − x ⊗ df) only for fast-path relations of
-        # plainly rolled traces whose groups contract the signal with D itself.
+        # The history is read off the new trace (ε^t − x ⊗ df) only for plainly rolled traces
+        # whose groups contract the signal with D itself.
         return (
             self._rolls_plainly()
             and self._defined_in_library("_solve_history_from_new", "_solve_relation")
-            and self._fast_path(rel) is not None
             and all(g.descent is None and not g.reads_new_members() for g in rel.hidden_groups)
         )
 
@@ -813,19 +823,22 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         self, rel: Any, signal: jax.Array, new: Trace, x: Any, df: jax.Array, weights: Trace,
         covered: frozenset[str] = frozenset(),
     ) -> Trace:
-        """``⟨g, D ε^{t-1}⟩ = ⟨g, ε^t⟩ − ⟨g, x ⊗ df⟩`` for a trace rolled by a fast path.
+        """``⟨g, D ε^{t-1}⟩ = ⟨g, ε^t⟩ − ⟨g, x ⊗ df⟩`` for a plainly rolled trace.
 
         For the ``covered`` keys (weights left out of the one-step VJP) the whole ``⟨g, ε^t⟩``
         is the gradient. The barrier keeps XLA from recomputing ``ε^t`` from ``ε^{t-1}`` inside
         the contraction, which would give the entering trace a second reader and cost a copy of it.
+        The instantaneous term is recomputed by the rule that rolled the trace (the fast path's
+        kernel, or the primitive's ``instant_drtrl`` / ``xy_to_dw``), so the two cancel exactly.
         """
-        fp = self._fast_path(rel)
-        if fp is None:
-            raise internal_error("a trace without a fast path was rolled by one")
         total = self._solve_relation(rel, signal, jax.lax.optimization_barrier(new), weights)
         if not set(total) - covered:
             return total
-        inst = fp.instant(x, df, bool(rel.eqn_params.get("has_bias", False)))
+        fp = self._fast_path(rel)
+        if fp is not None:
+            inst = fp.instant(x, df, bool(rel.eqn_params.get("has_bias", False)))
+        else:
+            inst = self._general_instant(rel, x, df, weights)
         current = self._solve_relation(rel, signal, inst, weights)
         return {k: v if k in covered else v - current[k] for k, v in total.items()}
 

@@ -8,7 +8,11 @@ Its gradient estimate at step ``t`` is ``â^t ⊗ L^t`` with the learning signal
 
 What a call adds to the engine's gradient (see :mod:`.base`; the one-step gradient is exact
 and holds the same-step term ``x^t ⊗ df ⊙ L``): the history of the estimate,
-``λ â^{t-1} ⊗ L`` and ``λ ĉ^{t-1} L`` for the bias (nothing in mode ``'O'``).
+``λ â^{t-1} ⊗ L`` and ``λ ĉ^{t-1} L`` for the bias (nothing in mode ``'O'``). Where ``y`` enters
+the hidden state unscaled (``df ≡ 1``, see :func:`~braintrace._compiler.unit_tail.enters_unscaled`)
+and reaches the outputs only through it, the same-step term is ``x^t ⊗ L``: the engine then
+leaves the weight out of the one-step VJP and its whole gradient is ``â^t ⊗ L`` (``ĉ^t L``), one
+product of the weight's size per step instead of two.
 
 Exactness: equal to backpropagation through time on ``h ← λ h + matmul(x, W) (+ b)`` with
 the same ``λ`` (there ``D ≡ λ`` and ``df ≡ 1``). Elsewhere the history ignores ``df`` (an
@@ -43,6 +47,7 @@ from braintrace._algorithm.base import ETraceVjpAlgorithm
 from braintrace._algorithm.input_data import has_multistep_data
 from braintrace._algorithm.snn_helpers import PresynapticTrace
 from braintrace._compiler import ControlFlowPolicy
+from braintrace._compiler.unit_tail import enters_unscaled
 from braintrace._errors import internal_error
 from braintrace._op import _registries as reg
 from braintrace._op._rule_helpers import dtype_of, shape_of
@@ -184,6 +189,9 @@ class OTTT(DenseLeakRule):
     """
 
     _modes = ("A", "O")
+    # Mode A's new trace â^t = λ â^{t-1} + x^t holds x^t ⊗ L, the same-step term where df ≡ 1
+    # (see _same_step_in_history).
+    _history_holds_same_step = True
 
     def __init__(
         self,
@@ -274,9 +282,31 @@ class OTTT(DenseLeakRule):
                 new[key] = (lam * old + xs[key] if self.mode == "A" else xs[key]).astype(old.dtype)
         return new
 
+    def _same_step_in_history(self, rel: Any) -> bool:
+        # â^t ⊗ L holds x^t ⊗ L, which is the same-step term x^t ⊗ (df ⊙ L) only where df ≡ 1;
+        # mode O keeps no history to hold it.
+        return self.mode == "A" and enters_unscaled(rel)
+
     def _trace_for_backward(self, old_etrace: Any, new_etrace: Any, jac: Any, single_step: bool) -> Any:
-        # The estimate at the new trace minus its same-step term: λ â^{t-1} (zero in mode O).
-        return old_etrace
+        """``(entering, new)`` traces by key: the new one for the weights the engine left out of
+        the one-step VJP (their gradient is the whole estimate ``â^t ⊗ L``), the entering one for
+        the others (the estimate minus its same-step term, ``λ â^{t-1} ⊗ L``).
+
+        Where no relation reads a key's entering trace, its only reader is the update, which then
+        runs in place. The barrier keeps XLA from recomputing ``â^t`` from ``â^{t-1}`` inside the
+        products, which would give the entering trace a second reader and cost a copy of it.
+        """
+        covered = self._local_relation_weights().keys
+        entering, new = {}, {}
+        for i, rel in enumerate(self.graph.hidden_param_op_relations):
+            for name, key in (("weight", id(rel.x_var)), ("bias", -1)):
+                if name not in rel.trainable_paths:
+                    continue
+                if name in covered.get(i, ()):
+                    new[key] = new_etrace[key]
+                else:
+                    entering[key] = old_etrace[key]
+        return entering, jax.lax.optimization_barrier(new) if new else new
 
     def _solve_weight_gradients(
         self, running_index: Any, etrace_h2w_at_t: Any, dl_to_hidden_groups: Sequence[Any],
@@ -285,15 +315,24 @@ class OTTT(DenseLeakRule):
         grads = dict(dl_to_etws_at_t)
         if self.mode == "O":
             return grads
+        entering, new = etrace_h2w_at_t
+        covered = self._local_relation_weights().keys
         lam = self.leak
-        for rel in self.graph.hidden_param_op_relations:
+
+        def estimate(name: str, key: int, i: int, dtype: Any) -> jax.Array:
+            if name in covered.get(i, ()):
+                return new[key].astype(dtype)
+            return lam * entering[key].astype(dtype)
+
+        for i, rel in enumerate(self.graph.hidden_param_op_relations):
             signal = self._relation_signal(rel, dl_to_hidden_groups)
             batched = reg.is_batched_primitive(rel.primitive)
-            history = lam * etrace_h2w_at_t[id(rel.x_var)].astype(signal.dtype)
-            effective = {"weight": outer_sum(history, signal, batched)}
+            effective = {}
+            if "weight" in rel.trainable_paths:
+                effective["weight"] = outer_sum(estimate("weight", id(rel.x_var), i, signal.dtype), signal, batched)
             if "bias" in rel.trainable_paths:
                 summed = signal.sum(axis=0) if batched else signal
-                effective["bias"] = lam * etrace_h2w_at_t[-1].astype(signal.dtype) * summed
+                effective["bias"] = estimate("bias", -1, i, signal.dtype) * summed
             grads = self._add_grads(rel, effective, weight_vals, grads)
         return grads
 

@@ -1,4 +1,4 @@
-"""How much of the trace one compiled D_RTRL or EProp training step moves (read from XLA's optimised HLO).
+"""How much of the trace one compiled D_RTRL, EProp or OTTT training step moves (read from XLA's optimised HLO).
 
 D_RTRL's single-step cost is dominated by the trace. In a jitted scan over time, the loop body
 should write the trace once (the update, in place) and read it once more (the history term of
@@ -54,7 +54,9 @@ class _Tanh(_LIF):
         return self.v.value
 
 
-def _loop_body_hlo(model: brainstate.nn.Module, algorithm: Any = braintrace.D_RTRL, **options: Any) -> str:
+def _loop_body_hlo(
+    model: brainstate.nn.Module, algorithm: Any = braintrace.D_RTRL, trace_shape: str = TRACE_SHAPE, **options: Any
+) -> str:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         learner = braintrace.compile(model, algorithm, jnp.zeros((B, I)), batch_size=B, **options)
@@ -74,7 +76,7 @@ def _loop_body_hlo(model: brainstate.nn.Module, algorithm: Any = braintrace.D_RT
     # The bodies of the while loops that carry the trace: the scan over time, and the loop over
     # the batch rows of the gradient solve nested in it (on CPU), which must only read it.
     loops = re.findall(r"= \(.*?\) while\(.*?body=(%[\w.\-]+)", text)
-    bodies = [computations[name] for name in loops if TRACE_SHAPE in computations[name]]
+    bodies = [computations[name] for name in loops if trace_shape in computations[name]]
     assert bodies, f"expected a while loop carrying the trace, found {loops}"
     return "\n".join(bodies)
 
@@ -109,3 +111,101 @@ def test_filtered_eprop_writes_each_trace_once_and_copies_nothing() -> None:
     produced = _trace_sized(_loop_body_hlo(_Tanh(), braintrace.EProp, kappa_filter_decay=0.9))
     assert len(produced) == 2, produced
     assert not [p for p in produced if p.startswith("%copy")], produced
+
+
+# OTTT's trace is the presynaptic input (B, I + H); its gradient is one product of the weight's size.
+OTTT_TRACE, WEIGHT = f"[{B},{I + H}]", f"[{I + H},{H}]"
+
+
+class _FixedLeakLIF(brainstate.nn.Module):
+    """``v ← λ (v − s) + matmul([x, s], W)``, ``λ`` fixed: the drive enters ``v`` unscaled (``df ≡ 1``)."""
+
+    def __init__(self, squash: Any = None) -> None:
+        super().__init__()
+        self.squash = squash
+        rng = np.random.default_rng(0)
+        self.w = brainstate.ParamState(jnp.asarray(rng.normal(size=(I + H, H)) / 4, jnp.float32))
+
+    def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+        self.v = brainstate.HiddenState(jnp.zeros((batch_size, H)))
+
+    def update(self, x: jax.Array) -> jax.Array:
+        s = jax.nn.sigmoid(4 * (self.v.value - 1.0))
+        drive = braintrace.matmul(jnp.concatenate([x, s], -1), self.w.value)
+        self.v.value = 0.9 * (self.v.value - s) + (drive if self.squash is None else self.squash(drive))
+        return self.v.value
+
+
+def _ottt_traffic(model: brainstate.nn.Module) -> tuple[list[str], list[str]]:
+    """The loop-body instructions that read the entering OTTT trace, and the weight-sized products."""
+    body = _loop_body_hlo(model, braintrace.OTTT, trace_shape=OTTT_TRACE, leak=0.9)
+    result = {line.strip().split(" ")[0]: line.split("=", 1)[1] for line in body.splitlines() if " = " in line}
+    of_shape = lambda shape: {name: rhs for name, rhs in result.items() if shape in rhs.split("(")[0]}  # noqa: E731
+    entering = [name for name, rhs in of_shape(OTTT_TRACE).items() if "get-tuple-element(" in rhs]
+    assert len(entering) == 1, entering
+    readers = [name for name, rhs in result.items() if re.search(re.escape(entering[0]) + r"\b", rhs)]
+    products = [name for name, rhs in of_shape(WEIGHT).items() if " dot(" in rhs or "__ynn_fusion" in rhs]
+    return readers, products
+
+
+def test_ottt_writes_its_trace_in_place_and_takes_one_weight_sized_product() -> None:
+    """Where the drive enters the state unscaled, the gradient is ``â^t ⊗ L``: the engine leaves
+    the weight out of the one-step VJP (whose ``x^t ⊗ L`` the new trace already holds), so a step
+    takes one product of the weight's size, and the entering trace's only reader is its update.
+
+    Negative control: under a ``tanh`` (``df ≠ 1``) the exact one-step product ``x ⊗ (df ⊙ L)``
+    and the history ``λ â^{t-1} ⊗ L`` are two products, and the history's read of the entering
+    trace costs a copy of it.
+    """
+    readers, products = _ottt_traffic(_FixedLeakLIF())
+    assert len(products) == 1, products
+    assert len(readers) == 1 and not readers[0].startswith("%copy"), readers
+    readers, products = _ottt_traffic(_FixedLeakLIF(squash=jnp.tanh))
+    assert len(products) == 2, products
+    assert [r for r in readers if r.startswith("%copy")], readers
+
+
+# The convolution's trace keeps one kernel per output position: (B, 6, 10, 3, 3, 1 + C, C, 1) on
+# a 6×10 map, the input row read as one channel.
+C = 4
+CONV_TRACE = f"[{B},6,10,3,3,{1 + C},{C},1]"
+
+
+class _ConvLeaky(brainstate.nn.Module):
+    """``h ← σ(τ) ⊙ h + tanh(conv([x, h], K) + b)`` on the map (channel-last), as ``make bench``'s conv row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        rng = np.random.default_rng(0)
+        self.k = brainstate.ParamState(jnp.asarray(rng.normal(size=(3, 3, 1 + C, C)) / 6, jnp.float32))
+        self.b = brainstate.ParamState(jnp.zeros(C))
+        self.tau = brainstate.ParamState(jnp.ones((6, 10, C)))
+
+    def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros((batch_size, 6, 10, C)))
+
+    def update(self, x: jax.Array) -> jax.Array:
+        h = self.h.value
+        xh = jnp.concatenate([x.reshape(-1, 6, 10, 1), h], -1)
+        drive = braintrace.conv(xh, self.k.value, self.b.value, strides=(1, 1),
+                                dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        self.h.value = braintrace.element_wise(self.tau.value, weight_fn=jax.nn.sigmoid) * h + jnp.tanh(drive)
+        return self.h.value
+
+
+def test_conv_single_step_writes_the_per_position_trace_once_and_copies_nothing() -> None:
+    """The convolution's rules roll its trace (it has no closed-form kernels), in place as well.
+
+    Every instruction of the trace's size (any shape or layout) is counted: one, the update
+    ``ε ⊙ hd + patch ⊗ df``, written over the entering trace. Reading the trace through a slice
+    of its state axis, or contracting the history with the entering trace, cost a copy of it.
+    """
+    body = _loop_body_hlo(_ConvLeaky(), trace_shape=CONV_TRACE)
+    size = B * 6 * 10 * 9 * (1 + C) * C
+    produced = []
+    for line in body.splitlines():
+        m = re.match(r"\s*(?:ROOT )?(%\S+) = \w+\[([\d,]*)\]\S* (\S+?)\(", line)
+        if m and m.group(3) not in ("parameter", "get-tuple-element", "bitcast", "tuple"):
+            if int(np.prod([int(d) for d in m.group(2).split(",") if d])) == size:
+                produced.append(m.group(1))
+    assert len(produced) == 1 and not produced[0].startswith("%copy"), produced

@@ -10,6 +10,7 @@ the rules compose into an exact learner (D-RTRL equals BPTT).
 from __future__ import annotations
 
 import inspect
+from functools import partial
 from typing import Any
 
 import brainunit as u
@@ -27,6 +28,7 @@ from braintrace._op.conv import (
     _conv_layout,
     _conv_solve_drtrl,
     _etp_conv_impl,
+    _window_patches,
     conv,
     etp_conv_p,
 )
@@ -270,6 +272,37 @@ def test_patches_times_kernel_reproduce_the_convolution(x_shape: Any, k_shape: A
     close(_conv_extract_patches(x, k.shape, **params), patches)
 
 
+@pytest.mark.parametrize(
+    "x_shape, k_shape, kw",
+    [
+        ((2, 2, 5), (3, 2, 3), {}),
+        ((2, 2, 7), (3, 2, 2), dict(strides=(3,), padding="SAME_LOWER", rhs_dilation=(2,))),
+        ((2, 4, 5, 2), (3, 2, 2, 3), dict(dimension_numbers=NHWC, strides=(2, 1), padding="VALID")),
+        ((2, 4, 5, 2), (2, 3, 2, 3), dict(dimension_numbers=PERMUTED, padding=((2, -1), (0, 1)))),
+        ((3, 2, 4, 5), (2, 4, 2, 3), dict(dimension_numbers=("CNWH", "IWHO", "WHNC"))),
+        ((1, 2, 3, 4, 3), (2, 2, 2, 3, 2), dict(lhs_dilation=(1, 2, 1), rhs_dilation=(2, 1, 1),
+                                                strides=(1, 2, 1), padding=((1, 0), (2, 1), (0, 0)))),
+    ],
+    ids=["1d", "1d-stride-dilation-same-lower", "2d-nhwc-valid", "2d-permuted-negative-pad",
+         "2d-odd-layouts", "3d-both-dilations"],
+)
+def test_patches_are_jaxs_patches_without_the_convolution(x_shape: Any, k_shape: Any, kw: Any) -> None:
+    """The patches are read off by strided slices: the same array as JAX's, which runs a grouped
+    convolution by a 0/1 kernel for it (on the CPU, about twice the layer's own convolution)."""
+    params = _params(**{"strides": (1,) * (len(k_shape) - 2), **kw})
+    x = rand(1, x_shape)
+    dn = lax.conv_dimension_numbers(x.shape, k_shape, params["dimension_numbers"])
+    filter_shape = tuple(n for a, n in enumerate(k_shape) if a not in dn.rhs_spec[:2])
+    want = lax.conv_general_dilated_patches(
+        x, filter_shape, params["strides"], params["padding"], lhs_dilation=params["lhs_dilation"],
+        rhs_dilation=params["rhs_dilation"], dimension_numbers=dn, precision=lax.Precision.HIGHEST)
+    got = _window_patches(x, filter_shape, dn, params)
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    jaxpr = jax.make_jaxpr(lambda x: _window_patches(x, filter_shape, dn, params))(x)
+    assert not [e for e in jaxpr.jaxpr.eqns if e.primitive is lax.conv_general_dilated_p]
+
+
 # --- D-RTRL guards and the IO-dim pullback ---------------------------------------------------
 
 
@@ -425,3 +458,77 @@ def test_drtrl_equals_bptt(x_shape: Any, k_shape: Any, kw: Any) -> None:
     for key in want:
         scale = float(jnp.abs(want[key]).max())
         np.testing.assert_allclose(np.asarray(got[key]), np.asarray(want[key]), rtol=1e-5, atol=1e-5 * scale, err_msg=key)
+
+
+# --- why the kernel trace is per position ----------------------------------------------------
+
+
+def _per_position_summed_and_bptt(x_seq: Any, kernel: Any, leak: Any, c_seq: Any) -> tuple[Any, Any, Any]:
+    """``h_t = leak ⊙ h_{t-1} + tanh(conv(x_t, K))`` (NCH/OIH), loss ``Σ_t <c_t, h_t>``.
+
+    Three kernel gradients: D-RTRL with the registered per-position trace ``(B, W, *K.shape)``;
+    D-RTRL with the positions summed into one kernel-shaped trace per sample ``(B, *K.shape)``
+    (0.2.4-era layouts, as small as the parameter); and BPTT (``jax.grad`` through the loop).
+    A kernel-shaped trace can only scale each output channel by one factor, so it rolls with
+    the leak averaged over positions and is read with the signal averaged over positions: exact
+    when both are the same at every position, and the best such a trace can do otherwise.
+    """
+    params = _params()
+    weights = {"weight": kernel}
+    instant, solve = reg.get_instant_drtrl_rule(etp_conv_p), reg.get_solve_drtrl_rule(etp_conv_p)
+    assert instant is not None and solve is not None
+    dt_to_t = reg.ETP_RULES_DT_TO_T[etp_conv_p]
+    y_of = partial(_etp_conv_impl, **params)
+    per_channel = leak.mean(-1)[:, None, None]  # (O, 1, 1) on the kernel's out axis
+
+    def step(carry: Any, xc: Any) -> Any:
+        trace, summed, got, got_summed = carry
+        x, c = xc
+        df = 1 - jnp.tanh(y_of(x, kernel)) ** 2
+        new = jax.vmap(lambda x, d: instant(x, d, weights, **params))(x, df)["weight"]  # (B, W, *K)
+        trace = dt_to_t(leak, {"weight": trace}, **params)["weight"] + new
+        summed = per_channel * summed + new.sum(axis=1)
+        got = got + jax.vmap(lambda g, tr: solve(g, {"weight": tr}, weights, **params))(c, trace)["weight"].sum(0)
+        got_summed = got_summed + (c.mean(-1)[:, :, None, None] * summed).sum(0)
+        return (trace, summed, got, got_summed), None
+
+    y_shape = y_of(x_seq[0], kernel).shape
+    init = (jnp.zeros((y_shape[0], y_shape[2], *kernel.shape)), jnp.zeros((y_shape[0], *kernel.shape)),
+            jnp.zeros_like(kernel), jnp.zeros_like(kernel))
+    (_, _, got, got_summed), _ = lax.scan(step, init, (x_seq, c_seq))
+
+    def loss(k: Any) -> Any:
+        def body(h: Any, xc: Any) -> Any:
+            h = leak * h + jnp.tanh(y_of(xc[0], k))
+            return h, jnp.sum(xc[1] * h)
+
+        return lax.scan(body, jnp.zeros(y_shape), (x_seq, c_seq))[1].sum()
+
+    return got, got_summed, jax.grad(loss)(kernel)
+
+
+def test_a_kernel_shaped_trace_is_wrong_where_the_per_position_trace_is_exact() -> None:
+    """The per-position kernel trace is what makes conv D-RTRL exact (docs/compatibility.md).
+
+    With the leak and the loss weights the same at every position, summing the positions into a
+    kernel-shaped trace loses nothing, and both layouts equal BPTT. Let either vary along the
+    positions (a per-position leak, as any element-wise hidden state has) and the summed trace
+    is tens of percent off BPTT, while the per-position trace still equals it element-wise.
+    """
+    x_seq, kernel = rand(1, (T, 2, 2, 6)), 0.5 * rand(2, (3, 2, 3))
+    y_shape = (2, 3, 6)
+    uniform_leak = jnp.broadcast_to(jnp.array([0.3, 0.6, 0.9])[:, None], y_shape[1:])
+    uniform_c = jnp.broadcast_to(rand(6, (T, 2, 3, 1)), (T, *y_shape))
+    leak = jax.random.uniform(jax.random.PRNGKey(5), y_shape[1:], minval=0.2, maxval=0.95)
+    c_seq = rand(7, (T, *y_shape))
+    run = jax.jit(_per_position_summed_and_bptt)
+
+    def rel_err(a: Any, b: Any) -> float:
+        return float(jnp.abs(a - b).max() / jnp.abs(b).max())
+
+    got, got_summed, want = run(x_seq, kernel, uniform_leak, uniform_c)
+    assert rel_err(got, want) < 1e-5 and rel_err(got_summed, want) < 1e-5
+    for case_leak, case_c in ((leak, uniform_c), (uniform_leak, c_seq), (leak, c_seq)):
+        got, got_summed, want = run(x_seq, kernel, case_leak, case_c)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+        assert rel_err(got_summed, want) > 0.1, rel_err(got_summed, want)

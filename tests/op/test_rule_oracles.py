@@ -91,6 +91,21 @@ def test_dt_to_t_propagates_the_trace_through_a_hidden_jacobian(case: OpCase) ->
 
 
 @with_geometry
+def test_library_dt_to_t_scales_each_trace_entry(case: OpCase) -> None:
+    """``dt_to_t(hd, ε) = ε ⊙ dt_to_t(hd, 1)``: the D-RTRL engine rolls a one-state trace of a
+    library primitive as that product, on the stored trace (see ``ParamDimVjpAlgorithm._general_recurrent``)."""
+    if not reg.has_library_rules(case.prim):
+        pytest.skip("user rules may roll the trace in any linear way")
+    assert case.trace_of is not None
+    hd = rand(10, case.y().shape)
+    shapes = case.trace_of(case.fn, case.x, case.weights, case.params)
+    trace = {k: rand(30 + i, v.shape) for i, (k, v) in enumerate(sorted(shapes.items()))}
+    rule = reg.ETP_RULES_DT_TO_T[case.prim]
+    factor = rule(hd, {k: jnp.ones_like(v) for k, v in trace.items()}, **case.params)
+    _tree_close(rule(hd, trace, **case.params), {k: trace[k] * factor[k] for k in trace})
+
+
+@with_geometry
 def test_instantaneous_term_is_the_trace_of_df_times_y(case: OpCase) -> None:
     assert case.trace_of is not None
     rule = reg.get_instant_drtrl_rule(case.prim) or reg.ETP_RULES_XY_TO_DW[case.prim]
