@@ -19,9 +19,10 @@ import run_notebooks  # noqa: E402
 
 NOTEBOOKS = run_notebooks.notebooks()
 IDS = [str(p.relative_to(DOCS)) for p in NOTEBOOKS]
-#: The tutorials that take about a minute each to run: executed by make test-exhaustive, while
-#: make test checks that their saved outputs are one clean run.
-LONG_RUNNING = {"choosing_a_learner.ipynb", "learning_rules.ipynb", "rnn_online_learning.ipynb"}
+#: The tutorials that take longest to run (30 s to a minute each on two cores): executed by
+#: make test-exhaustive, while make test checks that their saved outputs are one clean run.
+LONG_RUNNING = {"choosing_a_learner.ipynb", "learning_rules.ipynb", "rnn_online_learning.ipynb",
+                "limitations.ipynb", "customizing_primitive_transforms.ipynb", "batching.ipynb"}
 EXECUTED = [pytest.param(p, marks=pytest.mark.exhaustive) if p.name in LONG_RUNNING else p for p in NOTEBOOKS]
 
 
