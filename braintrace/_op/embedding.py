@@ -196,8 +196,8 @@ def _integer_indices(indices: Any, op: str) -> Array:
     if isinstance(indices, u.Quantity):
         if not indices.is_unitless:
             raise TypeError(
-                f"{op}: embedding indices must be integers without a unit, got a quantity in "
-                f"{indices.unit}. Pass the plain integer array."
+                f"{op}: embedding indices must be plain integers without a unit, got a quantity "
+                f"in {indices.unit}. Pass the integer array without its unit."
             )
         indices = indices.mantissa
     try:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from braintrace._op import embedding
+from braintrace._op.embedding import _integer_indices
 
 __all__ = ["Embedding"]
 
@@ -121,25 +122,7 @@ class Embedding(brainstate.nn.Embedding):
 
     def _indices(self, indices: Any) -> jax.Array:
         """Integer indices, refused when known to be out of range, marked out of range when not."""
-        if isinstance(indices, u.Quantity):
-            if not indices.is_unitless:
-                raise TypeError(
-                    f"braintrace.nn.Embedding: indices must be plain integers, got a quantity in "
-                    f"{indices.unit}. Pass the integer array without its unit."
-                )
-            indices = indices.mantissa
-        try:
-            idx = jnp.asarray(indices)
-        except TypeError as err:
-            raise TypeError(
-                f"braintrace.nn.Embedding: indices must be integers (an int array, list or scalar), "
-                f"got {type(indices).__name__}."
-            ) from err
-        if not jnp.issubdtype(idx.dtype, jnp.integer):
-            raise TypeError(
-                f"braintrace.nn.Embedding: indices must be integers, got dtype {idx.dtype}. Cast "
-                f"them, e.g. indices.astype(jnp.int32)."
-            )
+        idx = _integer_indices(indices, "braintrace.nn.Embedding")
         vocab = self.num_embeddings
         if not isinstance(idx, jax.core.Tracer):
             self._check_range(np.asarray(idx), vocab)
