@@ -7,6 +7,7 @@ import importlib
 import pkgutil
 import warnings
 
+import brainstate
 import pytest
 
 import braintrace
@@ -19,6 +20,8 @@ MODULES = sorted(
 @pytest.mark.parametrize("name", MODULES)
 def test_examples_in(name: str) -> None:
     module = importlib.import_module(name)
+    # Examples draw random weights: start each module from one seed, whatever ran before it in this worker.
+    brainstate.random.seed(0)
     with warnings.catch_warnings():
         # Examples show results; compiler diagnostics about excluded weights are not their subject.
         warnings.simplefilter("ignore", UserWarning)

@@ -11,12 +11,17 @@ a *bootstrapped* target (exact in the window, ``M``'s own estimate beyond it). E
 one regression step on ``Σ_groups mean((M(h^a) − target)²)``; after the last one, the terminal
 state ``h^T`` is fitted to zero (nothing follows it). The model's parameters do not move.
 
+Like any bootstrapped regression (temporal-difference learning), the fit can grow instead of
+shrink when the recurrence expands gradients over a window or ``lr`` is large: watch the returned
+errors and lower ``lr`` (or shorten ``chunk_size``) if they rise.
+
 The fit is valid for the ``loss_fn`` and ``chunk_size`` it used: the learner then refuses windows
 of another length (``SyntheticGradient.fitted_chunk_size``).
 
 Examples
 --------
->>> import jax.numpy as jnp, braintrace
+>>> import brainstate, jax.numpy as jnp, braintrace
+>>> brainstate.random.seed(0)
 >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), 'dni', jnp.ones(3))
 >>> learner.attach_synthesizer(braintrace.SyntheticGradient(learner.group_signal_shapes()))
 >>> errors = braintrace.train_synthetic_gradient(learner, jnp.ones((6, 3)), chunk_size=2, epochs=3, lr=0.1)
