@@ -9,8 +9,11 @@ compiled temporary memory at two sequence lengths, and prints ratios measured in
 * ``vs D_RTRL``: the step time over the D_RTRL single-step time;
 * ``vs floor`` (D_RTRL and EProp single-step): step time over the traces' memory-traffic floor,
   ``2 x trace bytes x T / bandwidth`` (EProp with ``κ > 0`` carries a second trace-sized array,
-  the filter ``ē``, so twice D_RTRL's bytes), with the bandwidth of a jitted ``a*x+b`` measured here;
+  the filter ``ē``, so twice D_RTRL's bytes), with the bandwidth of a jitted in-place ``a*x+b``
+  measured here;
 * ``mem T1000/T100``: compiled temporary memory at T=1000 over T=100;
+* ``compile vs BPTT``: the wall time of tracing, lowering and compiling the step (at T=1000, the
+  second compilation of that step, so that JAX's first-use costs fall on neither) over BPTT's;
 * ``bf16/f32``: the single-step time with traces stored in bfloat16 (``trace_dtype``) over the
   float32-trace time (D_RTRL, pp_prop). ``python -m benchmarks.half_precision`` measures the
   gradient drift of that storage over a long stream.
@@ -147,22 +150,30 @@ def time_steps(steps: dict[str, Any], xs: jax.Array, ys: jax.Array, repeats: int
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def temp_memory(step: Any, xs: jax.Array, ys: jax.Array) -> float:
+def temp_memory(step: Any, xs: jax.Array, ys: jax.Array) -> tuple[float, float]:
+    """XLA's compiled temporary bytes of ``step`` on ``(xs, ys)``, and the seconds that tracing,
+    lowering and compiling it took."""
+    start = time.perf_counter()
+    compiled = step.lower(xs, ys).compile()
+    seconds = time.perf_counter() - start
     try:
-        return float(step.lower(xs, ys).compile().memory_analysis().temp_size_in_bytes)
+        return float(compiled.memory_analysis().temp_size_in_bytes), seconds
     except Exception:  # not every backend reports memory
-        return float("nan")
+        return float("nan"), seconds
 
 
 def bandwidth(n_bytes: int = 256 * 2**20, repeats: int = 5) -> float:
-    """Bytes per second of a jitted ``a*x+b`` over ``n_bytes`` of float32 (read + write)."""
-    x = jnp.ones(n_bytes // 4, jnp.float32)
-    f = jax.jit(lambda x: 1.0001 * x + 0.5)
-    jax.block_until_ready(f(x))
+    """Bytes per second of a jitted in-place ``x ← a*x+b`` over ``n_bytes`` of float32 (read + write).
+
+    In place (the buffer donated), as a learner updates its trace inside the time loop: a fresh
+    output buffer each call would time the operating system's page faults as well.
+    """
+    f = jax.jit(lambda x: 1.0001 * x + 0.5, donate_argnums=0)
+    x = jax.block_until_ready(f(jnp.ones(n_bytes // 4, jnp.float32)))
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
-        jax.block_until_ready(f(x))
+        x = jax.block_until_ready(f(x))
         samples.append(time.perf_counter() - start)
     return 2 * n_bytes / statistics.median(samples)
 
@@ -192,9 +203,12 @@ def run(setting: Setting, batch: int, steps: int, long_steps: int, repeats: int,
     for name, build in builders.items():
         step, learner = build()
         steps_of[name] = step
+        mem_short, _ = temp_memory(step, xs, ys)
+        mem_long, compile_seconds = temp_memory(step, xl, yl)
         rows[name] = {
-            "mem_short": temp_memory(step, xs, ys),
-            "mem_long": temp_memory(step, xl, yl),
+            "mem_short": mem_short,
+            "mem_long": mem_long,
+            "compile_seconds": compile_seconds,
             "trace_bytes": trace_bytes(learner) if learner is not None else 0,
         }
     for name, seconds in time_steps(steps_of, xs, ys, repeats).items():
@@ -204,6 +218,7 @@ def run(setting: Setting, batch: int, steps: int, long_steps: int, repeats: int,
         r["vs_bptt"] = r["seconds"] / bptt
         r["vs_d_rtrl"] = r["seconds"] / d_rtrl
         r["mem_growth"] = r["mem_long"] / r["mem_short"] if r["mem_short"] else float("nan")
+        r["compile_vs_bptt"] = r["compile_seconds"] / rows["BPTT"]["compile_seconds"]
     for name, traces in TRACES_PER_STEP.items():
         if name not in rows:
             continue
@@ -240,10 +255,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["models"][name] = rows
         print(f"{name}")
         print(f"  {'method':<20}{'vs BPTT':>9}{'vs D_RTRL':>11}{'vs floor':>10}"
-              f"{'mem T' + str(args.long_steps) + '/T' + str(args.steps):>18}")
+              f"{'mem T' + str(args.long_steps) + '/T' + str(args.steps):>18}{'compile vs BPTT':>17}")
         for method, r in rows.items():
             floor = f"{r['vs_floor']:.2f}" if "vs_floor" in r else "-"
-            print(f"  {method:<20}{r['vs_bptt']:9.2f}{r['vs_d_rtrl']:11.2f}{floor:>10}{r['mem_growth']:18.2f}")
+            print(f"  {method:<20}{r['vs_bptt']:9.2f}{r['vs_d_rtrl']:11.2f}{floor:>10}{r['mem_growth']:18.2f}"
+                  f"{r['compile_vs_bptt']:17.2f}")
         if any(n in rows for n in BF16_OF):
             print("  bf16/f32 trace: " + ", ".join(f"{f32} {rows[n]['bf16_vs_f32']:.2f}" for n, f32 in BF16_OF.items()))
         print()

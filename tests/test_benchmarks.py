@@ -14,6 +14,7 @@ def test_learner_benchmark_reports_every_method() -> None:
     assert set(rows) == set(METHODS)
     for row in rows.values():
         assert row["vs_bptt"] > 0 and math.isfinite(row["vs_bptt"])
+        assert row["compile_seconds"] > 0 and math.isfinite(row["compile_vs_bptt"])
     assert rows["D_RTRL single"]["vs_floor"] > 0 and rows["EProp(κ=.9) single"]["vs_floor"] > 0
     assert rows["D_RTRL single"]["vs_d_rtrl"] == 1.0
     assert rows["D_RTRL single"]["trace_bytes"] > 0 and rows["BPTT"]["mem_growth"] > 1
