@@ -81,6 +81,7 @@ demo: $(VENV)/.demo
 bench: $(VENV)/.test
 	$(PY) -m pip install --quiet -e ".[bench]" || echo "numba not installable: sparse products run on brainevent's pure-JAX kernels"
 	$(PY) -m benchmarks
+	$(PY) -m benchmarks.half_precision
 	$(PY) -m benchmarks.scale_out
 
 docs: $(VENV)/.docs

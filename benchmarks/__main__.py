@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.batch, args.steps, args.long_steps, args.repeats = 4, 20, 40, 1
         args.models = [m for m in args.models if not m.startswith("lif1024")]
     bw = bandwidth(16 * 2**20 if args.quick else 256 * 2**20)
-    print(f"device: {jax.devices()[0].device_kind}; streaming bandwidth {bw / 1e9:.1f} GB/s")
+    print(f"device: {jax.devices()[0].device_kind}; in-place bandwidth {bw / 1e9:.1f} GB/s")
     print(f"batch {args.batch}, T={args.steps} (memory also at T={args.long_steps})\n")
     results: dict[str, Any] = {"bandwidth_bytes_per_s": bw, "models": {}}
     for name in args.models:

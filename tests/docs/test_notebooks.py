@@ -22,7 +22,8 @@ IDS = [str(p.relative_to(DOCS)) for p in NOTEBOOKS]
 #: The tutorials that take longest to run (30 s to a minute each on two cores): executed by
 #: make test-exhaustive, while make test checks that their saved outputs are one clean run.
 LONG_RUNNING = {"choosing_a_learner.ipynb", "learning_rules.ipynb", "rnn_online_learning.ipynb",
-                "limitations.ipynb", "customizing_primitive_transforms.ipynb", "batching.ipynb"}
+                "limitations.ipynb", "customizing_primitive_transforms.ipynb", "batching.ipynb",
+                "control_flow.ipynb", "hidden_states.ipynb"}
 EXECUTED = [pytest.param(p, marks=pytest.mark.exhaustive) if p.name in LONG_RUNNING else p for p in NOTEBOOKS]
 
 
