@@ -150,7 +150,7 @@ def time_steps(steps: dict[str, Any], xs: jax.Array, ys: jax.Array, repeats: int
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def temp_memory(step: Any, xs: jax.Array, ys: jax.Array) -> tuple[float, float]:
+def compile_step(step: Any, xs: jax.Array, ys: jax.Array) -> tuple[float, float]:
     """XLA's compiled temporary bytes of ``step`` on ``(xs, ys)``, and the seconds that tracing,
     lowering and compiling it took."""
     start = time.perf_counter()
@@ -203,8 +203,8 @@ def run(setting: Setting, batch: int, steps: int, long_steps: int, repeats: int,
     for name, build in builders.items():
         step, learner = build()
         steps_of[name] = step
-        mem_short, _ = temp_memory(step, xs, ys)
-        mem_long, compile_seconds = temp_memory(step, xl, yl)
+        mem_short, _ = compile_step(step, xs, ys)
+        mem_long, compile_seconds = compile_step(step, xl, yl)
         rows[name] = {
             "mem_short": mem_short,
             "mem_long": mem_long,
