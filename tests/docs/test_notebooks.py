@@ -19,11 +19,12 @@ import run_notebooks  # noqa: E402
 
 NOTEBOOKS = run_notebooks.notebooks()
 IDS = [str(p.relative_to(DOCS)) for p in NOTEBOOKS]
-#: The tutorials that take longest to run (30 s to a minute each on two cores): executed by
+#: The tutorials that take longest to run (15 s to a minute each on two cores): executed by
 #: make test-exhaustive, while make test checks that their saved outputs are one clean run.
 LONG_RUNNING = {"choosing_a_learner.ipynb", "learning_rules.ipynb", "rnn_online_learning.ipynb",
                 "limitations.ipynb", "customizing_primitive_transforms.ipynb", "batching.ipynb",
-                "control_flow.ipynb", "hidden_states.ipynb"}
+                "control_flow.ipynb", "hidden_states.ipynb", "graph_visualization.ipynb",
+                "compiler_internals.ipynb", "custom_algorithms.ipynb"}
 EXECUTED = [pytest.param(p, marks=pytest.mark.exhaustive) if p.name in LONG_RUNNING else p for p in NOTEBOOKS]
 
 
