@@ -76,7 +76,7 @@ from braintrace._algorithm.input_data import get_single_step_data
 from braintrace._algorithm.learning_signal import SignalPair, draw_feedback, feedback_signals
 from braintrace._algorithm.modulator import ModulatorSlot, modulator_signals, without_etp_gradients
 from braintrace._algorithm.snn_helpers import FixedRandomFeedback
-from braintrace._algorithm.trace_storage import math_dtype, storage_dtype, store, upcast
+from braintrace._algorithm.trace_storage import computed_once, math_dtype, storage_dtype, store, upcast
 from braintrace._compiler import DEFAULT_MAX_JACOBIAN_ELEMENTS, ControlFlowPolicy
 from braintrace._compiler.snap_pattern import gather_signal
 from braintrace._errors import internal_error
@@ -454,7 +454,7 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         if fp is not None:
             # Upcast on read, one roll in the math dtype, one rounding on write (trace_storage).
             math = math_dtype(*[w.dtype for w in weights.values()], df.dtype)
-            new = fp.recurrent(diag, upcast(old, math), num_state)
+            new = fp.recurrent(computed_once(diag, old), upcast(old, math), num_state)
             inst = fp.instant(x, df, bool(rel.eqn_params.get("has_bias", False)))
             return store({k: new[k] + inst[k] for k in old}, old)
         recurrent = self._general_recurrent(rel, diag, old, num_state)

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["storage_dtype", "upcast", "store", "math_dtype"]
+__all__ = ["storage_dtype", "upcast", "store", "math_dtype", "computed_once"]
 
 Trace = dict[str, jax.Array]
 
@@ -98,3 +98,32 @@ def upcast(trace: Trace, dtype: Any) -> Trace:
 def store(new: Trace, like: Trace) -> Trace:
     """``new`` (computed in the math dtype) rounded to the storage dtype of ``like``, per leaf."""
     return {k: new[k].astype(like[k].dtype) for k in like}
+
+
+def computed_once(factor: jax.Array, trace: Trace) -> jax.Array:
+    """``factor`` (the step's ``D``), computed once before the update of a trace stored in 16 bits.
+
+    XLA fuses the element-wise operations that compute ``D`` into the trace-sized update that
+    broadcasts it, recomputing them for every entry along the broadcast axes. A float32 update is
+    bound by memory and hides that arithmetic; a 16-bit one moves half the bytes and is then bound
+    by it (on CPU, 8.7–9.6 ms against 5.2–5.4 ms for a ``(32, 1040, 1024)`` update with ``D``
+    computed once). ``optimization_barrier`` does not keep the operations out of the fusion on
+    XLA's CPU backend; a product with ``[1, 0]`` at full precision (``D · 1 + 0 · 0``: the same
+    values, a zero's sign aside) does, since XLA does not fuse products into element-wise loops.
+    Only on CPU and only for 16-bit traces; elsewhere ``factor`` is returned as it is.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp
+    >>> d = jnp.array([0.5, -2.0, jnp.inf])
+    >>> computed_once(d, {'w': jnp.zeros(3, jnp.bfloat16)})
+    Array([ 0.5, -2. ,  inf], dtype=float32)
+    """
+    if all(jnp.dtype(v.dtype).itemsize >= 4 for v in trace.values()):
+        return factor
+
+    def through_product(d: jax.Array) -> jax.Array:
+        pair = jnp.stack([d, jnp.zeros_like(d)], axis=-1)
+        return jnp.matmul(pair, jnp.array([1, 0], d.dtype), precision=jax.lax.Precision.HIGHEST)
+
+    return jax.lax.platform_dependent(factor, cpu=through_product, default=lambda d: d)

@@ -54,9 +54,8 @@ class _Tanh(_LIF):
         return self.v.value
 
 
-def _loop_body_hlo(
-    model: brainstate.nn.Module, algorithm: Any = braintrace.D_RTRL, trace_shape: str = TRACE_SHAPE, **options: Any
-) -> str:
+def _compiled_hlo(model: brainstate.nn.Module, algorithm: Any = braintrace.D_RTRL, **options: Any) -> str:
+    """XLA's optimised HLO of a jitted scan of 50 single-step gradients (summed)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         learner = braintrace.compile(model, algorithm, jnp.zeros((B, I)), batch_size=B, **options)
@@ -71,8 +70,19 @@ def _loop_body_hlo(
         zeros = {p: jnp.zeros_like(st.value) for p, st in params.items()}
         return brainstate.transform.scan(one, zeros, xs)[0]
 
-    text = step.lower(jnp.ones((50, B, I))).compile().as_text()
-    computations = {c.split(" ", 1)[0]: c for c in re.split(r"\n(?=%|ENTRY)", text)}
+    return step.lower(jnp.ones((50, B, I))).compile().as_text()
+
+
+def _computations(text: str) -> dict[str, str]:
+    """Each computation of an HLO module's text, by name."""
+    return {c.split(" ", 1)[0]: c for c in re.split(r"\n(?=%|ENTRY)", text)}
+
+
+def _loop_body_hlo(
+    model: brainstate.nn.Module, algorithm: Any = braintrace.D_RTRL, trace_shape: str = TRACE_SHAPE, **options: Any
+) -> str:
+    text = _compiled_hlo(model, algorithm, **options)
+    computations = _computations(text)
     # The bodies of the while loops that carry the trace: the scan over time, and the loop over
     # the batch rows of the gradient solve nested in it (on CPU), which must only read it.
     loops = re.findall(r"= \(.*?\) while\(.*?body=(%[\w.\-]+)", text)
@@ -209,3 +219,36 @@ def test_conv_single_step_writes_the_per_position_trace_once_and_copies_nothing(
             if int(np.prod([int(d) for d in m.group(2).split(",") if d])) == size:
                 produced.append(m.group(1))
     assert len(produced) == 1 and not produced[0].startswith("%copy"), produced
+
+
+def _trace_update_arithmetic(trace_dtype: Any) -> list[str]:
+    """The arithmetic of the fused trace update on anything smaller than the trace.
+
+    The update ``ε ← D ε + x ⊗ df`` broadcasts ``D`` (one value per batch row and unit) over the
+    trace; every operation left in the update's fusion on an array of ``D``'s size is recomputed
+    for each of the ``I + H`` inputs.
+    """
+    text = _compiled_hlo(_LIF(), **({} if trace_dtype is None else {"trace_dtype": trace_dtype}))
+    stored = "f32" if trace_dtype is None else "bf16"
+    update = re.search(rf"= {stored}{re.escape(TRACE_SHAPE)}\S* fusion\(.*?calls=(%[\w.\-]+)", text)
+    assert update, "expected a fusion writing the trace"
+    fused = _computations(text)[update.group(1)]
+    small = (f"[{B},{H}]", f"[1,{B},{H}]", f"[{B},{H},1]", f"[{B},{H},1,1]")
+    structural = ("parameter(", "bitcast(", "broadcast(", "constant(")
+    found = []
+    for line in fused.splitlines()[1:]:
+        result_shape = line.split("=", 1)[-1].split("(")[0]
+        if any(shape + "{" in result_shape for shape in small) and not any(k in line for k in structural):
+            found.append(line.strip().split(" ")[0])
+    return found
+
+
+def test_a_16_bit_trace_update_reads_d_computed_once() -> None:
+    """A bfloat16 update moves half the bytes and is then bound by arithmetic: ``D`` is computed
+    once, before it (``trace_storage.computed_once``), instead of per trace entry.
+
+    Negative control: the float32 update (bound by memory, left as XLA fuses it) recomputes ``D``'s
+    operations inside the trace-sized fusion.
+    """
+    assert _trace_update_arithmetic(jnp.bfloat16) == []
+    assert _trace_update_arithmetic(None) != []
