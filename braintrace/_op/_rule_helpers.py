@@ -210,7 +210,7 @@ def sum_leading(x: Array, num_axes: int = 1) -> Array:
     Array([30., 36.], dtype=float32)
     """
     rows = jnp.reshape(x, (-1, *x.shape[num_axes:]))
-    return sum_over_rows(lambda b: _row_at(rows, b), lambda: rows.sum(axis=0), rows.shape[0])
+    return sum_over_rows(lambda row: row, rows, lambda: rows.sum(axis=0))
 
 
 def mix_states(diag: Array, vec: Array) -> Array:
@@ -240,26 +240,10 @@ def mix_states(diag: Array, vec: Array) -> Array:
 def sum_rows(solve_row: Callable[[Array, dict[str, Array]], dict[str, Array]],
              signal: Array, trace: dict[str, Array]) -> dict[str, Array]:
     """``Σ_b solve_row(signal[b], trace[b])`` over the leading (batch) axis (see :func:`sum_over_rows`)."""
-    def row(b: Array) -> dict[str, Array]:
-        return solve_row(_row_at(signal, b), {k: _row_at(v, b) for k, v in trace.items()})
-
     def vectorised() -> dict[str, Array]:
         return {k: v.sum(axis=0) for k, v in jax.vmap(solve_row)(signal, trace).items()}
 
-    return sum_over_rows(row, vectorised, signal.shape[0])
-
-
-def _row_at(x: Array, b: Array) -> Array:
-    """``x[b]`` for a traced index ``0 <= b < len(x)``.
-
-    XLA on CPU slices a 16-bit float array (a trace stored in ``bfloat16``) in float32: it
-    converts the whole array and, the array being loop-invariant, hoists that conversion out of
-    the row loop, a float32 copy of the trace. Tying the array to the index keeps the conversion
-    inside the loop, where it fuses with the slice and converts one row per iteration.
-    """
-    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize < 4:
-        x, b = jax.lax.optimization_barrier((x, b))
-    return jax.lax.dynamic_index_in_dim(x, b, keepdims=False)
+    return sum_over_rows(lambda row: solve_row(*row), (signal, trace), vectorised)
 
 
 #: The rows one iteration of the CPU row loop of :func:`sum_over_rows` adds. Each iteration has
@@ -292,39 +276,61 @@ def vectorised_rows() -> Iterator[None]:
         _ROW_LOOP.reset(token)
 
 
-def sum_over_rows(row: Callable[[Array], Tree], vectorised: Callable[[], Tree], num_rows: int) -> Tree:
-    """``Σ_b row(b)`` for ``b < num_rows``, a program whose size does not depend on ``num_rows``.
+def sum_over_rows(solve_row: Callable[[Any], Tree], operands: Any, vectorised: Callable[[], Tree]) -> Tree:
+    """``Σ_b solve_row(operands[b])`` over the operands' leading axis (``operands[b]``: row ``b``
+    of every array in the tree), a program whose size does not depend on the number of rows.
 
     On CPU a loop adds the rows (:func:`_loop_over_rows`): XLA lowers a reduction over a leading
     (batch) axis, or a contraction over it, to a strided pass or a transposed copy of the whole
     operand, over ten times slower on a large trace than streaming it row by row. Elsewhere the
     batched ``vectorised()`` (the same sum as one reduction) runs.
     """
+    num_rows = jax.tree.leaves(operands)[0].shape[0]
     if num_rows == 0 or not _ROW_LOOP.get():
         return vectorised()
     if num_rows == 1:
-        return row(jnp.zeros((), jnp.int32))
-    return jax.lax.platform_dependent(cpu=lambda: _loop_over_rows(row, num_rows), default=vectorised)
+        return solve_row(jax.tree.map(lambda x: x[0], operands))
+    return jax.lax.platform_dependent(cpu=lambda: _loop_over_rows(solve_row, operands, num_rows),
+                                      default=vectorised)
 
 
-def _loop_over_rows(row: Callable[[Array], Tree], num_rows: int) -> Tree:
-    """``Σ_b row(b)`` added in the order ``b = 0, 1, …``, :data:`ROWS_PER_ITERATION` rows per
-    iteration of a loop; the last iteration skips the rows past ``num_rows``."""
-    shapes = jax.eval_shape(row, jnp.zeros((), jnp.int32))
-    zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+def _loop_over_rows(solve_row: Callable[[Any], Tree], operands: Any, num_rows: int) -> Tree:
+    """``Σ_b solve_row(operands[b])`` added in the order ``b = 0, 1, …``: a loop adding
+    :data:`ROWS_PER_ITERATION` rows per iteration over the whole blocks of rows, then the rows
+    left over (fewer than a block)."""
+    num_blocks, rest = divmod(num_rows, ROWS_PER_ITERATION)
 
-    def add_row(b: Array, total: Tree) -> Tree:
-        inside = b < num_rows
-        value = row(jnp.minimum(b, num_rows - 1))
-        return jax.tree.map(lambda t, r: jax.lax.select(inside, t + r, t), total, value)
+    def add_row(row: Any, total: Tree | None) -> Tree:
+        value = solve_row(row)
+        return value if total is None else jax.tree.map(jnp.add, total, value)
 
     def add_block(block: Array, total: Tree) -> Tree:
         for offset in range(ROWS_PER_ITERATION):
-            total = add_row(block * ROWS_PER_ITERATION + offset, total)
+            index = block * ROWS_PER_ITERATION + offset
+            total = add_row(jax.tree.map(lambda x: _row_at(x, index), operands), total)
         return total
 
-    num_blocks = -(-num_rows // ROWS_PER_ITERATION)
-    return jax.lax.fori_loop(0, num_blocks, add_block, zero)
+    total: Tree | None = None
+    if num_blocks:
+        shapes = jax.eval_shape(solve_row, jax.tree.map(lambda x: x[0], operands))
+        zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        total = jax.lax.fori_loop(0, num_blocks, add_block, zero)
+    for b in range(num_rows - rest, num_rows):
+        total = add_row(jax.tree.map(lambda x: x[b], operands), total)
+    return cast(Tree, total)
+
+
+def _row_at(x: Array, b: Array) -> Array:
+    """``x[b]`` for a traced index ``0 <= b < len(x)``.
+
+    XLA on CPU slices a 16-bit float array (a trace stored in ``bfloat16``) in float32: it
+    converts the whole array and, the array being loop-invariant, hoists that conversion out of
+    the row loop, a float32 copy of the trace. Tying the array to the index keeps the conversion
+    inside the loop, where it fuses with the slice and converts one row per iteration.
+    """
+    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize < 4:
+        x, b = jax.lax.optimization_barrier((x, b))
+    return jax.lax.dynamic_index_in_dim(x, b, keepdims=False, allow_negative_indices=False)
 
 
 def propagate_df(p_seq: Array, df_seq: Array, num_state: int) -> Array:

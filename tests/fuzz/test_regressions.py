@@ -88,9 +88,10 @@ def test_the_sparse_adjacency_rule_reads_the_pattern_while_traced() -> None:
     np.testing.assert_array_equal(rule[1], mask.T)
 
 
-#: Found by the long profile, not fixed: compiling SnAp raises an ``IndexError`` in the grouped
-#: operator's fast recurrent rule (``_grouped_fast_recurrent``, reached from ``D_RTRL._step_relation``
-#: while ``_allocate_final_shapes`` traces one step).
+#: Found by the long profile: compiling SnAp raised an ``IndexError`` in the grouped operator's
+#: fast recurrent rule, which was handed the mixing recurrence's ``y`` as if it laid over the
+#: stacked group's hidden state ``h2``; a relation now keeps a hidden state only where ``y`` lays
+#: over its positions.
 GROUPED_MIX_UNDER_SNAP = FuzzCase(model=ModelSpec(groups=(
     GroupSpec(width=3, drive=OpSpec(family='matmul', n_in=3, n_out=3, hook='none', bias=True, size=1, seed=999),
               source=-1, recurrence='none', mix=None, adapt='', reset=True, control='none', steps=2, read='new',

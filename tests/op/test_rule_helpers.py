@@ -55,15 +55,19 @@ def _fold_programs(batch: int) -> tuple[int, int]:
 
 
 def test_fold_program_does_not_grow_with_the_rows() -> None:
-    assert _fold_programs(2) == _fold_programs(32) == _fold_programs(2 * ROWS_PER_ITERATION + 3)
+    # Whole blocks run in a loop; the rows past the last whole block (fewer than a block) are
+    # added after it, so the program depends on the batch only through ``batch % block``.
+    block = ROWS_PER_ITERATION
+    assert _fold_programs(2 * block) == _fold_programs(4 * block) == _fold_programs(16 * block)
+    assert _fold_programs(2 * block + 3) == _fold_programs(9 * block + 3)
 
 
 def test_sum_over_rows_loops_on_cpu_and_is_vectorised_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
     """The two forms are given different sums here (twice and thrice the rows) to tell which ran."""
     def fold(r: jax.Array) -> jax.Array:
-        return sum_over_rows(lambda b: r[b] * 2.0, lambda: r.sum(axis=0) * 3.0, r.shape[0])
+        return sum_over_rows(lambda row: row * 2.0, r, lambda: r.sum(axis=0) * 3.0)
 
-    rows = rand(5, (6, 3))
+    rows = rand(5, (ROWS_PER_ITERATION + 6, 3))
     close(jax.jit(fold)(rows), rows.sum(axis=0) * 2.0, atol=1e-5)
     monkeypatch.setattr(jax.lax, "platform_dependent", lambda *ops, cpu, default: default(*ops))
     close(jax.jit(lambda r: fold(r))(rows), rows.sum(axis=0) * 3.0, atol=1e-5)  # traced anew
