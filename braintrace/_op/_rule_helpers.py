@@ -278,7 +278,8 @@ def vectorised_rows() -> Iterator[None]:
 
 def sum_over_rows(solve_row: Callable[[Any], Tree], operands: Any, vectorised: Callable[[], Tree]) -> Tree:
     """``Σ_b solve_row(operands[b])`` over the operands' leading axis (``operands[b]``: row ``b``
-    of every array in the tree), a program whose size does not depend on the number of rows.
+    of every array in the tree), a program that does not grow with the number of rows (it adds at
+    most :data:`ROWS_PER_ITERATION` ``- 1`` rows outside its loop).
 
     On CPU a loop adds the rows (:func:`_loop_over_rows`): XLA lowers a reduction over a leading
     (batch) axis, or a contraction over it, to a strided pass or a transposed copy of the whole
