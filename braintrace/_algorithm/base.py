@@ -563,6 +563,7 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         self.vjp_method = vjp_method
         self._read_past_update: frozenset[int] | None = None
         self._local_weights: LocalRelationWeights | None = None
+        self._entering_reads: frozenset[int] = frozenset()
         fn = jax.custom_vjp(self._update_fn)
         # Symbolic zeros: a cotangent that is zero by construction (typically that of the new
         # hidden values, which a per-step loss does not read) stays symbolic through the step's
@@ -665,6 +666,7 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
             primal, vjp_fn, jac = jax.vjp(step, args, weight_vals, hidden_vals, other_vals, perturb0, has_aux=True)
             new_etrace = self._update_etrace_data(running_index, etrace_vals, jac[0], jac[1], weight_vals, False)
             trace_for_bwd = self._trace_for_backward(etrace_vals, new_etrace, jac, single_step=True)
+            self._entering_reads = _entering_leaves_read(etrace_vals, new_etrace, trace_for_bwd)
         else:
             stepper = self._make_etrace_stepper(weight_vals) if multi else None
 
@@ -741,6 +743,23 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         :meth:`_get_update_aux` returned for the call.
         """
         return None
+
+    def _seq_after_gradient(self, grads: dict[Path, Any]) -> None:
+        """Single step: the new traces whose entering value the gradient reads are written after it.
+
+        XLA updates a trace in place only if nothing reads the entering trace after the update:
+        where the gradient reads it (a group whose previous value an output reads past its
+        update, the entering filter of EProp) XLA would otherwise copy the whole trace every
+        step. Adding a zero computed from the gradient (:func:`_zero_after`) to those new traces
+        makes their update wait for the gradient; the zero is fused into the update. The traces'
+        values are unchanged (a zero's sign aside).
+        """
+        if not self._entering_reads:
+            return
+        zero = _zero_after(grads)
+        leaves, treedef = jax.tree.flatten(self._get_etrace_data())
+        ordered = [v + zero.astype(v.dtype) if i in self._entering_reads else v for i, v in enumerate(leaves)]
+        self._assign_etrace_data(jax.tree.unflatten(treedef, ordered))
 
     def _get_etrace_data(self) -> Any:
         raise NotImplementedError
@@ -829,6 +848,37 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
 
 
 ETraceVjpAlgorithm.__module__ = "braintrace"
+
+
+def _entering_leaves_read(old: Any, new: Any, residual: Any) -> frozenset[int]:
+    """The positions (in ``old``'s flattened order) of the entering trace's arrays that the
+    backward ``residual`` holds while it holds no new value at that position."""
+    held = {id(leaf) for leaf in jax.tree.leaves(residual)}
+    old_leaves, new_leaves = jax.tree.leaves(old), jax.tree.leaves(new)
+    if len(old_leaves) != len(new_leaves):
+        return frozenset()
+    return frozenset(i for i, (o, n) in enumerate(zip(old_leaves, new_leaves))
+                     if id(o) in held and id(n) not in held)
+
+
+def _zero_after(tree: Any) -> jax.Array:
+    """A float32 zero that XLA can compute only once every floating leaf of ``tree`` is.
+
+    ``0 · s`` for the sum ``s`` of one element of each leaf (``0`` where ``s`` is not finite):
+    XLA does not fold a floating product with zero, so the dependency survives compilation.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp
+    >>> _zero_after({'w': jnp.ones((2, 3)), 'b': jnp.array([jnp.inf])})
+    Array(0., dtype=float32)
+    """
+    firsts = [jnp.ravel(u.get_mantissa(leaf))[0].astype(jnp.float32) for leaf in jax.tree.leaves(tree)
+              if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact) and jnp.size(leaf)]
+    if not firsts:
+        return jnp.zeros((), jnp.float32)
+    s = sum(firsts[1:], firsts[0])
+    return jnp.where(jnp.isfinite(s), 0.0 * s, 0.0)
 
 
 def _zero_cotangent(c: Any) -> Any:

@@ -14,7 +14,9 @@ class provides four hooks (defaults are those of :class:`~braintrace.ETraceAlgor
 * ``_seq_param_states`` — the ``path -> ParamState`` mapping differentiated by default;
 * ``_seq_vjp_method`` — ``'single-step'``, ``'multi-step'`` or ``None``; window mode of
   ``etrace_grad`` requires ``'multi-step'``;
-* ``_seq_is_vmapped`` (class flag) — a vmapped learner refuses window mode.
+* ``_seq_is_vmapped`` (class flag) — a vmapped learner refuses window mode;
+* ``_seq_after_gradient`` — called with each call's gradient inside the traced step (a learner
+  orders its trace writes after the gradient there; default: nothing).
 
 ``etrace_train`` runs the same loop and applies an optimizer every ``update_every`` steps while
 the stream runs, without resetting anything: online learning in the strict sense.
@@ -125,6 +127,9 @@ class SequenceDriverMixin:
         """The learner's ``vjp_method`` (``None`` when it has none)."""
         return getattr(self, "vjp_method", None)
 
+    def _seq_after_gradient(self, grads: Grads) -> None:
+        """Called with the gradient of each call, inside the traced step (default: nothing)."""
+
     # --- the drivers ------------------------------------------------------------------------
 
     def etrace_grad(
@@ -157,6 +162,12 @@ class SequenceDriverMixin:
         the rule's trace is exact, an approximation otherwise. Parameters outside the
         eligibility-trace relations get the exact gradient within each call (a readout is exact,
         earlier calls are not reached).
+
+        Each call's new traces are written after its gradient is taken: where the gradient
+        reads the entering trace (a model whose output reads a hidden state's value before its
+        update, such as the spike of the previous potential), XLA then updates the trace in
+        place instead of copying it every step. A hand-written loop of ``grad`` calls over the
+        learner does not get that ordering.
 
         Parameters
         ----------
@@ -250,7 +261,7 @@ class SequenceDriverMixin:
         mask = _check_mask("etrace_grad", mask, drive.length)
         weights = self._seq_weights("etrace_grad", weights)
         guarded = self._seq_checked("etrace_grad", check_finite, sequences, mask)
-        run = _GradRun("etrace_grad", step_fn, weights, drive.window, has_aux, guarded)
+        run = _GradRun("etrace_grad", step_fn, weights, drive.window, has_aux, guarded, self._seq_after_gradient)
         grads, losses, aux, status = run(sequences, mask, jnp.arange(drive.length))
         if status is not None:
             raise_if_bad("etrace_grad", status)
@@ -452,7 +463,7 @@ class SequenceDriverMixin:
         span = _check_update_every(update_every, drive)
         optimizer = _registered_optimizer(optimizer, weights)
         guarded = self._seq_checked("etrace_train", check_finite, sequences, mask)
-        run = _GradRun("etrace_train", step_fn, weights, drive.window, has_aux, guarded)
+        run = _GradRun("etrace_train", step_fn, weights, drive.window, has_aux, guarded, self._seq_after_gradient)
         optimizer_states = list(brainstate.graph.states(optimizer).values())
         Span = tuple[tuple[Any, ...], jax.Array, jax.Array]
 
@@ -563,7 +574,7 @@ class _GradRun:
 
     def __init__(
         self, call: str, step_fn: StepFn, weights: dict[Path, Any], window: int | None, has_aux: bool,
-        guarded: list[Any] | None = None,
+        guarded: list[Any] | None = None, after_gradient: Callable[[Grads], None] | None = None,
     ) -> None:
         self.call = call
         self.step_fn = step_fn
@@ -571,6 +582,7 @@ class _GradRun:
         self.window = window
         self.has_aux = has_aux
         self.guarded = guarded  # check_finite: the states frozen after a non-finite step
+        self.after_gradient = after_gradient
 
     def __call__(
         self, sequences: tuple[Any, ...], mask: jax.Array, steps: jax.Array, status: Status | None = None
@@ -593,6 +605,8 @@ class _GradRun:
             return u.math.sum(w * loss), (loss, aux)
 
         grads: tuple[Grads, tuple[Any, Any]] = brainstate.transform.grad(objective, self.weights, has_aux=True)()
+        if self.after_gradient is not None:
+            self.after_gradient(grads[0])
         return grads
 
     def _body(self, acc: Grads, inputs: tuple[tuple[Any, ...], jax.Array]) -> tuple[Grads, Any]:

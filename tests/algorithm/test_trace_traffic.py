@@ -78,10 +78,24 @@ def _computations(text: str) -> dict[str, str]:
     return {c.split(" ", 1)[0]: c for c in re.split(r"\n(?=%|ENTRY)", text)}
 
 
+def _driver_hlo(model: brainstate.nn.Module, algorithm: Any = braintrace.D_RTRL, **options: Any) -> str:
+    """XLA's optimised HLO of ``etrace_grad`` over 50 steps (single-step calls)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        learner = braintrace.compile(model, algorithm, jnp.zeros((B, I)), batch_size=B, **options)
+
+    @brainstate.transform.jit
+    def step(xs: jax.Array) -> Any:
+        return learner.etrace_grad(xs, step_fn=lambda x: jnp.sum(learner(x) ** 2))
+
+    return step.lower(jnp.ones((50, B, I))).compile().as_text()
+
+
 def _loop_body_hlo(
-    model: brainstate.nn.Module, algorithm: Any = braintrace.D_RTRL, trace_shape: str = TRACE_SHAPE, **options: Any
+    model: brainstate.nn.Module, algorithm: Any = braintrace.D_RTRL, trace_shape: str = TRACE_SHAPE,
+    compiled: Any = _compiled_hlo, **options: Any,
 ) -> str:
-    text = _compiled_hlo(model, algorithm, **options)
+    text = compiled(model, algorithm, **options)
     computations = _computations(text)
     # The bodies of the while loops that carry the trace: the scan over time, and the loop over
     # the batch rows of the gradient solve nested in it (on CPU), which must only read it.
@@ -121,6 +135,31 @@ def test_filtered_eprop_writes_each_trace_once_and_copies_nothing() -> None:
     produced = _trace_sized(_loop_body_hlo(_Tanh(), braintrace.EProp, kappa_filter_decay=0.9))
     assert len(produced) == 2, produced
     assert not [p for p in produced if p.startswith("%copy")], produced
+
+
+class _PastReadLIF(_LIF):
+    """:class:`_LIF` returning the spikes of the potential *before* its update: the gradient of
+    the step's loss reads the entering trace (``⟨∂L/∂v^{t-1}, ε^{t-1}⟩``)."""
+
+    def update(self, x: jax.Array) -> jax.Array:
+        s = jax.nn.sigmoid(4 * (self.v.value - 1.0))
+        leak = braintrace.element_wise(self.tau.value, weight_fn=jax.nn.sigmoid)
+        self.v.value = leak * self.v.value * (1 - s) + braintrace.matmul(jnp.concatenate([x, s], -1), self.w.value)
+        return s
+
+
+def test_a_driver_writes_a_trace_whose_entering_value_the_gradient_reads_without_copying_it() -> None:
+    """``etrace_grad`` orders the trace's update after the gradient, which reads the entering
+    trace: the update then runs in place. The same step without that ordering (the learner's
+    hook disabled) copies the entering trace each step: the negative control."""
+    produced = _trace_sized(_loop_body_hlo(_PastReadLIF(), compiled=_driver_hlo))
+    assert len(produced) == 1 and not produced[0].startswith("%copy"), produced
+
+
+def test_without_the_ordering_the_entering_trace_is_copied(monkeypatch: Any) -> None:
+    monkeypatch.setattr(braintrace.ETraceVjpAlgorithm, "_seq_after_gradient", lambda self, grads: None)
+    produced = _trace_sized(_loop_body_hlo(_PastReadLIF(), compiled=_driver_hlo))
+    assert [p for p in produced if p.startswith("%copy")], produced
 
 
 # OTTT's trace is the presynaptic input (B, I + H); its gradient is one product of the weight's size.
