@@ -606,6 +606,7 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         hidden_vals = {p: st.value for p, st in hidden.items()}
         self._check_hidden_shapes(hidden_vals)
         other_vals = {p: st.value for p, st in other.items()}
+        self._entering_reads = frozenset()  # recorded again where this call's gradient is traced
         out, new_hidden, new_other, new_etrace = self._true_update_fun(
             args, weight_vals, hidden_vals, other_vals, self._get_etrace_data(),
             self.running_index.value, aux,
