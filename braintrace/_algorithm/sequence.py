@@ -8,7 +8,7 @@ estimates, weight the losses by a per-step ``mask`` and reduce. They own no nume
 the learner computes for one call, the driver adds up.
 
 Data are positional sequences (inputs, targets, modulators ...), sliced in lockstep. The host
-class provides four hooks (defaults are those of :class:`~braintrace.ETraceAlgorithm`):
+class provides five hooks (defaults are those of :class:`~braintrace.ETraceAlgorithm`):
 
 * ``_seq_call`` — the callable ``etrace_evolve`` drives when it has no ``step_fn``;
 * ``_seq_param_states`` — the ``path -> ParamState`` mapping differentiated by default;
