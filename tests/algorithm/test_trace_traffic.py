@@ -162,6 +162,30 @@ def test_without_the_ordering_the_entering_trace_is_copied(monkeypatch: Any) -> 
     assert [p for p in produced if p.startswith("%copy")], produced
 
 
+def _driver_result(algorithm: Any, **options: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The gradient ``etrace_grad`` returns on :class:`_PastReadLIF` and the traces it leaves."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        learner = braintrace.compile(_PastReadLIF(), algorithm, jnp.zeros((B, I)), batch_size=B, **options)
+    xs = jax.random.normal(jax.random.PRNGKey(1), (6, B, I))
+    grads = brainstate.transform.jit(
+        lambda x: learner.etrace_grad(x, step_fn=lambda xt: jnp.sum(learner(xt) ** 2)))(xs)
+    return [np.asarray(g) for g in jax.tree.leaves(grads)], [np.asarray(t) for t in jax.tree.leaves(learner._get_etrace_data())]
+
+
+def test_the_ordering_leaves_the_gradient_and_the_traces_unchanged(monkeypatch: Any) -> None:
+    """Only the schedule changes: the same gradient and traces, element for element, with and
+    without the ordering (D_RTRL, and EProp whose filter is ordered as well)."""
+    for algorithm, options in ((braintrace.D_RTRL, {}), (braintrace.EProp, {"kappa_filter_decay": 0.9})):
+        ordered = _driver_result(algorithm, **options)
+        with monkeypatch.context() as m:
+            m.setattr(braintrace.ETraceVjpAlgorithm, "_seq_after_gradient", lambda self, grads: None)
+            plain = _driver_result(algorithm, **options)
+        for got, want in zip(ordered[0] + ordered[1], plain[0] + plain[1], strict=True):
+            assert np.abs(want).max() > 0
+            np.testing.assert_array_equal(got, want)
+
+
 # OTTT's trace is the presynaptic input (B, I + H); its gradient is one product of the weight's size.
 OTTT_TRACE, WEIGHT = f"[{B},{I + H}]", f"[{I + H},{H}]"
 
