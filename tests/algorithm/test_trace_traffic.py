@@ -170,7 +170,15 @@ def _driver_result(algorithm: Any, **options: Any) -> tuple[list[np.ndarray], li
     xs = jax.random.normal(jax.random.PRNGKey(1), (6, B, I))
     grads = brainstate.transform.jit(
         lambda x: learner.etrace_grad(x, step_fn=lambda xt: jnp.sum(learner(xt) ** 2)))(xs)
-    return [np.asarray(g) for g in jax.tree.leaves(grads)], [np.asarray(t) for t in jax.tree.leaves(learner._get_etrace_data())]
+    return [np.asarray(g) for g in jax.tree.leaves(grads)], [np.asarray(t) for t in _in_insertion_order(learner._get_etrace_data())]
+
+
+def _in_insertion_order(traces: Any) -> list[Any]:
+    """The arrays of nested trace dicts in insertion order: their keys hold object ids, which sort
+    differently from one learner to the next."""
+    if isinstance(traces, dict):
+        return [leaf for value in traces.values() for leaf in _in_insertion_order(value)]
+    return [traces]
 
 
 def test_the_ordering_leaves_the_gradient_and_the_traces_unchanged(monkeypatch: Any) -> None:
