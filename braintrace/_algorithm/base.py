@@ -751,15 +751,15 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         XLA updates a trace in place only if nothing reads the entering trace after the update:
         where the gradient reads it (a group whose previous value an output reads past its
         update, the entering filter of EProp) XLA would otherwise copy the whole trace every
-        step. Adding a zero computed from the gradient (:func:`_zero_after`) to those new traces
-        makes their update wait for the gradient; the zero is fused into the update. The traces'
-        values are unchanged (a zero's sign aside).
+        step. Or-ing the bits of those new traces with a zero computed from the gradient
+        (:func:`_zero_after`, :func:`_or_zero_bits`) makes their update wait for the gradient;
+        the zero is fused into the update. The traces' values are unchanged, bit for bit.
         """
         if not self._entering_reads:
             return
         zero = _zero_after(grads)
         leaves, treedef = jax.tree.flatten(self._get_etrace_data())
-        ordered = [v + zero.astype(v.dtype) if i in self._entering_reads else v for i, v in enumerate(leaves)]
+        ordered = [_or_zero_bits(v, zero) if i in self._entering_reads else v for i, v in enumerate(leaves)]
         self._assign_etrace_data(jax.tree.unflatten(treedef, ordered))
 
     def _get_etrace_data(self) -> Any:
@@ -880,6 +880,24 @@ def _zero_after(tree: Any) -> jax.Array:
         return jnp.zeros((), jnp.float32)
     s = sum(firsts[1:], firsts[0])
     return jnp.where(jnp.isfinite(s), 0.0 * s, 0.0)
+
+
+def _or_zero_bits(value: jax.Array, zero: jax.Array) -> jax.Array:
+    """``value`` with its bits or-ed with those of ``zero`` cast to an unsigned integer: the same
+    value, bit for bit, computed only once ``zero`` is.
+
+    Integer arithmetic, so that XLA does not widen a half-precision trace to float32 and round it
+    back a second time to add the zero.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp
+    >>> _or_zero_bits(jnp.array([-0.0, 1.5], jnp.bfloat16), jnp.zeros(()))
+    Array([-0, 1.5], dtype=bfloat16)
+    """
+    bits = jnp.dtype(f"uint{8 * value.dtype.itemsize}")
+    or_ed = jax.lax.bitcast_convert_type(value, bits) | zero.astype(bits)
+    return jax.lax.bitcast_convert_type(or_ed, value.dtype)
 
 
 def _zero_cotangent(c: Any) -> Any:

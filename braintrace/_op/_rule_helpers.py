@@ -325,12 +325,16 @@ def _row_at(x: Array, b: Array) -> Array:
     """``x[b]`` for a traced index ``0 <= b < len(x)``.
 
     XLA on CPU slices a 16-bit float array (a trace stored in ``bfloat16``) in float32: it
-    converts the whole array and, the array being loop-invariant, hoists that conversion out of
-    the row loop, a float32 copy of the trace. Tying the array to the index keeps the conversion
-    inside the loop, where it fuses with the slice and converts one row per iteration.
+    converts the whole array and converts every element of the row back and forth. Its bits are
+    sliced instead, as unsigned integers, which XLA slices as they are. The array is tied to the
+    index, or XLA would hoist the reinterpretation of the loop-invariant array out of the row
+    loop, as a copy of the whole trace.
     """
     if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize < 4:
         x, b = jax.lax.optimization_barrier((x, b))
+        bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * jnp.dtype(x.dtype).itemsize}"))
+        row = jax.lax.dynamic_index_in_dim(bits, b, keepdims=False, allow_negative_indices=False)
+        return jax.lax.bitcast_convert_type(row, x.dtype)
     return jax.lax.dynamic_index_in_dim(x, b, keepdims=False, allow_negative_indices=False)
 
 

@@ -192,3 +192,62 @@ def test_slicing_rows_without_the_barrier_widens_the_trace(monkeypatch: pytest.M
     monkeypatch.setattr(_rule_helpers, "_row_at", lambda x, b: jax.lax.dynamic_index_in_dim(x, b, keepdims=False))
     produced = _bfloat16_trace_producers()
     assert any(p.endswith(": f32") for p in produced), produced
+
+
+def _roundings_to_bfloat16(text: str, result_shape: str) -> dict[str, int]:
+    """For each fused computation with a bfloat16 result of ``result_shape``, how many of its
+    instructions convert to bfloat16 (each one rounds every element)."""
+    counts = {}
+    for name, body in traffic._computations(text).items():
+        lines = body.splitlines()
+        root = next((line for line in lines if line.lstrip().startswith("ROOT ")), "")
+        if f"bf16{result_shape}" in root.split("=", 1)[-1].split("(")[0]:
+            counts[name] = sum(1 for line in lines[1:] if re.search(r"= bf16\[[\d,]*\]\S* convert\(", line))
+    return counts
+
+
+def _driver_trace_roundings() -> list[int]:
+    """The roundings in the update of a bfloat16 trace whose entering value the gradient reads,
+    under ``etrace_grad`` (which orders that update after the gradient)."""
+    text = traffic._driver_hlo(traffic._PastReadLIF(), trace_dtype=jnp.bfloat16)
+    return list(_roundings_to_bfloat16(text, traffic.TRACE_SHAPE).values())
+
+
+def test_ordering_a_bfloat16_update_after_the_gradient_rounds_it_once() -> None:
+    """The ordering ties the new trace to the gradient through integer bits: the update still
+    rounds once. Negative control: adding a floating zero instead, which XLA computes in float32,
+    rounds every element a second time."""
+    assert _driver_trace_roundings() == [1]
+
+
+def test_ordering_with_a_floating_zero_rounds_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(braintrace._algorithm.base, "_or_zero_bits", lambda v, zero: v + zero.astype(v.dtype))
+    assert _driver_trace_roundings() == [2]
+
+
+def _row_loop_roundings() -> int:
+    """The roundings to bfloat16 in the bodies of the gradient's row loop over a bfloat16 trace."""
+    text = traffic._compiled_hlo(traffic._LIF(), trace_dtype=jnp.bfloat16)
+    computations = traffic._computations(text)
+    loops = re.findall(r"= \(.*?\) while\(.*?body=(%[\w.\-]+)", text)
+    # The innermost loops carrying the trace and a weight-sized float32 sum.
+    row_loops = [name for name in loops if f"f32[{traffic.I + traffic.H},{traffic.H}]" in computations[name]
+                 and "bf16" + traffic.TRACE_SHAPE in computations[name] and " while(" not in computations[name]]
+    assert row_loops, loops
+    fused = [computations[c] for name in row_loops for c in re.findall(r"calls=(%[\w.\-]+)", computations[name])]
+    return sum(len(re.findall(r"= bf16\[[\d,]*\]\S* convert\(", body)) for body in fused)
+
+
+def test_the_row_loop_reads_a_bfloat16_trace_without_rounding_it() -> None:
+    """Each row is sliced as 16-bit integers and widened once. Negative control: slicing the
+    floats, which XLA on CPU does in float32, then rounds each row back to bfloat16."""
+    assert _row_loop_roundings() == 0
+
+
+def test_slicing_the_floats_rounds_each_row_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    def float_rows(x: jax.Array, b: jax.Array) -> jax.Array:
+        x, b = jax.lax.optimization_barrier((x, b))
+        return jax.lax.dynamic_index_in_dim(x, b, keepdims=False)
+
+    monkeypatch.setattr(_rule_helpers, "_row_at", float_rows)
+    assert _row_loop_roundings() > 0
