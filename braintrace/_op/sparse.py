@@ -171,26 +171,31 @@ def _numba_kernels(mat: Any) -> bool:
     return bool(backend == "numba")
 
 
+def _pure_jax_kernels(mat: Any) -> bool:
+    """Whether brainevent runs its pure-JAX kernels for ``mat``.
+
+    They find each stored entry's row with a cumulative sum over the structure's index arrays,
+    which XLA folds at compile time where the structure is a constant of the program: tens of
+    seconds per product at three million entries.
+    """
+    backend = mat.backend or brainevent.config.get_backend(jax.default_backend())
+    return bool(backend == _PURE_JAX_BACKEND)
+
+
 def _product(x: Array, values: Array, mat: Any, coordinates: tuple[np.ndarray, np.ndarray] | None) -> Array:
     """``x @ mat.with_data(values)``, differentiated with respect to ``values`` by host coordinates.
 
     Without coordinates, brainevent's own differentiation rules apply. A batch of inputs goes
-    through brainevent's numba kernels one row at a time (see :func:`_numba_kernels`).
+    through brainevent's numba kernels one row at a time (see :func:`_numba_kernels`). Where
+    brainevent would run its pure-JAX kernels, the product is the same gather and scatter-add
+    over the host coordinates, which leaves XLA nothing to fold (see :func:`_pure_jax_kernels`).
     """
     if coordinates is None:
         return x @ mat.with_data(values)
     rows, cols = coordinates
     n_out = mat.shape[1]
     one_row_at_a_time = x.ndim == 2 and _numba_kernels(mat)
-
-    def matmul(x: Array, values: Array) -> Array:
-        if one_row_at_a_time:
-            return jax.lax.map(lambda row: row @ mat.with_data(values), x)
-        return x @ mat.with_data(values)
-
-    @jax.custom_jvp
-    def product(x: Array, values: Array) -> Array:
-        return matmul(x, values)
+    by_coordinates = _pure_jax_kernels(mat) and not any(isinstance(a, u.Quantity) for a in (x, values))
 
     # Rematerialised: reverse mode keeps ``x`` for the backward pass, not ``x[..., rows]``
     # (one value per stored entry, which through a time loop is one such array per step).
@@ -198,6 +203,17 @@ def _product(x: Array, values: Array, mat: Any, coordinates: tuple[np.ndarray, n
     def scatter_values(x: Array, dv: Array) -> Array:
         spread = jnp.take(x, rows, axis=-1) * dv
         return jnp.zeros((*spread.shape[:-1], n_out), spread.dtype).at[..., cols].add(spread)
+
+    def matmul(x: Array, values: Array) -> Array:
+        if by_coordinates:
+            return scatter_values(x, values)
+        if one_row_at_a_time:
+            return jax.lax.map(lambda row: row @ mat.with_data(values), x)
+        return x @ mat.with_data(values)
+
+    @jax.custom_jvp
+    def product(x: Array, values: Array) -> Array:
+        return matmul(x, values)
 
     def product_jvp(primals: tuple[Array, Array], tangents: tuple[Any, Any]) -> tuple[Array, Array]:
         x, values = primals
