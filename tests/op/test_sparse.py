@@ -324,43 +324,6 @@ def test_sparse_matmul_works_where_a_bare_brainevent_product_needs_numba() -> No
     close(sparse_matmul(x, w, sparse_mat=CSR), x @ _dense_w(w))
 
 
-def _on_pure_jax_kernels(structure: Any) -> Any:
-    """``structure`` (a CSR or CSC) with brainevent's pure-JAX kernels chosen on it."""
-    return type(structure)((structure.data, structure.indices, structure.indptr), shape=structure.shape,
-                           backend="jax_raw")
-
-
-def _cumulative_sums(structure: Any) -> int:
-    """The cumulative sums (``reduce_window``) in the program of ``sparse_matmul`` and its
-    gradient, on brainevent's pure-JAX kernels."""
-    pure = _on_pure_jax_kernels(structure)
-    loss = lambda x, w: jnp.sum(sparse_matmul(x, w, sparse_mat=pure) ** 2)  # noqa: E731
-    program = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(rand(1, (B, I)), rand(2, (P,))).as_text()
-    return program.count("reduce_window")
-
-
-@pytest.mark.parametrize("structure", [CSR, CSC], ids=["csr", "csc"])
-def test_pure_jax_kernels_leave_xla_no_structure_to_fold(structure: Any) -> None:
-    """brainevent's pure-JAX kernels find each entry's row by a cumulative sum over the index
-    arrays, which XLA folds at compile time (tens of seconds at millions of entries): the
-    products go over the host coordinates instead, with the same values and gradients.
-    Negative control: brainevent's own kernels bring the cumulative sums back."""
-    assert _cumulative_sums(structure) == 0
-    pure = _on_pure_jax_kernels(structure)
-    x, w = rand(1, (B, I)), rand(2, (P,))
-    dense = lambda w: pure.with_data(w).todense()  # noqa: E731
-    close(sparse_matmul(x, w, sparse_mat=pure), x @ dense(w))
-    got = jax.grad(lambda x, w: jnp.sum(jnp.sin(sparse_matmul(x, w, sparse_mat=pure))), argnums=(0, 1))(x, w)
-    want = jax.grad(lambda x, w: jnp.sum(jnp.sin(x @ dense(w))), argnums=(0, 1))(x, w)
-    close(got[0], want[0])
-    close(got[1], want[1])
-
-
-def test_brainevents_pure_jax_kernels_sum_over_the_structure(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sp, "_pure_jax_kernels", lambda mat: False)
-    assert _cumulative_sums(CSR) > 0
-
-
 # --- D-RTRL from the rules equals BPTT --------------------------------------------------------
 
 T = 4

@@ -5,7 +5,8 @@ coordinates, not brainevent's in-program row reconstruction (a cumulative sum ov
 stored entry, folded by XLA in O(nnz²) at compile time when the pattern is constant); the JVP
 and VJP still equal the dense product's. Reverse mode through a time loop keeps the inputs,
 not one value per stored entry, per step. With brainevent's numba kernels a batch goes through
-the vector kernel row by row.
+the vector kernel row by row; where its pure-JAX kernels would run (no numba), the product itself
+goes over the host coordinates, for the same reason.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from braintrace._op import sparse as sp
 from braintrace._op.sparse import sparse_matmul
 from tests.algorithm.bptt import x64
 from tests.op.cases.sparse import CSC, CSR, MASK, I, O
+from tests.op.opcase import close
 
 __all__ = ["x64"]  # the fixture is used by name
 
@@ -132,3 +134,40 @@ def test_only_numba_kernels_take_the_row_loop(monkeypatch: pytest.MonkeyPatch) -
     assert not sp._numba_kernels(sp._structure(CSR))  # brainevent's pure-JAX kernels
     pinned = brainevent.CSR((CSR.data, CSR.indices, CSR.indptr), shape=(I, O), backend="numba")
     assert sp._numba_kernels(pinned)
+
+
+def _on_pure_jax_kernels(structure: Any) -> Any:
+    """``structure`` (a CSR or CSC) with brainevent's pure-JAX kernels chosen on it."""
+    return type(structure)((structure.data, structure.indices, structure.indptr), shape=structure.shape,
+                           backend="jax_raw")
+
+
+def _cumulative_sums(structure: Any) -> int:
+    """The cumulative sums (``reduce_window``) in the program of ``sparse_matmul`` and its
+    gradient, on brainevent's pure-JAX kernels."""
+    pure = _on_pure_jax_kernels(structure)
+    loss = lambda x, w: jnp.sum(sparse_matmul(x, w, sparse_mat=pure) ** 2)  # noqa: E731
+    program = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(_x(True), _values()).as_text()
+    return program.count("reduce_window")
+
+
+@pytest.mark.parametrize("structure", [CSR, CSC], ids=["csr", "csc"])
+def test_pure_jax_kernels_leave_xla_no_structure_to_fold(structure: Any) -> None:
+    """brainevent's pure-JAX kernels find each entry's row by a cumulative sum over the index
+    arrays, which XLA folds at compile time (tens of seconds at millions of entries): the
+    products go over the host coordinates instead, with the same values and gradients.
+    Negative control: brainevent's own kernels bring the cumulative sums back."""
+    assert _cumulative_sums(structure) == 0
+    pure = _on_pure_jax_kernels(structure)
+    x, w = _x(True), _values()
+    dense = lambda w: pure.with_data(w).todense()  # noqa: E731
+    close(sparse_matmul(x, w, sparse_mat=pure), x @ dense(w))
+    got = jax.grad(lambda x, w: jnp.sum(jnp.sin(sparse_matmul(x, w, sparse_mat=pure))), argnums=(0, 1))(x, w)
+    want = jax.grad(lambda x, w: jnp.sum(jnp.sin(x @ dense(w))), argnums=(0, 1))(x, w)
+    close(got[0], want[0])
+    close(got[1], want[1])
+
+
+def test_brainevents_pure_jax_kernels_sum_over_the_structure(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sp, "_pure_jax_kernels", lambda mat: False)
+    assert _cumulative_sums(CSR) > 0
