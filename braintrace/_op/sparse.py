@@ -195,7 +195,7 @@ def _product(x: Array, values: Array, mat: Any, coordinates: tuple[np.ndarray, n
     rows, cols = coordinates
     n_out = mat.shape[1]
     one_row_at_a_time = x.ndim == 2 and _numba_kernels(mat)
-    by_coordinates = _pure_jax_kernels(mat) and not any(isinstance(a, u.Quantity) for a in (x, values))
+    by_coordinates = _pure_jax_kernels(mat)
 
     # Rematerialised: reverse mode keeps ``x`` for the backward pass, not ``x[..., rows]``
     # (one value per stored entry, which through a time loop is one such array per step).
