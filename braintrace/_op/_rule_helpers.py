@@ -317,24 +317,24 @@ def _loop_over_rows(solve_row: Callable[[Any], Tree], operands: Any, num_rows: i
         zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         total = jax.lax.fori_loop(0, num_blocks, add_block, zero)
     for b in range(num_rows - rest, num_rows):
-        total = add_row(jax.tree.map(lambda x: x[b], operands), total)
+        total = add_row(jax.tree.map(lambda x: _row_at(x, b), operands), total)
     return cast(Tree, total)
 
 
-def _row_at(x: Array, b: Array) -> Array:
-    """``x[b]`` for a traced index ``0 <= b < len(x)``.
+def _row_at(x: Array, b: Array | int) -> Array:
+    """``x[b]`` for an index ``0 <= b < len(x)``: traced (in the row loop) or a Python int.
 
     XLA on CPU slices a 16-bit float array (a trace stored in ``bfloat16``) in float32: it
     converts the whole array and converts every element of the row back and forth. Its bits are
-    sliced instead, as unsigned integers, which XLA slices as they are. The array is tied to the
-    index, or XLA would hoist the reinterpretation of the loop-invariant array out of the row
-    loop, as a copy of the whole trace.
+    sliced instead, as unsigned integers, which XLA slices as they are. In the loop the array is
+    tied to the index, or XLA would hoist the reinterpretation of the loop-invariant array out of
+    the loop, as a copy of the whole trace.
     """
     if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize < 4:
-        x, b = jax.lax.optimization_barrier((x, b))
+        if isinstance(b, jax.Array):
+            x, b = jax.lax.optimization_barrier((x, b))
         bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * jnp.dtype(x.dtype).itemsize}"))
-        row = jax.lax.dynamic_index_in_dim(bits, b, keepdims=False, allow_negative_indices=False)
-        return jax.lax.bitcast_convert_type(row, x.dtype)
+        return jax.lax.bitcast_convert_type(_row_at(bits, b), x.dtype)
     return jax.lax.dynamic_index_in_dim(x, b, keepdims=False, allow_negative_indices=False)
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import functools
 import operator
+import re
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import pytest
 
+from braintrace._op import _rule_helpers
 from braintrace._op._rule_helpers import ROWS_PER_ITERATION, sum_leading, sum_over_rows, sum_rows
 from tests.op.opcase import close, rand
 
@@ -71,3 +73,26 @@ def test_sum_over_rows_loops_on_cpu_and_is_vectorised_elsewhere(monkeypatch: pyt
     close(jax.jit(fold)(rows), rows.sum(axis=0) * 2.0, atol=1e-5)
     monkeypatch.setattr(jax.lax, "platform_dependent", lambda *ops, cpu, default: default(*ops))
     close(jax.jit(lambda r: fold(r))(rows), rows.sum(axis=0) * 3.0, atol=1e-5)  # traced anew
+
+
+def _roundings_of_16_bit_rows(batch: int) -> int:
+    """The roundings to bfloat16 in the program adding the rows of a bfloat16 trace in float32."""
+    def fold(signal: jax.Array, trace: jax.Array) -> jax.Array:
+        return sum_over_rows(lambda row: row[0] * row[1].astype(jnp.float32), (signal, trace),
+                             lambda: jnp.einsum("bo,bio->io", signal, trace.astype(jnp.float32)))
+
+    args = rand(2, (batch, 4)), rand(3, (batch, 3, 4)).astype(jnp.bfloat16)
+    close(jax.jit(fold)(*args), jnp.einsum("bo,bio->io", args[0], args[1].astype(jnp.float32)), atol=1e-5)
+    return len(re.findall(r"= bf16\[(?:1,)?3,4\]\S* convert\(", jax.jit(fold).lower(*args).compile().as_text()))
+
+
+def test_rows_of_a_16_bit_array_are_sliced_without_rounding() -> None:
+    """Whole blocks and the rows past them are sliced as 16-bit integers and widened once.
+    Negative control: slicing the floats, which XLA on CPU does in float32 and rounds back."""
+    batch = 2 * ROWS_PER_ITERATION + 3
+    assert _roundings_of_16_bit_rows(batch) == 0
+
+
+def test_slicing_16_bit_floats_rounds_each_row_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_rule_helpers, "_row_at", lambda x, b: jax.lax.dynamic_index_in_dim(x, b, keepdims=False))
+    assert _roundings_of_16_bit_rows(2 * ROWS_PER_ITERATION + 3) > 0
