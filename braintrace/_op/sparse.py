@@ -159,16 +159,23 @@ def _entry_coordinates(mat: Any) -> tuple[np.ndarray, np.ndarray] | None:
     return (compressed, indices) if isinstance(mat, brainevent.CSR) else (indices, compressed)
 
 
+def _kernel_backend(mat: Any) -> str | None:
+    """The brainevent kernels that run for ``mat`` on this platform: its own backend, else
+    brainevent's global choice for the platform, else numba on CPU where it is installed
+    (``None``: brainevent's default elsewhere)."""
+    platform = jax.default_backend()
+    default = "numba" if platform == "cpu" and _NUMBA_AVAILABLE else None
+    backend = mat.backend or brainevent.config.get_backend(platform) or default
+    return None if backend is None else str(backend)
+
+
 def _numba_kernels(mat: Any) -> bool:
     """Whether brainevent runs its numba CPU kernels for ``mat``.
 
     Its numba kernel for a matrix operand updates one row slice per stored entry, which at a
     million entries is over twenty times slower than its vector kernel applied row by row.
     """
-    if jax.default_backend() != "cpu":
-        return False
-    backend = mat.backend or brainevent.config.get_backend("cpu") or ("numba" if _NUMBA_AVAILABLE else None)
-    return bool(backend == "numba")
+    return jax.default_backend() == "cpu" and _kernel_backend(mat) == "numba"
 
 
 def _pure_jax_kernels(mat: Any) -> bool:
@@ -178,8 +185,7 @@ def _pure_jax_kernels(mat: Any) -> bool:
     which XLA folds at compile time where the structure is a constant of the program: tens of
     seconds per product at three million entries.
     """
-    backend = mat.backend or brainevent.config.get_backend(jax.default_backend())
-    return bool(backend == _PURE_JAX_BACKEND)
+    return _kernel_backend(mat) == _PURE_JAX_BACKEND
 
 
 def _product(x: Array, values: Array, mat: Any, coordinates: tuple[np.ndarray, np.ndarray] | None) -> Array:
