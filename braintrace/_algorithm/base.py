@@ -882,6 +882,25 @@ def _zero_after(tree: Any) -> jax.Array:
     return jnp.where(jnp.isfinite(s), 0.0 * s, 0.0)
 
 
+def _zero_after_written(tree: Any, after: jax.Array) -> jax.Array:
+    """A float32 zero that XLA can compute only once every array of ``tree`` is in memory.
+
+    :func:`_zero_after` reads one element of each leaf, which XLA computes inline from the
+    leaf's own inputs when the leaf is an element-wise expression (a trace update): the zero
+    then waits for those inputs, not for the leaf to be written. The operands of a conditional
+    are buffers, so a zero computed in its branch waits for every leaf. The branch is chosen on
+    ``after`` (a zero from :func:`_zero_after`, which XLA cannot fold), so the zero also comes
+    after what ``after`` does.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp
+    >>> _zero_after_written({'e': jnp.ones((2, 3))}, jnp.zeros(()))
+    Array(0., dtype=float32)
+    """
+    return jax.lax.cond(after == 0, _zero_after, lambda t: jnp.zeros((), jnp.float32), tree)
+
+
 def _or_zero_bits(value: jax.Array, zero: jax.Array) -> jax.Array:
     """``value`` with its bits or-ed with those of ``zero`` cast to an unsigned integer: the same
     value, bit for bit, computed only once ``zero`` is.

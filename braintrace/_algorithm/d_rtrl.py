@@ -63,7 +63,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from braintrace._algorithm.base import EligibilityTrace, ETraceVjpAlgorithm
+from braintrace._algorithm.base import (
+    EligibilityTrace,
+    ETraceVjpAlgorithm,
+    _or_zero_bits,
+    _zero_after,
+    _zero_after_written,
+)
 from braintrace._algorithm.config import (
     ETraceConfig,
     engine_config,
@@ -377,6 +383,30 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
             grown = {k: v for k, v in stepped[key].items() if v.shape != st.value[k].shape}
             if grown:
                 st.value = {k: jnp.zeros(grown[k].shape, v.dtype) if k in grown else v for k, v in st.value.items()}
+
+    def _seq_after_gradient(self, grads: dict[Path, Any]) -> None:
+        """Single step: the new traces are written after the gradient reads the entering ones
+        (see the base class), and a filtered trace the gradient reads entering after its filter.
+
+        Both updates read the entering trace (``ē^t = κ ē^{t-1} + D ε^{t-1} + x ⊗ df``). Where
+        the gradient reads ``ε^{t-1}`` too (a group read past its update), XLA orders the two
+        updates only after the gradient and copies ``ε^{t-1}`` every step so that the filter's
+        update can read it whenever it runs. Or-ing the new ``ε`` with a zero computed from the
+        written filters (:func:`_zero_after_written`) has the filter read ``ε^{t-1}`` first,
+        and ``ε`` is updated in place. Values unchanged, bit for bit.
+        """
+        super()._seq_after_gradient(grads)
+        if not (self._trace_filters and self._entering_reads):
+            return
+        data = self._get_etrace_data()
+        eps_leaves = jax.tree_util.tree_flatten_with_path(data["eps"])[0]
+        read = {path[0].key for i, (path, _) in enumerate(eps_leaves) if i in self._entering_reads}
+        if not read:
+            return
+        zero = _zero_after_written({k: data["filt"][k] for k in read}, _zero_after(grads))
+        eps = {k: jax.tree.map(lambda v: _or_zero_bits(v, zero), tr) if k in read else tr
+               for k, tr in data["eps"].items()}
+        self._assign_etrace_data({"eps": eps, "filt": data["filt"]})
 
     def _get_etrace_data(self) -> Any:
         eps = {k: st.value for k, st in self.etrace_bwg.items()}

@@ -130,7 +130,8 @@ def test_filtered_eprop_writes_each_trace_once_and_copies_nothing() -> None:
     The gradient reads ``ē^t`` (which holds ``κ ē^{t-1} + D ε^{t-1}``), so neither entering trace
     has a reader besides its update: no copy of either, and no trace-sized ``x ⊗ df``. (On the
     LIF cell, whose trace update is cheap, XLA recomputes ``ε^t`` inside the filter's update and
-    copies the entering trace once per step.)
+    copies the entering trace once per step; ordering the two updates would remove that copy,
+    but costs the tanh and GRU cells 6–10 %, see ``benchmarks/README.md``.)
     """
     produced = _trace_sized(_loop_body_hlo(_Tanh(), braintrace.EProp, kappa_filter_decay=0.9))
     assert len(produced) == 2, produced
@@ -162,6 +163,24 @@ def test_without_the_ordering_the_entering_trace_is_copied(monkeypatch: Any) -> 
     assert [p for p in produced if p.startswith("%copy")], produced
 
 
+def test_a_driver_writes_a_filtered_trace_the_gradient_reads_entering_after_its_filter() -> None:
+    """EProp (``κ > 0``) on :class:`_PastReadLIF`: the gradient reads ``ε^{t-1}`` and ``ē^{t-1}``,
+    and both updates read ``ε^{t-1}``. ``etrace_grad`` orders the filter's update after the
+    gradient and ``ε``'s after the filter's: one write of each trace, no copy."""
+    produced = _trace_sized(_loop_body_hlo(_PastReadLIF(), braintrace.EProp, compiled=_driver_hlo,
+                                           kappa_filter_decay=0.9))
+    assert len(produced) == 2 and not [p for p in produced if p.startswith("%copy")], produced
+
+
+def test_without_the_filter_ordering_the_entering_trace_is_copied(monkeypatch: Any) -> None:
+    """The negative control: ordered after the gradient only, ``ε^{t-1}`` is copied each step."""
+    monkeypatch.setattr(braintrace.ParamDimVjpAlgorithm, "_seq_after_gradient",
+                        braintrace.ETraceVjpAlgorithm._seq_after_gradient)
+    produced = _trace_sized(_loop_body_hlo(_PastReadLIF(), braintrace.EProp, compiled=_driver_hlo,
+                                           kappa_filter_decay=0.9))
+    assert [p for p in produced if p.startswith("%copy")], produced
+
+
 def _driver_result(algorithm: Any, **options: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """The gradient ``etrace_grad`` returns on :class:`_PastReadLIF` and the traces it leaves."""
     with warnings.catch_warnings():
@@ -187,7 +206,8 @@ def test_the_ordering_leaves_the_gradient_and_the_traces_unchanged(monkeypatch: 
     for algorithm, options in ((braintrace.D_RTRL, {}), (braintrace.EProp, {"kappa_filter_decay": 0.9})):
         ordered = _driver_result(algorithm, **options)
         with monkeypatch.context() as m:
-            m.setattr(braintrace.ETraceVjpAlgorithm, "_seq_after_gradient", lambda self, grads: None)
+            for cls in (braintrace.ETraceVjpAlgorithm, braintrace.ParamDimVjpAlgorithm):
+                m.setattr(cls, "_seq_after_gradient", lambda self, grads: None)
             plain = _driver_result(algorithm, **options)
         for got, want in zip(ordered[0] + ordered[1], plain[0] + plain[1], strict=True):
             assert np.abs(want).max() > 0
