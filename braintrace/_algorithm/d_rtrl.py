@@ -399,8 +399,9 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         if not (self._trace_filters and self._entering_reads):
             return
         data = self._get_etrace_data()
-        eps_leaves = jax.tree_util.tree_flatten_with_path(data["eps"])[0]
-        read = {path[0].key for i, (path, _) in enumerate(eps_leaves) if i in self._entering_reads}
+        leaves = jax.tree_util.tree_flatten_with_path(data)[0]  # the order _entering_reads indexes
+        read = {path[1].key for i, (path, _) in enumerate(leaves)
+                if i in self._entering_reads and path[0].key == "eps"}
         if not read:
             return
         zero = _zero_after_written({k: data["filt"][k] for k in read}, _zero_after(grads))
