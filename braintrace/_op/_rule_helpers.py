@@ -250,8 +250,9 @@ def sum_rows(solve_row: Callable[[Array, dict[str, Array]], dict[str, Array]],
 #: a fixed cost on CPU, and XLA fuses the rows of one iteration into one update of the running sum,
 #: which streams each of them and the sum at once. Four streams of a trace larger than the cache
 #: run faster than eight: the D_RTRL step at batch 32 takes 0.87–0.94× the time on the LIF-1024
-#: benchmark model and 0.76–0.94× on GRU-256 (bfloat16 traces 0.90–0.95×), and on LIF-256
-#: and the convolutional one, whose traces are in cache, the same within the noise.
+#: benchmark model (0.81–0.89× with bfloat16 traces) and 0.76–0.94× on GRU-256, and on LIF-256
+#: and the convolutional one, whose traces are in cache, the same within the noise
+#: (``benchmarks/README.md``, compile time).
 ROWS_PER_ITERATION = 4
 
 
