@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["storage_dtype", "upcast", "store", "math_dtype", "computed_once"]
+__all__ = ["storage_dtype", "upcast", "store", "rounded", "math_dtype", "computed_once"]
 
 Trace = dict[str, jax.Array]
 
@@ -97,7 +97,49 @@ def upcast(trace: Trace, dtype: Any) -> Trace:
 
 def store(new: Trace, like: Trace) -> Trace:
     """``new`` (computed in the math dtype) rounded to the storage dtype of ``like``, per leaf."""
-    return {k: new[k].astype(like[k].dtype) for k in like}
+    return {k: rounded(new[k], like[k].dtype) for k in like}
+
+
+def rounded(value: jax.Array, dtype: Any) -> jax.Array:
+    """``value`` rounded to nearest, ties to even, in ``dtype``: ``value.astype(dtype)``, but for
+    float32 to bfloat16 on CPU, where it is the faster split :func:`_split_to_bfloat16` (the same
+    bits for every finite value below 5.2e33 in magnitude; NaN beyond).
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp
+    >>> rounded(jnp.array([1.00390625, 1.01171875, -3.0]), jnp.bfloat16)  # two ties, to even
+    Array([1, 1.01562, -3], dtype=bfloat16)
+    """
+    dtype = jnp.dtype(dtype)
+    if value.dtype != jnp.float32 or dtype != jnp.bfloat16:
+        return value.astype(dtype)
+    return jax.lax.platform_dependent(value, cpu=_split_to_bfloat16, default=lambda v: v.astype(dtype))
+
+
+def _split_to_bfloat16(value: jax.Array) -> jax.Array:
+    """Float32 ``value`` rounded to bfloat16 with three float32 operations and a shift.
+
+    Veltkamp's split: ``c = 65537 · v`` and ``h = c − (c − v)`` is ``v`` rounded to nearest to
+    the 8 significant bits of a bfloat16 (ties to even; checked against ``astype`` over every
+    float32), so dropping the low 16 bits of ``h`` is exact. XLA's ``astype`` rounds with integer
+    operations and a select for NaN, and a CPU without AVX-512 BF16 spends more time on those
+    than on moving the bytes: the split takes a ``(32, 1040, 1024)`` trace update from 0.69–0.74
+    to 0.60–0.64 of the float32 update's time (the LIF-1024 D_RTRL step by 0.01–0.05 of it). Two differences from ``astype``, both in what is no
+    longer a usable trace: a value whose ``65537 · v`` overflows (``|v| ≥ 5.2e33``), an infinity
+    or a NaN becomes NaN (never a finite number), and a subnormal becomes a signed zero (as XLA's
+    CPU arithmetic already flushes them).
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp
+    >>> _split_to_bfloat16(jnp.array([0.1, -2.5e-3, 1e34, jnp.inf], jnp.float32))
+    Array([0.100098, -0.00250244, nan, nan], dtype=bfloat16)
+    """
+    scaled = value * jnp.float32(65537.0)
+    high = scaled - (scaled - value)
+    bits = jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(high, jnp.uint32), jnp.uint32(16))
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
 
 
 def computed_once(factor: jax.Array, trace: Trace) -> jax.Array:
