@@ -111,6 +111,27 @@ def test_rounding_to_bfloat16_is_to_nearest_with_ties_to_even() -> None:
     np.testing.assert_array_equal(_bfloat16_bits(got), _bfloat16_bits(values.astype(jnp.bfloat16)))
 
 
+@pytest.mark.exhaustive
+def test_the_split_rounds_every_float32_as_astype_does() -> None:
+    """Every float32 bit pattern, in 64 blocks: the split's bits are ``astype``'s wherever
+    ``65537 · v`` is finite and ``v`` is normal (or zero); a subnormal gives a signed zero and
+    everything else NaN."""
+    @jax.jit
+    def mismatches(start: jax.Array) -> jax.Array:
+        bits = start + jnp.arange(1 << 26, dtype=jnp.uint32)
+        v = jax.lax.bitcast_convert_type(bits, jnp.float32)
+        split = jax.lax.bitcast_convert_type(trace_storage._split_to_bfloat16(v), jnp.uint16)
+        exact = jax.lax.bitcast_convert_type(v.astype(jnp.bfloat16), jnp.uint16)
+        in_range = jnp.isfinite(v * jnp.float32(65537.0))
+        normal = (jnp.abs(v) >= jnp.finfo(jnp.float32).tiny) | (v == 0)
+        signed_zero = (bits >> 16).astype(jnp.uint16) & jnp.uint16(0x8000)
+        nan = jnp.isnan(jax.lax.bitcast_convert_type(split, jnp.bfloat16))
+        wrong = jnp.where(in_range, jnp.where(normal, split != exact, split != signed_zero), ~nan)
+        return wrong.sum()
+
+    assert sum(int(mismatches(jnp.uint32(k << 26))) for k in range(64)) == 0
+
+
 def test_rounding_to_bfloat16_keeps_what_is_not_finite_not_finite() -> None:
     values = jnp.array([jnp.inf, -jnp.inf, jnp.nan, 6e33, -3.4e38], jnp.float32)
     got = jax.jit(lambda v: trace_storage.rounded(v, jnp.bfloat16))(values).astype(jnp.float32)
