@@ -138,15 +138,20 @@ def test_rounding_to_bfloat16_keeps_what_is_not_finite_not_finite() -> None:
     assert not np.isfinite(np.asarray(got)).any(), got
 
 
-@pytest.mark.parametrize("name", list(ALGORITHMS))
-def test_stored_traces_are_those_of_astype_bit_for_bit(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fused into the learner's update, the split rounds as ``astype`` does."""
+@pytest.mark.parametrize("options", [{}, {"kappa_filter_decay": 0.5}], ids=["D_RTRL", "EProp-filtered"])
+def test_stored_traces_are_those_of_astype_bit_for_bit(options: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fused into the learner's update, the split rounds as ``astype`` does: the same trace bits,
+    and (EProp) the same gradients, which read the filter."""
     xs = normal(5, (6, B, I))
 
     def traces() -> list[np.ndarray]:
-        lrn = learner(name, jnp.bfloat16)
-        single_step_grads(lrn, xs)
-        return [_bfloat16_bits(leaf) for p in TRACED for leaf in jax.tree.leaves(lrn.get_etrace_of(p))]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # the plain readout's diagnostic
+            lrn = braintrace.compile(Leaky(), "eprop" if options else "d_rtrl", jnp.zeros((B, I)),
+                                     batch_size=B, trace_dtype=jnp.bfloat16, **options)
+        grads = single_step_grads(lrn, xs)
+        stored = [_bfloat16_bits(leaf) for p in TRACED for leaf in jax.tree.leaves(lrn.get_etrace_of(p))]
+        return stored + [np.asarray(grads[p]).view(np.uint32) for p in TRACED]
 
     split = traces()
     monkeypatch.setattr(trace_storage, "_split_to_bfloat16", lambda v: v.astype(jnp.bfloat16))
