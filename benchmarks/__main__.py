@@ -3,7 +3,8 @@
 For each model and each method it times one jitted training step over a batch of sequences:
 states reset, the gradient of the sequence's mean loss (``jax.grad`` through time for BPTT,
 ``learner.etrace_grad`` for the online learners), the same SGD update. It also reads XLA's
-compiled temporary memory at two sequence lengths, and prints ratios measured in this run:
+compiled temporary memory at two sequence lengths, and prints ratios measured in this run (first
+the seconds ``import braintrace`` adds to ``import brainstate``, median of fresh interpreters):
 
 * ``vs BPTT``: the method's step time over the BPTT step time;
 * ``vs D_RTRL``: the step time over the D_RTRL single-step time;
@@ -31,10 +32,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import brainstate
@@ -238,6 +243,19 @@ def run(setting: Setting, batch: int, steps: int, long_steps: int, repeats: int,
     return rows
 
 
+def import_seconds(repeats: int) -> dict[str, float]:
+    """Median seconds, over ``repeats`` fresh interpreters, of ``import brainstate`` and of
+    ``import braintrace`` after it (what braintrace adds to a brainstate program's start-up)."""
+    code = ("import time; t0 = time.perf_counter(); import brainstate; t1 = time.perf_counter(); "
+            "import braintrace; print(t1 - t0, time.perf_counter() - t1)")
+    root = str(Path(__file__).resolve().parents[1])  # this checkout's braintrace, not an installed one
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+            .stdout.split() for _ in range(repeats)]
+    return {"brainstate": statistics.median(float(r[0]) for r in runs),
+            "braintrace_over_brainstate": statistics.median(float(r[1]) for r in runs)}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description="Online learners vs BPTT, as ratios measured in one run.")
     parser.add_argument("--models", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
@@ -255,8 +273,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.models = [m for m in args.models if not m.startswith("lif1024")]
     bw = bandwidth(16 * 2**20 if args.quick else 256 * 2**20)
     print(f"device: {jax.devices()[0].device_kind}; in-place bandwidth {bw / 1e9:.1f} GB/s")
+    imports = import_seconds(1 if args.quick else 5)
+    print(f"import braintrace: {imports['braintrace_over_brainstate']:.2f} s over import brainstate "
+          f"({imports['brainstate']:.2f} s; x{imports['braintrace_over_brainstate'] / imports['brainstate']:.2f}), "
+          f"median of {1 if args.quick else 5} fresh interpreters")
     print(f"batch {args.batch}, T={args.steps} (memory also at T={args.long_steps})\n")
-    results: dict[str, Any] = {"bandwidth_bytes_per_s": bw, "models": {}}
+    results: dict[str, Any] = {"bandwidth_bytes_per_s": bw, "import_seconds": imports, "models": {}}
     for name in args.models:
         rows = run(SETTINGS[name], args.batch, args.steps, args.long_steps, args.repeats, bw)
         results["models"][name] = rows

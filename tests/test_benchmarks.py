@@ -21,6 +21,8 @@ def test_learner_benchmark_reports_every_method() -> None:
     # The weight's trace halves; the element-wise leak's (off the fast path) stays float32.
     assert 0.5 < rows["D_RTRL single bf16"]["trace_bytes"] / rows["D_RTRL single"]["trace_bytes"] < 0.51
     assert all(rows[name]["bf16_vs_f32"] > 0 for name in BF16_OF)
+    imports = results["import_seconds"]
+    assert imports["brainstate"] > 0 and imports["braintrace_over_brainstate"] > 0
 
 
 
