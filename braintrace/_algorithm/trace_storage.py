@@ -42,6 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from braintrace._op._rule_helpers import materialised
+
 __all__ = ["storage_dtype", "upcast", "store", "rounded", "math_dtype", "computed_once"]
 
 Trace = dict[str, jax.Array]
@@ -151,10 +153,8 @@ def computed_once(factor: jax.Array, trace: Trace) -> jax.Array:
     broadcasts it, recomputing them for every entry along the broadcast axes. A float32 update is
     bound by memory and hides that arithmetic; a 16-bit one moves half the bytes and is then bound
     by it (on CPU, 8.7–9.6 ms against 5.2–5.4 ms for a ``(32, 1040, 1024)`` update with ``D``
-    computed once). ``optimization_barrier`` does not keep the operations out of the fusion on
-    XLA's CPU backend; a product with ``[1, 0]`` at full precision (``D · 1 + 0 · 0``: the same
-    values, a zero's sign aside) does, since XLA does not fuse products into element-wise loops.
-    Only on CPU and only for 16-bit traces; elsewhere ``factor`` is returned as it is.
+    computed once). :func:`~braintrace._op._rule_helpers.materialised` computes it once (on CPU),
+    for 16-bit traces only; otherwise ``factor`` is returned as it is.
 
     Examples
     --------
@@ -165,9 +165,4 @@ def computed_once(factor: jax.Array, trace: Trace) -> jax.Array:
     """
     if all(jnp.dtype(v.dtype).itemsize >= 4 for v in trace.values()):
         return factor
-
-    def through_product(d: jax.Array) -> jax.Array:
-        pair = jnp.stack([d, jnp.zeros_like(d)], axis=-1)
-        return jnp.matmul(pair, jnp.array([1, 0], d.dtype), precision=jax.lax.Precision.HIGHEST)
-
-    return jax.lax.platform_dependent(factor, cpu=through_product, default=lambda d: d)
+    return materialised(factor)

@@ -131,6 +131,32 @@ def pullback(
     return grads
 
 
+def materialised(value: Array) -> Array:
+    """``value``, computed once into a buffer before an operation that reads it many times.
+
+    XLA on CPU fuses the element-wise operations that produce an array into its consumer, and
+    a consumer that reads each element many times (a trace-sized update broadcasting a
+    hidden-sized ``D``; a gather of a hidden-sized vector at every connection of a sparse
+    matrix) then recomputes them for every read. ``optimization_barrier`` does not keep them
+    out of the fusion there; a product with ``[1, 0]`` at full precision (``v · 1 + 0 · 0``: the
+    same values, a zero's sign aside) does, since XLA does not fuse products into element-wise
+    loops. Only on CPU; elsewhere ``value`` is returned as it is.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp
+    >>> materialised(jnp.array([0.5, -2.0, jnp.inf]))
+    Array([ 0.5, -2. ,  inf], dtype=float32)
+    """
+    def through_product(v: Array) -> Array:
+        pair = jnp.stack([v, jnp.zeros_like(v)], axis=-1)
+        return jnp.matmul(pair, jnp.array([1, 0], v.dtype), precision=jax.lax.Precision.HIGHEST)
+
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+        return value
+    return jax.lax.platform_dependent(value, cpu=through_product, default=lambda v: v)
+
+
 def shape_of(var: Var) -> tuple[int, ...]:
     """The static shape of a jaxpr variable."""
     return tuple(cast(ShapedArray, var.aval).shape)

@@ -76,6 +76,7 @@ from braintrace._op._rule_helpers import (
     bias_trainable_invars,
     drtrl_dtype,
     hook_pullback,
+    materialised,
     pullback,
     shape_of,
     strip_hooks,
@@ -321,8 +322,10 @@ def _sp_xy_to_dw(
     """Pull ``hidden_dim`` back to the raw parameters in one VJP through ``with_data``.
 
     ``∂/∂data[p] = f_W'(data)[p] · Σ x[..., row(p)] · hd[..., col(p)]``, ``∂/∂b = f_b'ᵀ(Σ hd)``.
+    ``x`` and ``hd`` are gathered once per stored entry, so they are computed once first
+    (:func:`~braintrace._op._rule_helpers.materialised`).
     """
-    return pullback(_etp_sp_matmul_impl, x, hidden_dim, weights, params)
+    return pullback(_etp_sp_matmul_impl, materialised(x), materialised(hidden_dim), weights, params)
 
 
 def _sp_instant_drtrl(
