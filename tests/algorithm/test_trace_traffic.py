@@ -397,7 +397,7 @@ def _sparse_recomputed_per_entry() -> list[str]:
 def test_pp_prop_gathers_its_sparse_factors_computed_once() -> None:
     """Negative control: without ``materialised`` XLA fuses the signal's and ``df̄``'s
     arithmetic into the gather and repeats it per connection (on the fly-sized connectome,
-    pp_prop's step took 2.8–2.9× the forward step instead of 2.0)."""
+    pp_prop's step took 2.6–2.9× the forward step instead of 1.6–2.0)."""
     assert _sparse_recomputed_per_entry() == []
 
 
