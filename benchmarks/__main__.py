@@ -273,10 +273,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.models = [m for m in args.models if not m.startswith("lif1024")]
     bw = bandwidth(16 * 2**20 if args.quick else 256 * 2**20)
     print(f"device: {jax.devices()[0].device_kind}; in-place bandwidth {bw / 1e9:.1f} GB/s")
-    imports = import_seconds(1 if args.quick else 5)
+    interpreters = 1 if args.quick else 5
+    imports = import_seconds(interpreters)
     print(f"import braintrace: {imports['braintrace_over_brainstate']:.2f} s over import brainstate "
           f"({imports['brainstate']:.2f} s; x{imports['braintrace_over_brainstate'] / imports['brainstate']:.2f}), "
-          f"median of {1 if args.quick else 5} fresh interpreters")
+          f"median of {interpreters} fresh interpreters")
     print(f"batch {args.batch}, T={args.steps} (memory also at T={args.long_steps})\n")
     results: dict[str, Any] = {"bandwidth_bytes_per_s": bw, "import_seconds": imports, "models": {}}
     for name in args.models:
