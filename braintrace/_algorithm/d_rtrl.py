@@ -153,13 +153,32 @@ class BackwardResidual(NamedTuple):
     learning_trace : dict or None
         Single step, replaced signal: ``ē^t`` (``ε^t`` unfiltered), met by the learning signal.
     new_trace : dict or None
-        Single step, replaced signal: ``ε^t``, met by ``−g`` (removing the autodiff's same-step term).
+        Single step, replaced signal: ``ε^t`` of the keys not in ``same_step``, met by ``−g``
+        (removing the autodiff's same-step term).
+    same_step : dict
+        Single step, replaced signal: per plainly rolled trace key (``ε^t = D ε^{t-1} + x ⊗ df``),
+        the ``(x, df)`` of the autodiff's same-step term ``⟨g, x ⊗ df⟩``, subtracted in place of
+        ``−⟨g, ε^t⟩`` (see :meth:`ParamDimVjpAlgorithm._replaced_signal_residual`).
+    swapped : dict
+        Single step, replaced signal: ``ε^{t-1}`` of the plainly rolled keys whose history is
+        read off the entering trace, met once by the history's signal minus ``Dᵀ g`` (plus
+        ``Dᵀ s`` under ``swapped_learn``).
+    roll_jacobians : list or None
+        Per hidden group, the ``D`` that rolled the ``swapped`` traces.
+    swapped_learn : bool
+        Whether the ``swapped`` keys' ``⟨s, ε^t⟩`` (an unfiltered learning trace) is read off
+        ``ε^{t-1}`` as ``⟨Dᵀ s, ε^{t-1}⟩ + ⟨s, x ⊗ df⟩``, so that the step reads no new trace
+        of theirs and rolls them in place.
     """
 
     trace: BackwardTrace
     old_filter: dict[Any, Trace] | None = None
     learning_trace: dict[Any, Trace] | None = None
     new_trace: dict[Any, Trace] | None = None
+    same_step: dict[Any, tuple[Any, jax.Array]] = {}
+    swapped: dict[Any, Trace] = {}
+    roll_jacobians: list[Any] | None = None
+    swapped_learn: bool = False
 
 
 class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
@@ -288,8 +307,8 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         executor.snap_max_jacobian_elements = ceiling
         executor.recurrence = recurrence(self.config)
         self.kappa = 0.0 if self.config.kappa is None else self.config.kappa
-        if self.replaces_signal:
-            # A replaced signal does not meet the trace in the plain ⟨∂L/∂h^t, x ⊗ df⟩ history.
+        if self._modulated:
+            # A modulated rule drops the autodiff's gradient of every relation parameter.
             self._history_holds_same_step = False
         self.etrace_bwg: dict[Any, EligibilityTrace] = {}
         self._trace_filters: dict[Any, brainstate.ShortTermState] = {}
@@ -711,8 +730,43 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         history = self._history_trace(old_eps, new_eps, jac)
         if not self.replaces_signal:
             return BackwardResidual(history)
-        return BackwardResidual(history, learning_trace=new_etrace["filt"] if filtered else new_eps,
-                                new_trace=new_eps)
+        return self._replaced_signal_residual(history, old_eps, new_eps, new_etrace["filt"] if filtered else None, jac)
+
+    def _replaced_signal_residual(
+        self, history: BackwardTrace, old_eps: Any, new_eps: Any, new_filter: Any, jac: Any,
+    ) -> BackwardResidual:
+        """Single step, replaced signal: the history, ``+ ⟨s, ē^t⟩`` and ``− ⟨g, ε^t⟩`` (the swap
+        of the same-step relation path), with each plainly rolled trace read once.
+
+        For a key rolled as ``ε^t = D ε^{t-1} + x ⊗ df``, ``−⟨g, ε^t⟩`` is
+        ``−⟨Dᵀ g, ε^{t-1}⟩ − ⟨g, x ⊗ df⟩``. Where the history is read off ``ε^t`` (it is then
+        ``⟨Dᵀ g, ε^{t-1}⟩``) the two cancel to ``−⟨g, x ⊗ df⟩``. Elsewhere (``swapped``) the
+        history's signal ``q`` (``∂L/∂h^{t-1}`` of a group read past its update) meets
+        ``ε^{t-1}`` as ``q − Dᵀ g`` in one contraction, and an unfiltered ``⟨s, ε^t⟩`` joins it
+        as ``+ Dᵀ s`` and ``+ ⟨s, x ⊗ df⟩``. The other keys keep the three terms.
+        """
+        (xs, dfs), Ds = jac
+        same_step = dict(history.instant)
+        swapped = {}
+        local_keys = self._local_relation_weights().keys
+        relations = self.graph.hidden_param_op_relations if self._rolls_plainly() else []
+        for index, rel in enumerate(relations):
+            if rel.control_flow_context is not None or index in local_keys:
+                continue
+            for group in rel.hidden_groups:
+                key = trace_key(rel, group)
+                if key in same_step or key in history.through_while or group.descent is not None:
+                    continue
+                x = None if rel.x_var is None else xs[id(rel.x_var)]
+                same_step[key] = (x, rel.output_layout(group, dfs[df_key(rel, group)]))
+                swapped[key] = old_eps[key]
+        # The learning trace is ē^t, or ε^t without a filter (then read off ε^{t-1} where swapped).
+        learning = new_filter if new_filter is not None else {k: v for k, v in new_eps.items() if k not in swapped}
+        rest = history._replace(traces={k: v for k, v in history.traces.items() if k not in same_step}, instant={})
+        return BackwardResidual(rest, learning_trace=learning,
+                                new_trace={k: v for k, v in new_eps.items() if k not in same_step},
+                                same_step=same_step, swapped=swapped, roll_jacobians=list(Ds) if swapped else None,
+                                swapped_learn=new_filter is None)
 
     def _history_trace(self, old_etrace: Any, new_etrace: Any, jac: Any) -> BackwardTrace:
         # Single step: the one-step autodiff gradient already holds the instantaneous term, so
@@ -807,10 +861,40 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
             kappa_g = [self.kappa * x for x in g]
             grads = self._solve_traces(BackwardTrace(residual.old_filter, None), kappa_g, weight_vals, grads)
         if residual.learning_trace is not None and residual.new_trace is not None:
-            # Swap the same-step relation path: + ⟨s, ē^t⟩ − ⟨g, ε^t⟩.
+            # Swap the same-step relation path: + ⟨s, ē^t⟩ − ⟨g, ε^t⟩, which is − ⟨g, x ⊗ df⟩ for
+            # the keys whose history above was read off ε^t (BackwardResidual.same_step).
+            minus_g = [-x for x in g]
             grads = self._solve_traces(BackwardTrace(residual.learning_trace, None), s, weight_vals, grads)
-            grads = self._solve_traces(BackwardTrace(residual.new_trace, None), [-x for x in g], weight_vals, grads)
+            grads = self._solve_traces(BackwardTrace(residual.new_trace, None), minus_g, weight_vals, grads)
+            swapped = residual.swapped
+            simple = {k: v for k, v in residual.same_step.items() if k not in swapped}
+            grads = self._solve_same_step(simple, minus_g, weight_vals, grads)
+            if swapped and residual.roll_jacobians is not None:
+                learned = s if residual.swapped_learn else None
+                entering = self._swapped_signals(residual.trace, residual.roll_jacobians, g, learned)
+                grads = self._solve_traces(BackwardTrace(swapped, None), entering, weight_vals, grads)
+                instant = minus_g if learned is None else [si - gi for si, gi in zip(learned, g)]
+                grads = self._solve_same_step({k: residual.same_step[k] for k in swapped}, instant, weight_vals, grads)
         return grads
+
+    def _swapped_signals(
+        self, history: BackwardTrace, roll_jacobians: Sequence[Any], g: Sequence[Any], learned: Sequence[Any] | None,
+    ) -> list[Any]:
+        """Per group, what meets ``ε^{t-1}`` of :attr:`BackwardResidual.swapped`: the history's
+        signal ``q`` minus ``Dᵀ g`` (``D`` the Jacobian that rolled the trace), plus ``Dᵀ s``
+        for a ``learned`` signal ``s``."""
+        out = []
+        for group in self.graph.hidden_groups:
+            i = group.index
+            if i in history.read_past_update:
+                q = history.read_past_update[i]
+            elif history.history_jacobians is not None:
+                q = transpose_signal(g[i], history.history_jacobians[i])
+            else:
+                q = g[i]
+            rolled = g[i] if learned is None else g[i] - learned[i]
+            out.append(q - transpose_signal(rolled, roll_jacobians[i]))
+        return out
 
     def _solve_traces(
         self, backward: BackwardTrace, dl_to_hidden_groups: Sequence[Any], weight_vals: dict[Path, Any],
@@ -865,13 +949,43 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         total = self._solve_relation(rel, signal, jax.lax.optimization_barrier(new), weights)
         if not set(total) - covered:
             return total
+        current = self._solve_instant(rel, signal, x, df, weights)
+        return {k: v if k in covered else v - current[k] for k, v in total.items()}
+
+    def _solve_instant(self, rel: Any, signal: jax.Array, x: Any, df: jax.Array, weights: Trace) -> Trace:
+        """``⟨signal, x ⊗ df⟩``, the instantaneous term built by the rule that rolls the trace
+        (the fast path's kernel, or the primitive's ``instant_drtrl`` / ``xy_to_dw``)."""
         fp = self._fast_path(rel)
+        has_bias = bool(rel.eqn_params.get("has_bias", False))
+        if fp is not None and fp.solve_instant is not None:
+            result: Trace = fp.solve_instant(signal, x, df, has_bias, fold_batch=reg.is_batched_primitive(rel.primitive))
+            return result
         if fp is not None:
-            inst = fp.instant(x, df, bool(rel.eqn_params.get("has_bias", False)))
+            inst = fp.instant(x, df, has_bias)
         else:
             inst = self._general_instant(rel, x, df, weights)
-        current = self._solve_relation(rel, signal, inst, weights)
-        return {k: v if k in covered else v - current[k] for k, v in total.items()}
+        return self._solve_relation(rel, signal, inst, weights)
+
+    def _solve_same_step(
+        self, same_step: dict[Any, tuple[Any, jax.Array]], dl_to_hidden_groups: Sequence[Any],
+        weight_vals: dict[Path, Any], grads: dict[Path, Any],
+    ) -> dict[Path, Any]:
+        """``grads`` plus ``⟨signal, x ⊗ df⟩`` of every key in ``same_step``, except for the weights
+        left out of the one-step VJP, whose gradient holds no same-step term."""
+        local_keys = self._local_relation_weights().keys
+        for index, rel in enumerate(self.graph.hidden_param_op_relations):
+            weights = self._relation_operands(rel, weight_vals)
+            covered = local_keys.get(index, frozenset())
+            for group in rel.hidden_groups:
+                key = trace_key(rel, group)
+                if key not in same_step or not set(self.etrace_bwg[key].value) - covered:
+                    continue
+                signal = rel.output_layout(group, dl_to_hidden_groups[group.index])
+                term = self._solve_instant(rel, signal, *same_step[key], weights)
+                for k, v in term.items():
+                    if k not in covered:
+                        grads = self._add_operand_gradient(grads, rel, k, v, weight_vals)
+        return grads
 
     def _solve_relation(self, rel: Any, signal: jax.Array, trace: Trace, weights: Trace) -> Trace:
         fp = self._fast_path(rel)

@@ -96,6 +96,10 @@ class FastPathRules(NamedTuple):
         ``chunk(x_seq, df_seq, p_seq, m_full, old, num_state) -> dict``: the closed-form
         update of a whole window, ``ε_end = M ε_start + Σ_s x_s ⊗ (P_s df_s)`` where
         ``P_s = D_{T-1}…D_{s+1}`` and ``M = D_{T-1}…D_0``.
+    solve_instant : callable or None
+        ``solve_instant(signal, x, df, has_bias, *, fold_batch=False) -> dict``: what ``solve``
+        gives on the ``instant`` term, contracted from its factors without forming the
+        trace-shaped product. ``None``: ``solve(signal, instant(x, df, has_bias))``.
     """
 
     instant: Rule
@@ -103,6 +107,7 @@ class FastPathRules(NamedTuple):
     solve: Rule
     applicable: Callable[[Params], bool]
     chunk: Rule | None = None
+    solve_instant: Rule | None = None
 
 
 #: Every primitive created by :func:`braintrace.register_primitive`.

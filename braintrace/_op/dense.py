@@ -219,6 +219,23 @@ def _dense_solve_row(signal: Array, trace: dict[str, Array]) -> dict[str, Array]
     return {k: sum_over_states(signal, v) for k, v in trace.items()}
 
 
+def _dense_fast_solve_instant(
+    signal: Array, x: Array, df: Array, has_bias: bool, *, fold_batch: bool = False
+) -> dict[str, Array]:
+    """``solve(signal, instant(x, df))`` as ``x[..., i] · Σ_a g[..., o, a] df[..., o, a]``: one
+    matrix product over the batch when folding, never the ``(..., I, O, S)`` product."""
+    gdf = sum_over_states(signal, df)
+    if fold_batch:
+        out = {"weight": jnp.einsum("bi,bo->io", x, gdf, precision=_HIGHEST)}
+        if has_bias:
+            out["bias"] = gdf.sum(axis=0)
+        return out
+    out = {"weight": x[..., :, None] * gdf[..., None, :]}
+    if has_bias:
+        out["bias"] = gdf
+    return out
+
+
 def _dense_fast_chunk(
     x_seq: Array,
     df_seq: Array,
@@ -248,6 +265,7 @@ _DENSE_FAST_PATH = FastPathRules(
     solve=_dense_fast_solve,
     applicable=no_hooks,
     chunk=_dense_fast_chunk,
+    solve_instant=_dense_fast_solve_instant,
 )
 
 def _dense_snap_adjacency(

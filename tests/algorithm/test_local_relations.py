@@ -221,3 +221,45 @@ def test_rules_defined_elsewhere_keep_every_one_step_gradient(x64: None) -> None
     xs = normal(10, (3, 2, 3))
     plain = single_step_grads(compile_pp(Leaky(), 2, PlainPP), xs)
     assert max_rel_err({k: 2.0 * v for k, v in plain.items()}, single_step_grads(learner, xs)) < EXACT
+
+
+class ReadBoth(_Cell):
+    """The output reads the state both before and after its update."""
+
+    def update(self, x: Any) -> Any:
+        s = jnp.tanh(self.h.value)
+        leak = braintrace.element_wise(self.tau.value, weight_fn=jax.nn.sigmoid)
+        self.h.value = leak * self.h.value + braintrace.matmul(x, self.w.value) + braintrace.matmul(s, self.u.value)
+        return (self.h.value + s) @ self.w_out.value
+
+
+class ThreeTermEProp(braintrace.EProp):
+    """EProp whose trace roll is user code (a pass-through): a replaced learning signal then
+    takes its three terms as they are, the history, ``+ ⟨s, ē^t⟩`` and ``− ⟨g, ε^t⟩``, each
+    read off its own trace, and every weight keeps its one-step gradient."""
+
+    def _step_relation(self, *args: Any) -> Any:
+        return super()._step_relation(*args)
+
+
+def compile_random_eprop(model: brainstate.nn.Module, batch: int | None, cls: Any, kappa: float) -> Any:
+    x0 = jnp.ones((3,) if batch is None else (batch, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return braintrace.compile(model, cls, x0, batch_size=batch, feedback="random", random_feedback_key=3,
+                                  kappa_filter_decay=kappa)
+
+
+@pytest.mark.parametrize("model", [Leaky, DirectPath, SharedWeight, Mixing, ReadPast, ReadBoth, Reshaped])
+@pytest.mark.parametrize("batch", [None, 2])
+@pytest.mark.parametrize("kappa", [0.0, 0.5])
+def test_random_feedback_equals_its_three_terms(x64: None, model: Any, batch: int | None, kappa: float) -> None:
+    """Random feedback leaves local weights out of the one-step VJP (their gradient is
+    ``⟨s, ē^t⟩``), cancels ``⟨g, ε^t⟩`` against a history read off ``ε^t`` and reads a trace whose
+    history is the entering one (``ReadPast``, ``ReadBoth``) once: the same gradient as the three
+    terms."""
+    xs = normal(12, (5, 3) if batch is None else (5, batch, 3))
+    three_terms = compile_random_eprop(model(), batch, ThreeTermEProp, kappa)
+    assert not three_terms._local_relation_weights().paths
+    reference = single_step_grads(three_terms, xs)
+    assert max_rel_err(reference, single_step_grads(compile_random_eprop(model(), batch, braintrace.EProp, kappa), xs)) < EXACT

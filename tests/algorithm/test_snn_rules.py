@@ -544,3 +544,40 @@ def test_vmapped_learners_give_per_parameter_gradients(algorithm: Any, options: 
     args = (x, jnp.ones((2, 2))) if algorithm is braintrace.OSTTP else (x,)
     grads = brainstate.transform.grad(lambda: vmapped(*args).sum(), vmapped.module.param_states)()
     assert grads[("w",)].shape == (3, 4) and bool(jnp.all(jnp.isfinite(grads[("w",)])))
+
+
+@pytest.mark.parametrize("kappa", [0.0, 0.5])
+def test_eprop_random_feedback_single_step_equals_its_definition(x64: None, kappa: float) -> None:
+    """Single step, random feedback: a relation weight's gradient is ``Σ_t ⟨s^t, ē^t⟩`` (the
+    learning signal ``s = ŝ B`` met by the filtered trace), the readout's its one-step gradient.
+
+    The reference rolls the traces of ``h = σ(τ) h + tanh(x W)`` by hand in float64.
+    """
+    xs = inputs(3, 2)
+    learner = compile_(ElementwiseLeaky(), braintrace.EProp, xs[0], 2, feedback="random",
+                       random_feedback_key=0, kappa_filter_decay=kappa)
+    w, tau, w_out = (np.asarray(learner.param_states[(k,)].value, np.float64) for k in ("w", "tau", "w_out"))
+    (feedback,) = learner._feedback_matrices.values()
+    B = np.asarray(feedback.B, np.float64)
+    grads = single_step_grads(learner, xs)
+
+    leak = 1 / (1 + np.exp(-tau))
+    h = np.zeros((2, 4))
+    eps_w, filt_w, eps_tau, filt_tau = np.zeros((2, 3, 4)), np.zeros((2, 3, 4)), np.zeros((2, 4)), np.zeros((2, 4))
+    ref = {"w": np.zeros_like(w), "tau": np.zeros_like(tau), "w_out": np.zeros_like(w_out)}
+    for t in range(3):
+        x = np.asarray(xs[t], np.float64)
+        pre = x @ w
+        eps_w = leak * eps_w + x[:, :, None] * (1 - np.tanh(pre) ** 2)[:, None, :]
+        eps_tau = leak * eps_tau + h * leak * (1 - leak)
+        filt_w, filt_tau = kappa * filt_w + eps_w, kappa * filt_tau + eps_tau
+        h = leak * h + np.tanh(pre)
+        out = h @ w_out
+        d_out = 2 * (out - np.asarray(normal(1000 + 7 * t, out.shape), np.float64))  # target_loss
+        g = d_out @ w_out.T
+        s = (g / (np.linalg.norm(g, axis=-1, keepdims=True) + 1e-8)) @ B
+        ref["w"] += np.einsum("bio,bo->io", filt_w, s)
+        ref["tau"] += np.einsum("bo,bo->o", filt_tau, s)
+        ref["w_out"] += h.T @ d_out
+    for k, v in ref.items():
+        np.testing.assert_allclose(grads[(k,)], v, rtol=1e-9, atol=1e-12)

@@ -18,6 +18,7 @@ import brainstate
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import braintrace
 
@@ -404,3 +405,38 @@ def test_pp_prop_gathers_its_sparse_factors_computed_once() -> None:
 def test_without_materialising_the_sparse_factors_they_are_recomputed_per_connection(monkeypatch: Any) -> None:
     monkeypatch.setattr(braintrace._op.sparse, "materialised", lambda v: v)
     assert _sparse_recomputed_per_entry() != []
+
+
+def _trace_loops(text: str) -> int:
+    """The while loops that carry the trace: the scan over time and the gradient's row loops
+    (on CPU), one per read of a trace by the gradient."""
+    computations = _computations(text)
+    loops = re.findall(r"= \(.*?\) while\(.*?body=(%[\w.\-]+)", text)
+    return sum(TRACE_SHAPE in computations[name] for name in loops)
+
+
+RANDOM_FEEDBACK = {"feedback": "random", "random_feedback_key": 0}
+
+
+@pytest.mark.parametrize("model, compiled", [(_Tanh, _compiled_hlo), (_PastReadLIF, _driver_hlo)],
+                         ids=["history-from-new", "read-past"])
+def test_random_feedback_eprop_moves_the_trace_as_d_rtrl_does(model: Any, compiled: Any) -> None:
+    """EProp with random feedback: one write of the trace, no copy, one read by the gradient,
+    as D_RTRL. On the LIF cell read past its update, the gradient reads only the entering trace,
+    so its update runs in place after it."""
+    text = compiled(model(), braintrace.EProp, **RANDOM_FEEDBACK)
+    assert _trace_loops(text) == _trace_loops(compiled(model())) == 2
+    produced = _trace_sized(_loop_body_hlo(model(), braintrace.EProp, compiled=compiled, **RANDOM_FEEDBACK))
+    assert len(produced) == 1 and not produced[0].startswith("%copy"), produced
+
+
+class _ThreeTermEProp(braintrace.EProp):
+    """A trace roll in user code: random feedback takes its three terms as they are."""
+
+    def _step_relation(self, *args: Any) -> Any:
+        return super()._step_relation(*args)
+
+
+def test_random_feedback_in_three_terms_reads_the_trace_three_times() -> None:
+    """The negative control: the history, ``⟨s, ε^t⟩`` and ``⟨g, ε^t⟩`` each read a trace."""
+    assert _trace_loops(_driver_hlo(_PastReadLIF(), _ThreeTermEProp, **RANDOM_FEEDBACK)) == 4
