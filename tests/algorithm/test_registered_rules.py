@@ -154,6 +154,35 @@ def test_a_user_fast_path_is_kept() -> None:
     assert reg.get_fast_path_rules(p) is own
 
 
+class _UserRolledEProp(braintrace.EProp):
+    """EProp whose trace roll is user code: random feedback then takes its three terms as they are."""
+
+    def _step_relation(self, *args: Any) -> Any:
+        return super()._step_relation(*args)
+
+
+def test_random_feedback_takes_the_same_step_term_from_a_user_fast_path(x64: None) -> None:
+    """A user fast path without ``solve_instant`` builds the same-step term ``x ⊗ df`` that random
+    feedback subtracts: with an ``instant`` of twice ``x ⊗ df`` (the user's contract), the
+    gradient equals the three terms read off the traces that this ``instant`` rolled."""
+    p = user_primitive("test_doubled_instant_mm", 1.0)
+    kernels = reg.ETP_FAST_PATH_RULES[etp_mm_p]
+    doubled = reg.FastPathRules(
+        instant=lambda x, df, has_bias: {k: 2 * v for k, v in kernels.instant(x, df, has_bias).items()},
+        recurrent=kernels.recurrent, solve=kernels.solve, applicable=kernels.applicable,
+    )
+    p.register_etp_rules(fast_path=doubled)
+    xs = normal(3, (4, B, I))
+    grads = {}
+    for cls in (braintrace.EProp, _UserRolledEProp):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            learner = braintrace.compile(Model(_bind(p)), cls, xs[0], batch_size=B, feedback="random",
+                                         random_feedback_key=0)
+        grads[cls] = single_step_grads(learner, xs)
+    assert max_rel_err(grads[_UserRolledEProp], grads[braintrace.EProp]) < 1e-10
+
+
 def test_a_rule_with_the_wrong_gradient_shape_is_named() -> None:
     p = braintrace.register_primitive("test_bad_rule_mm", _impl, batched=True)
     p.register_etp_rules(
