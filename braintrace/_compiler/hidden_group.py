@@ -24,11 +24,13 @@ from typing import Any, Callable, NamedTuple, Sequence
 import brainstate
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Jaxpr, Var
 
 from braintrace._compatible_imports import split_jaxpr_invars
 from braintrace._compiler.jaxpr_graph import contains_eqn
 from braintrace._compiler.mixing_jacobian import BlockDiagonalPlan, block_diagonal_plan, structured_block_diagonal
+from braintrace._compiler.position_dependence import group_adjacency
 from braintrace._compiler.snap_pattern import SnapPattern, widened_jacobian
 from braintrace._errors import NotSupportedError
 
@@ -44,6 +46,8 @@ Path = tuple[Any, ...]
 Array = jax.Array
 # The structured-extraction plan of each transition jaxpr (the jaxpr is kept to guard the id).
 _PLANS: dict[int, tuple[Jaxpr, BlockDiagonalPlan | None]] = {}
+# The axes along which each transition mixes positions (``None``: read conservatively).
+_AXES: dict[int, tuple[Jaxpr, list[int] | None]] = {}
 _MAX_PLANS = 64
 
 
@@ -73,38 +77,58 @@ def jacfwd_last_dim(fn: Callable[[Array], Array], hidden: Array) -> Array:
 
 
 def block_diagonal_last_dim(
-    fn: Callable[[Array], Array], hidden: Array, forward: bool = False, chunk_size: int | None = None
+    fn: Callable[[Array], Array], hidden: Array, forward: bool = False, chunk_size: int | None = None,
+    mixing_axes: Sequence[int] | None = None,
 ) -> Array:
     """The per-position blocks of the full Jacobian (exact even when positions interact).
 
-    Probes one position at a time (one VJP per state, or one JVP per state with
-    ``forward=True``) after a single linearisation, ``chunk_size`` positions per batch, so the
-    dense ``(P·S)²`` Jacobian is never materialised: memory ``O(chunk_size · P · S²)``, time
-    ``P · S`` probes. ``chunk_size`` defaults to what keeps a batch near 2**22 elements.
+    Probes one position of the ``mixing_axes`` at a time (default: every axis; one VJP per
+    state, or one JVP per state with ``forward=True``) after a single linearisation,
+    ``chunk_size`` positions per batch, so the dense ``(P·S)²`` Jacobian is never materialised.
+    Along the other axes, whose positions never read each other (a batch axis), one probe sets
+    every position at once: ``∏(mixing axes)·S`` probes, memory ``O(chunk_size · P · S²)``.
+    ``chunk_size`` defaults to what keeps a batch near 2**22 elements.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp
+    >>> w = jnp.array([[0.5, 0.1], [0.2, 0.3]])
+    >>> fn = lambda h: jnp.tanh(h @ w)  # (batch, units, 1): units mix, the batch does not
+    >>> h = jnp.ones((3, 2, 1))
+    >>> blocks = block_diagonal_last_dim(lambda s: fn(s[..., 0])[..., None], h, mixing_axes=[1])
+    >>> blocks.shape, bool(jnp.allclose(blocks[0, :, 0, 0], (1 - jnp.tanh(h[0, :, 0] @ w) ** 2) * jnp.diag(w)))
+    ((3, 2, 1, 1), True)
     """
     shape, num_state = hidden.shape[:-1], hidden.shape[-1]
-    positions = math.prod(shape)
-    flat = hidden.reshape(positions, num_state)
+    mixing = list(range(len(shape))) if mixing_axes is None else sorted(mixing_axes)
+    others = [i for i in range(len(shape)) if i not in mixing]
+    order = [*mixing, *others]  # the mixing axes first, flattened into one
+    probed = math.prod(shape[i] for i in mixing)
+    others_shape = tuple(shape[i] for i in others)
+    back = [order.index(i) for i in range(len(shape))] + [len(shape)]
 
     def flat_fn(h: Array) -> Array:
-        return fn(h.reshape(hidden.shape)).reshape(positions, num_state)
+        unflat = jnp.transpose(h.reshape(*(shape[i] for i in order), num_state), back)
+        return jnp.transpose(fn(unflat), [*order, len(shape)]).reshape(h.shape)
 
+    flat = jnp.transpose(hidden, [*order, len(shape)]).reshape(probed, *others_shape, num_state)
     if chunk_size is None:
-        chunk_size = max(1, min(positions, 2**22 // max(1, positions * num_state * num_state)))
-    eye = jnp.eye(num_state, dtype=hidden.dtype)
+        chunk_size = max(1, min(probed, 2**22 // max(1, flat.size * num_state)))
+    eye = jnp.eye(num_state, dtype=hidden.dtype).reshape(num_state, *([1] * len(others_shape)), num_state)
     if forward:
         _, probe = jax.linearize(flat_fn, flat)
     else:
         _, vjp = jax.vjp(flat_fn, flat)
         probe = lambda ct: vjp(ct)[0]  # noqa: E731
 
-    def one(p: Array) -> Array:
-        basis = jnp.zeros((num_state, positions, num_state), hidden.dtype).at[:, p, :].set(eye)
-        out = jax.vmap(probe)(basis)[:, p, :]  # [probe state, other state]
-        return out.T if forward else out  # -> [a, b]
+    def one(r: Array) -> Array:
+        basis = jnp.zeros((num_state, *flat.shape), hidden.dtype).at[:, r].set(eye)
+        out = jax.vmap(probe)(basis)[:, r]  # [probe state, *others, other state]
+        return jnp.moveaxis(out, 0, -1 if forward else -2)  # -> [*others, a, b]
 
-    blocks = jax.lax.map(one, jnp.arange(positions), batch_size=chunk_size)
-    return blocks.reshape(*shape, num_state, num_state)
+    blocks = jax.lax.map(one, jnp.arange(probed), batch_size=chunk_size)
+    blocks = blocks.reshape(*(shape[i] for i in order), num_state, num_state)
+    return jnp.transpose(blocks, [*back[:-1], len(shape), len(shape) + 1])
 
 
 class HiddenGroup(NamedTuple):
@@ -239,7 +263,7 @@ class HiddenGroup(NamedTuple):
             return structured_block_diagonal(
                 plan, self.transition_jaxpr, input_vals, hidden_vals, self.concat_hidden, self.split_hidden
             )
-        return block_diagonal_last_dim(fn, stacked, forward=forward)
+        return block_diagonal_last_dim(fn, stacked, forward=forward, mixing_axes=self._mixing_axes(stacked))
 
     def full_jacobian(self, hidden_vals: Sequence[Array], input_vals: Sequence[Array]) -> Array:
         """The whole within-group Jacobian, ``(*varshape, S, *varshape, S)``.
@@ -266,6 +290,23 @@ class HiddenGroup(NamedTuple):
             _PLANS[key] = cached
         return cached[1]
 
+    def _mixing_axes(self, stacked: Array) -> list[int] | None:
+        """The axes of ``varshape`` along which the transition reads other positions (``None``:
+        every axis, where the adjacency is not read precisely or ``stacked`` is laid out otherwise)."""
+        if tuple(stacked.shape[:-1]) != tuple(self.varshape):
+            return None
+        key = id(self.transition_jaxpr)
+        cached = _AXES.get(key)
+        if cached is None or cached[0] is not self.transition_jaxpr:
+            adjacency, reason = group_adjacency(self)
+            mixing = None if reason is not None else [
+                i for i, a in enumerate(adjacency) if not np.array_equal(a, np.eye(a.shape[0], dtype=bool))]
+            cached = (self.transition_jaxpr, mixing)
+            if len(_AXES) >= _MAX_PLANS:
+                _AXES.pop(next(iter(_AXES)))
+            _AXES[key] = cached
+        return cached[1]
+
     def reads_new_members(self) -> bool:
         """Whether a member's update reads another member's *new* value within the step."""
         outs = {v for v in self.hidden_outvars if isinstance(v, Var)}
@@ -285,7 +326,7 @@ class HiddenGroup(NamedTuple):
         forward = contains_eqn(self.transition_jaxpr, lambda e: e.primitive.name == "while")
         if self.is_diagonal_recurrence:
             return (jacfwd_last_dim if forward else jacrev_last_dim)(fn, stacked)
-        return block_diagonal_last_dim(fn, stacked, forward=forward)
+        return block_diagonal_last_dim(fn, stacked, forward=forward, mixing_axes=self._mixing_axes(stacked))
 
     def _held_new_reads(self, hidden_vals: Sequence[Array], input_vals: Sequence[Array]) -> Callable[[Array], Array]:
         """The stacked transition with every in-step read of a member's new value held at its value."""

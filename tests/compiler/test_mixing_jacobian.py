@@ -59,6 +59,8 @@ def test_blocks_equal_the_dense_jacobian_blocks(model: Any, structured: bool, ba
         # GRU mixes twice in series (r = σ([x, h] W_r), then [x, r h] W_h): the blocks of a
         # product are not products of blocks, so the structured path must refuse it.
         assert (group._mixing_plan() is not None) is structured
+        # Only the unit axis mixes: the fallback probes the batch rows together.
+        assert group._mixing_axes(group.concat_hidden(hidden)) == [0 if batch is None else 1]
         got = jax.jit(group.diagonal_jacobian)(hidden, inputs)
         ref = _dense_blocks(_fn(group, inputs), group.concat_hidden(hidden))
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
@@ -130,3 +132,24 @@ def test_fallback_probes_in_chunks_without_the_dense_jacobian(forward: bool) -> 
     h = jax.random.normal(jax.random.PRNGKey(8), (2, 5, 2))
     got = jax.jit(lambda h: block_diagonal_last_dim(fn, h, forward=forward, chunk_size=3))(h)
     np.testing.assert_allclose(got, _dense_blocks(fn, h), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("forward", [False, True])
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_fallback_probes_the_mixing_axes_only(forward: bool, chunk_size: int | None) -> None:
+    """Units (axis 1) mix twice in series; the leading and trailing position axes never do, so
+    one probe per unit and state sets every other position at once: the same blocks."""
+    w, u = jax.random.normal(jax.random.PRNGKey(9), (4, 4)), jax.random.normal(jax.random.PRNGKey(10), (4, 4))
+    m = jax.random.normal(jax.random.PRNGKey(11), (2, 2))
+
+    def fn(s: jax.Array) -> jax.Array:  # (3, 4, 2, S=2)
+        gate = jax.nn.sigmoid(jnp.einsum("bnps,nm->bmps", s, u))
+        return jnp.tanh(jnp.einsum("bnps,nm->bmps", gate * s, w)) @ m + 0.3 * s
+
+    h = jax.random.normal(jax.random.PRNGKey(12), (3, 4, 2, 2))
+    got = jax.jit(lambda h: block_diagonal_last_dim(fn, h, forward=forward, chunk_size=chunk_size,
+                                                    mixing_axes=[1]))(h)
+    np.testing.assert_allclose(got, _dense_blocks(fn, h), rtol=1e-5, atol=1e-6)
+    # The negative control: a mixing axis probed as if it did not mix sums its positions' columns.
+    wrong = block_diagonal_last_dim(fn, h, forward=forward, mixing_axes=[])
+    assert not np.allclose(wrong, _dense_blocks(fn, h), rtol=1e-3, atol=1e-3)
