@@ -48,7 +48,7 @@ from braintrace._algorithm.ottt import DenseLeakRule, outer_sum
 from braintrace._algorithm.graph_executor import df_key
 from braintrace._compiler import ControlFlowPolicy
 from braintrace._op import _registries as reg
-from braintrace._op._rule_helpers import drtrl_dtype, shape_of
+from braintrace._op._rule_helpers import drtrl_dtype, shape_of, sum_rows
 
 __all__ = ["OTPE"]
 
@@ -223,29 +223,35 @@ class OTPE(DenseLeakRule):
             signal = self._relation_signal(rel, dl_to_hidden_groups)
             store = {k: v.astype(signal.dtype) for k, v in stores[id(rel.y_var)].items()}
             if self._plain_history:
-                effective = self._estimate(rel, {k: self.leak * v for k, v in store.items()}, signal)
+                # λ on the estimate, not on the stores: a scaled trace would be a trace-sized temporary.
+                effective = {k: self.leak * v for k, v in self._estimate(rel, store, signal).items()}
             else:
                 x = xs[id(rel.x_var)].astype(signal.dtype)
                 df = dfs[df_key(rel, rel.hidden_groups[0])].sum(axis=-1).astype(signal.dtype)
                 estimate = self._estimate(rel, store, signal)
-                same = self._estimate(rel, self._instant(x, df), signal)
+                same = self._same_step_estimate(rel, x, df, signal)
                 effective = {k: estimate[k] - same[k] for k in estimate}
             grads = self._add_grads(rel, effective, weight_vals, grads)
         return grads
 
-    def _instant(self, x: jax.Array, df: jax.Array) -> Store:
-        """The stores of one step from zero (the same-step term of the estimate)."""
-        if self.mode == "full":
-            return {"R": x[..., :, None] * df[..., None, :], "R_b": df}
-        return {"Rx": x, "Rg": df}
+    def _same_step_estimate(self, rel: Any, x: jax.Array, df: jax.Array, signal: jax.Array) -> Store:
+        """The estimate read from the stores of one step from zero, ``x ⊗ (L ⊙ df)`` in either
+        mode: one product over the batch, without the trace-shaped ``x ⊗ df``."""
+        weighted = signal * df
+        out = {"weight": outer_sum(x, weighted, reg.is_batched_primitive(rel.primitive))}
+        if "bias" in rel.trainable_paths:
+            out["bias"] = weighted.sum(axis=0) if reg.is_batched_primitive(rel.primitive) else weighted
+        return out
 
     def _estimate(self, rel: Any, store: Store, signal: jax.Array) -> Store:
         """The estimate read from ``store``, w.r.t. the effective weights ``weight_fn(W)``, ``bias_fn(b)``."""
         batched = reg.is_batched_primitive(rel.primitive)
         has_bias = "bias" in rel.trainable_paths
         if self.mode == "full":
-            lead = "b" if batched else ""
-            out = {"weight": jnp.einsum(f"{lead}io,{lead}o->io", store["R"], signal)}
+            # Batched, the rows are added by the shared row sum (a contraction over the leading
+            # batch axis is a strided pass over the trace on CPU).
+            out = sum_rows(_weighted_row, signal, {"weight": store["R"]}) if batched else _weighted_row(
+                signal, {"weight": store["R"]})
             if has_bias:
                 est_b = store["R_b"] * signal
                 out["bias"] = est_b.sum(axis=0) if batched else est_b
@@ -255,6 +261,11 @@ class OTPE(DenseLeakRule):
         if has_bias:
             out["bias"] = weighted.sum(axis=0) if batched else weighted
         return out
+
+
+def _weighted_row(signal: jax.Array, store: Store) -> Store:
+    """Mode ``'full'``'s estimate of one batch row: ``R[i, o] L[o]``."""
+    return {"weight": store["weight"] * signal[..., None, :]}
 
 
 OTPE.__module__ = "braintrace"

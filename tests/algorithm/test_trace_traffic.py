@@ -440,3 +440,34 @@ class _ThreeTermEProp(braintrace.EProp):
 def test_random_feedback_in_three_terms_reads_the_trace_three_times() -> None:
     """The negative control: the history, ``⟨s, ε^t⟩`` and ``⟨g, ε^t⟩`` each read a trace."""
     assert _trace_loops(_driver_hlo(_PastReadLIF(), _ThreeTermEProp, **RANDOM_FEEDBACK)) == 4
+
+
+OTPE_TRACE = f"[{B},{I + H},{H}]"
+
+
+def _otpe_trace_sized() -> tuple[int, list[str]]:
+    """OTPE (mode ``'full'``) on the fixed-leak LIF under ``etrace_grad``: the loops carrying its
+    trace and the trace-sized loop-body instructions."""
+    text = _driver_hlo(_FixedLeakLIF(), braintrace.OTPE, leak=0.9)
+    computations = _computations(text)
+    loops = re.findall(r"= \(.*?\) while\(.*?body=(%[\w.\-]+)", text)
+    bodies = [computations[name] for name in loops if OTPE_TRACE in computations[name]]
+    return len(bodies), _trace_sized("\n".join(bodies))
+
+
+def test_otpe_writes_its_trace_once_and_reads_it_in_one_row_sum() -> None:
+    """OTPE's gradient ``λ ⟨L, R^{t-1}⟩`` is read by the shared row sum (one loop besides the scan
+    over time), scaled by ``λ`` after it, and the driver orders the update after it: the update,
+    in place, is the one trace-sized instruction."""
+    loops, produced = _otpe_trace_sized()
+    assert loops == 2
+    assert len(produced) == 1 and not produced[0].startswith("%copy"), produced
+
+
+def test_otpe_with_a_scaled_store_computes_a_trace_sized_temporary(monkeypatch: Any) -> None:
+    """The negative control: ``λ`` applied to the stores before the estimate."""
+    estimate = braintrace.OTPE._estimate
+    monkeypatch.setattr(braintrace.OTPE, "_estimate",
+                        lambda self, rel, store, signal: estimate(self, rel, {k: 0.9 * v for k, v in store.items()}, signal))
+    _, produced = _otpe_trace_sized()
+    assert len(produced) == 2, produced
