@@ -22,9 +22,10 @@ the seconds ``import braintrace`` adds to ``import brainstate``, median of fresh
   float32-trace time (D_RTRL, pp_prop). ``python -m benchmarks.half_precision`` measures the
   gradient drift of that storage over a long stream.
 
-OTTT learns only fixed-leak dense layers, so it has its own models (``lif256-fixed``,
-``lif1024-fixed``: :class:`~benchmarks.models.FixedLeakLIF` at the LIF sizes), each timed against
-BPTT and D_RTRL on that same model (:data:`OTTT_METHODS`).
+OTTT and OTPE learn only fixed-leak dense layers, so they have their own models
+(``lif256-fixed``, ``lif1024-fixed``: :class:`~benchmarks.models.FixedLeakLIF` at the LIF sizes),
+each timed against BPTT and D_RTRL on that same model (:data:`OTTT_METHODS`; OTPE in mode
+``'full'`` carries D_RTRL's trace, so it has a ``vs floor``).
 
 Then the connectome-scale workload of :mod:`benchmarks.connectome` (``--no-connectome`` skips it).
 """
@@ -62,8 +63,8 @@ class Setting:
     methods: tuple[str, ...] | None = None
 
 
-#: The rows of a fixed-leak model: OTTT and what it is compared with on that model.
-OTTT_METHODS = ("BPTT", "D_RTRL single", "OTTT single")
+#: The rows of a fixed-leak model: OTTT and OTPE and what they are compared with on that model.
+OTTT_METHODS = ("BPTT", "D_RTRL single", "OTTT single", "OTPE single")
 SETTINGS = {
     "leaky64": Setting("leaky64", LeakyRNN, 64),
     "gru256": Setting("gru256", GRU, 256),
@@ -82,7 +83,8 @@ BF16_OF = {"D_RTRL single bf16": "D_RTRL single", "pp_prop single bf16": "pp_pro
 #: How much shorter the sequences of the repeated compilations are (a multiple of every window).
 COMPILE_STRIDE = 10
 #: The trace-sized arrays each single-step method reads and writes once per step.
-TRACES_PER_STEP = {"D_RTRL single": 1, "EProp single": 1, "EProp(κ=.9) single": 2, "EProp random single": 1}
+TRACES_PER_STEP = {"D_RTRL single": 1, "EProp single": 1, "EProp(κ=.9) single": 2, "EProp random single": 1,
+                   "OTPE single": 1}
 
 
 def _loss(out: jax.Array, target: jax.Array) -> jax.Array:
@@ -209,6 +211,7 @@ def run(setting: Setting, batch: int, steps: int, long_steps: int, repeats: int,
         "pp_prop single bf16": lambda: online_step(setting, batch, "pp_prop", 1, decay_or_rank=0.9,
                                                    trace_dtype=jnp.bfloat16),
         "OTTT single": lambda: online_step(setting, batch, "ottt", 1, leak=FixedLeakLIF.leak),
+        "OTPE single": lambda: online_step(setting, batch, "otpe", 1, leak=FixedLeakLIF.leak),
     }
     methods = METHODS if setting.methods is None else setting.methods
     builders = {name: build for name, build in builders.items() if name in methods}
