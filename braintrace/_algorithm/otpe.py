@@ -237,10 +237,11 @@ class OTPE(DenseLeakRule):
     def _same_step_estimate(self, rel: Any, x: jax.Array, df: jax.Array, signal: jax.Array) -> Store:
         """The estimate read from the stores of one step from zero, ``x ⊗ (L ⊙ df)`` in either
         mode: one product over the batch, without the trace-shaped ``x ⊗ df``."""
+        batched = reg.is_batched_primitive(rel.primitive)
         weighted = signal * df
-        out = {"weight": outer_sum(x, weighted, reg.is_batched_primitive(rel.primitive))}
+        out = {"weight": outer_sum(x, weighted, batched)}
         if "bias" in rel.trainable_paths:
-            out["bias"] = weighted.sum(axis=0) if reg.is_batched_primitive(rel.primitive) else weighted
+            out["bias"] = weighted.sum(axis=0) if batched else weighted
         return out
 
     def _estimate(self, rel: Any, store: Store, signal: jax.Array) -> Store:

@@ -96,14 +96,18 @@ def _loop_body_hlo(
     model: brainstate.nn.Module, algorithm: Any = braintrace.D_RTRL, trace_shape: str = TRACE_SHAPE,
     compiled: Any = _compiled_hlo, **options: Any,
 ) -> str:
-    text = compiled(model, algorithm, **options)
-    computations = _computations(text)
-    # The bodies of the while loops that carry the trace: the scan over time, and the loop over
-    # the batch rows of the gradient solve nested in it (on CPU), which must only read it.
-    loops = re.findall(r"= \(.*?\) while\(.*?body=(%[\w.\-]+)", text)
-    bodies = [computations[name] for name in loops if trace_shape in computations[name]]
-    assert bodies, f"expected a while loop carrying the trace, found {loops}"
+    bodies = _trace_loop_bodies(compiled(model, algorithm, **options), trace_shape)
+    assert bodies, "expected a while loop carrying the trace"
     return "\n".join(bodies)
+
+
+def _trace_loop_bodies(text: str, trace_shape: str = TRACE_SHAPE) -> list[str]:
+    """The bodies of the while loops that carry the trace: the scan over time, and the loops over
+    the batch rows of the gradient solve nested in it (on CPU, one per read of a trace by the
+    gradient), which must only read it."""
+    computations = _computations(text)
+    loops = re.findall(r"= \(.*?\) while\(.*?body=(%[\w.\-]+)", text)
+    return [computations[name] for name in loops if trace_shape in computations[name]]
 
 
 def _trace_sized(body: str) -> list[str]:
@@ -408,11 +412,8 @@ def test_without_materialising_the_sparse_factors_they_are_recomputed_per_connec
 
 
 def _trace_loops(text: str) -> int:
-    """The while loops that carry the trace: the scan over time and the gradient's row loops
-    (on CPU), one per read of a trace by the gradient."""
-    computations = _computations(text)
-    loops = re.findall(r"= \(.*?\) while\(.*?body=(%[\w.\-]+)", text)
-    return sum(TRACE_SHAPE in computations[name] for name in loops)
+    """How many while loops carry the trace (the scan over time, then one per gradient read)."""
+    return len(_trace_loop_bodies(text))
 
 
 RANDOM_FEEDBACK = {"feedback": "random", "random_feedback_key": 0}
@@ -448,10 +449,7 @@ OTPE_TRACE = f"[{B},{I + H},{H}]"
 def _otpe_trace_sized() -> tuple[int, list[str]]:
     """OTPE (mode ``'full'``) on the fixed-leak LIF under ``etrace_grad``: the loops carrying its
     trace and the trace-sized loop-body instructions."""
-    text = _driver_hlo(_FixedLeakLIF(), braintrace.OTPE, leak=0.9)
-    computations = _computations(text)
-    loops = re.findall(r"= \(.*?\) while\(.*?body=(%[\w.\-]+)", text)
-    bodies = [computations[name] for name in loops if OTPE_TRACE in computations[name]]
+    bodies = _trace_loop_bodies(_driver_hlo(_FixedLeakLIF(), braintrace.OTPE, leak=0.9), OTPE_TRACE)
     return len(bodies), _trace_sized("\n".join(bodies))
 
 
