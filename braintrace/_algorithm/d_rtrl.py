@@ -745,28 +745,36 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         ``ε^{t-1}`` as ``q − Dᵀ g`` in one contraction, and an unfiltered ``⟨s, ε^t⟩`` joins it
         as ``+ Dᵀ s`` and ``+ ⟨s, x ⊗ df⟩``. The other keys keep the three terms.
         """
-        (xs, dfs), Ds = jac
         same_step = dict(history.instant)
         swapped = {}
         local_keys = self._local_relation_weights().keys
-        relations = self.graph.hidden_param_op_relations if self._rolls_plainly() else []
-        for index, rel in enumerate(relations):
-            if rel.control_flow_context is not None or index in local_keys:
-                continue
-            for group in rel.hidden_groups:
-                key = trace_key(rel, group)
-                if key in same_step or key in history.through_while or group.descent is not None:
-                    continue
-                x = None if rel.x_var is None else xs[id(rel.x_var)]
-                same_step[key] = (x, rel.output_layout(group, dfs[df_key(rel, group)]))
+        for key, (index, group, instant) in self._plain_rolls(jac, history.through_while).items():
+            if key not in same_step and index not in local_keys and group.descent is None:
+                same_step[key] = instant
                 swapped[key] = old_eps[key]
         # The learning trace is ē^t, or ε^t without a filter (then read off ε^{t-1} where swapped).
         learning = new_filter if new_filter is not None else {k: v for k, v in new_eps.items() if k not in swapped}
         rest = history._replace(traces={k: v for k, v in history.traces.items() if k not in same_step}, instant={})
         return BackwardResidual(rest, learning_trace=learning,
                                 new_trace={k: v for k, v in new_eps.items() if k not in same_step},
-                                same_step=same_step, swapped=swapped, roll_jacobians=list(Ds) if swapped else None,
+                                same_step=same_step, swapped=swapped, roll_jacobians=list(jac[1]) if swapped else None,
                                 swapped_learn=new_filter is None)
+
+    def _plain_rolls(self, jac: Any, through_while: dict[Any, Any]) -> dict[Any, tuple[int, Any, tuple[Any, jax.Array]]]:
+        """Per trace key rolled plainly this step (``ε^t = D ε^{t-1} + x ⊗ df``, ``D`` its
+        group's Jacobian): the relation's index, the group and the ``(x, df)`` of ``x ⊗ df``."""
+        (xs, dfs), _ = jac
+        relations = self.graph.hidden_param_op_relations if self._rolls_plainly() else []
+        out = {}
+        for index, rel in enumerate(relations):
+            if rel.control_flow_context is not None:
+                continue
+            for group in rel.hidden_groups:
+                key = trace_key(rel, group)
+                if key not in through_while:
+                    x = None if rel.x_var is None else xs[id(rel.x_var)]
+                    out[key] = (index, group, (x, rel.output_layout(group, dfs[df_key(rel, group)])))
+        return out
 
     def _history_trace(self, old_etrace: Any, new_etrace: Any, jac: Any) -> BackwardTrace:
         # Single step: the one-step autodiff gradient already holds the instantaneous term, so
@@ -777,22 +785,15 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         # Elsewhere the history is ⟨Dᵀ g, ε^{t-1}⟩, with the history Jacobian (a descended group's
         # substep product; the partial Jacobian of a group whose members read each other's new
         # values).
-        (xs, dfs), Ds = jac
+        (_, dfs), Ds = jac
         history = self._history_jacobians(Ds, dfs)
         through_while = self._through_while(jac[0])
         read_past = self._groups_read_past_update()
         traces, instant = dict(old_etrace), {}
-        relations = self.graph.hidden_param_op_relations if self._rolls_plainly() else []
-        for rel in relations:
-            if rel.control_flow_context is not None:
-                continue
-            for group in rel.hidden_groups:
-                key = trace_key(rel, group)
-                simple = history[group.index] is Ds[group.index] and group.index not in read_past
-                if simple and key not in through_while:
-                    traces[key] = new_etrace[key]
-                    x = None if rel.x_var is None else xs[id(rel.x_var)]
-                    instant[key] = (x, rel.output_layout(group, dfs[df_key(rel, group)]))
+        for key, (_, group, term) in self._plain_rolls(jac, through_while).items():
+            if history[group.index] is Ds[group.index] and group.index not in read_past:
+                traces[key] = new_etrace[key]
+                instant[key] = term
         return BackwardTrace(traces, history, through_while, instant)
 
     def _same_step_in_history(self, rel: Any) -> bool:

@@ -431,6 +431,17 @@ def test_otpe_full_is_exact_when_d_is_the_leak(x64: None, batch: int | None) -> 
     assert max_rel_err(ref, got) < EXACT
 
 
+@pytest.mark.parametrize("batch", [None, 2])
+def test_otpe_full_with_a_clip_no_trace_reaches_is_exact(x64: None, batch: int | None) -> None:
+    """With a clip, the gradient is the estimate at the new trace minus its same-step term
+    (``x ⊗ (L ⊙ df)``, taken from the factors); a clip no value reaches leaves it exact."""
+    xs = inputs(4, batch)
+    ref = bptt_grads(LeakyTanh(), xs, batch_size=batch)
+    learner = compile_(LeakyTanh(), braintrace.OTPE, xs[0], batch, leak=0.9, trace_clip_abs=1e6)
+    assert not learner._plain_history
+    assert max_rel_err(ref, single_step_grads(learner, xs)) < EXACT
+
+
 def test_otpe_full_equals_d_rtrl_at_one_step(x64: None) -> None:
     xs = inputs(1, 2)
     ref = single_step_grads(compile_(MixedLeaky(dense=True), braintrace.D_RTRL, xs[0], 2), xs)
