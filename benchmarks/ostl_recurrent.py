@@ -1,6 +1,6 @@
-"""OSTLRecurrent on a recurrent LIF network: memory against BPTT, time against D_RTRL.
+"""OSTLRecurrent on a recurrent LIF network or a GRU: memory against BPTT, time against D_RTRL.
 
-``python -m benchmarks.ostl_recurrent [--hidden 256] [--batch 8] [--steps 100]``
+``python -m benchmarks.ostl_recurrent [--model lif|gru] [--hidden 256] [--batch 8] [--steps 100]``
 
 One jitted training step over a batch of sequences (states reset per batch) for BPTT,
 single-step D_RTRL, single-step OSTLRecurrent, and, for contrast, OSTLRecurrent with the
@@ -11,8 +11,11 @@ as a naive implementation would. It prints, measured in this run:
   and the ratio to BPTT;
 * ``time``: the median wall time of the step, and the ratio to D_RTRL.
 
-The model is :class:`benchmarks.models.LIF`: the recurrent spikes mix through a dense ETP
-matmul on ``[x, spikes]``, which D_RTRL cuts from ``D`` and OSTLRecurrent keeps (its diagonal).
+The default model is :class:`benchmarks.models.LIF`: the recurrent spikes mix through a dense
+ETP matmul on ``[x, spikes]``, which D_RTRL cuts from ``D`` and OSTLRecurrent keeps (its
+diagonal). :class:`benchmarks.models.GRU` mixes twice in series (its reset gate reads ``h``
+through one product before ``r h`` enters another), the second case of
+:mod:`braintrace._compiler.mixing_jacobian`.
 """
 
 from __future__ import annotations
@@ -37,8 +40,11 @@ def compiled_memory(step: Any, xs: jax.Array, ys: jax.Array) -> float:
                  - stats.alias_size_in_bytes)
 
 
-def _dense_blocks(fn: Callable[[jax.Array], jax.Array], hidden: jax.Array, forward: bool = False) -> jax.Array:
-    """The naive extraction: the dense Jacobian, then its per-position diagonal blocks."""
+def _dense_blocks(
+    fn: Callable[[jax.Array], jax.Array], hidden: jax.Array, forward: bool = False, mixing_axes: Any = None
+) -> jax.Array:
+    """The naive extraction: the dense Jacobian, then its per-position diagonal blocks (over
+    every axis, whichever ``mixing_axes`` the fallback would probe)."""
     shape, num_state = hidden.shape[:-1], hidden.shape[-1]
     full = (jax.jacfwd if forward else jax.jacrev)(fn)(hidden)
     positions = math.prod(shape)
@@ -81,18 +87,20 @@ def measure(setting: Setting, batch: int, steps: int, repeats: int, with_dense: 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser = argparse.ArgumentParser(description="OSTLRecurrent memory vs BPTT and time vs D_RTRL.")
+    parser.add_argument("--model", choices=("lif", "gru"), default="lif")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-dense", action="store_true", help="skip the dense-Jacobian contrast row")
     args = parser.parse_args(argv)
-    base = SETTINGS["lif256"]
-    setting = Setting(f"lif{args.hidden}", base.model, args.hidden, base.n_in, base.n_out)
+    base = SETTINGS[f"{args.model}256"]
+    setting = Setting(f"{args.model}{args.hidden}", base.model, args.hidden, base.n_in, base.n_out)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         rows = measure(setting, args.batch, args.steps, args.repeats, not args.no_dense)
-    print(f"device: {jax.devices()[0].device_kind}; LIF {args.hidden} neurons, batch {args.batch}, T={args.steps}")
+    print(f"device: {jax.devices()[0].device_kind}; {args.model.upper()} {args.hidden} units, batch {args.batch}, "
+          f"T={args.steps}")
     print(f"  {'method':<32}{'mem MiB':>10}{'mem/BPTT':>10}{'time ms':>10}{'time/D_RTRL':>13}")
     for name, r in rows.items():
         r["mem_vs_bptt"] = r["mem"] / rows["BPTT"]["mem"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from benchmarks import ostl_recurrent
 from benchmarks.__main__ import BF16_OF, METHODS, OTTT_METHODS, main
 
@@ -34,7 +36,9 @@ def test_learner_benchmark_reports_ottt_on_the_fixed_leak_lif() -> None:
     # The online learners' compiled memory is flat in T; BPTT's grows.
     assert rows["OTTT single"]["mem_growth"] < rows["BPTT"]["mem_growth"]
 
-def test_ostl_benchmark_reports_every_method() -> None:
-    rows = ostl_recurrent.main(["--hidden", "16", "--batch", "2", "--steps", "5", "--repeats", "1", "--no-dense"])
-    assert set(rows) == {"BPTT", "D_RTRL", "OSTLRecurrent"}
-    assert all(r["mem_vs_bptt"] > 0 and r["time_vs_drtrl"] > 0 for r in rows.values())
+@pytest.mark.parametrize("model", ["lif", "gru"])
+def test_ostl_benchmark_reports_every_method(model: str) -> None:
+    rows = ostl_recurrent.main(["--model", model, "--hidden", "8", "--batch", "2", "--steps", "5", "--repeats", "1"])
+    assert set(rows) == {"BPTT", "D_RTRL", "OSTLRecurrent", "OSTLRecurrent (dense Jacobian)"}
+    assert all(r["mem_vs_bptt"] > 0 for r in rows.values())
+    assert all(r["time_vs_drtrl"] > 0 for name, r in rows.items() if "dense" not in name)

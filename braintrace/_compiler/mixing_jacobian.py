@@ -11,17 +11,31 @@ This module computes the blocks exactly without it, in one forward-mode pass per
 
 1. A static analysis labels every element of every transition variable with the position it
    belongs to (``-1`` for none), following element-wise ops, within-position reductions and
-   the structural ops (concatenate, slice, reshape, broadcast, transpose, ...).
-2. Every mixing equation ``z = x @ W`` whose input ``x`` is hidden-derived gets a tangent rule
-   that keeps only the same-position part of its Jacobian: ``ż[..., n] = Σ_k [pos(x_k) =
-   pos(z_n)] W[k, n] ẋ[..., k]`` (for the usual layouts a gather and a scale, ``O(P)``).
-3. ``jacfwd`` with the tangent ``e_b`` set at every position at once then yields exactly the
+   the structural ops (concatenate, slice, reshape, broadcast, transpose, ...), and counts the
+   mixing ops each value has crossed.
+2. A mixing equation ``z = x @ W`` whose input ``x`` has crossed none keeps only the
+   same-position part of its Jacobian: ``ż[..., n] = Σ_k [pos(x_k) = pos(z_n)] W[k, n] ẋ[..., k]``
+   (for the usual layouts a gather and a scale, ``O(P)``).
+3. Two mixings in series (a GRU's ``r = σ([x, h] W_r)`` read by ``[x, r h] W_h``): the block of a
+   product of dense maps is not the product of their blocks, since the path from ``h[p]`` back to
+   ``h[p]`` may pass through any position ``q`` in between. With ``x`` the first mixing's input
+   (one column ``i(p)`` per position), ``k_g(q)`` its output column of slot ``g`` (a gate) at
+   ``q``, and ``m_g`` the element-wise derivative from that slot to the second mixing's input
+   ``y``, the second mixing's output column ``l`` at position ``p`` moves by
+
+   ``ż[l] = ẋ[i(p)] · Σ_g Σ_j m_g[j] H_g[j, l]``,  ``H_g[j, l] = W₁[i(p), k_g(pos j)] · W₂[j, l]``,
+
+   one product with a weight-only matrix per slot, ``O(P·N)`` like the mixing itself. The
+   forward pass carries the tangent in parts: the unmixed part, the same-position part of
+   mixed values (which may not enter another mixing), and per first mixing and slot the
+   derivative ``m_g`` seeded with ones on that slot's columns.
+4. ``jacfwd`` with the tangent ``e_b`` set at every position at once then yields exactly the
    diagonal blocks.
 
-This is exact when every path from ``h^{t-1}`` to ``h^t`` crosses at most one mixing op (the
-block of a product of two dense maps is not the product of their blocks) and the analysis
-recognises every op on the way; :func:`block_diagonal_plan` returns ``None`` otherwise and the
-caller falls back to the general (slower, still exact) per-position probing of
+This is exact when every path from ``h^{t-1}`` to ``h^t`` crosses at most two mixing ops, a
+first mixing read by a second reads one column per position, and the analysis recognises every
+op on the way; :func:`block_diagonal_plan` returns ``None`` otherwise and the caller falls back
+to the general (slower, still exact) per-position probing of
 :func:`braintrace._compiler.hidden_group.block_diagonal_last_dim`.
 
 Examples
@@ -34,12 +48,19 @@ Examples
 >>> d = structured_block_diagonal(plan, closed.jaxpr, closed.consts, [jnp.zeros((1, 2))])
 >>> d[..., 0, 0]  # tanh'(0) · W[n, n]
 Array([[0.5 , 0.25]], dtype=float32)
+
+Two mixings in series: ``∂h'_n/∂h_n = Σ_k W[n, k] · 1 · W[k, n]`` at zero, the diagonal of ``W²``:
+
+>>> closed = jax.make_jaxpr(lambda h: (h @ W) @ W)(jnp.zeros((1, 2)))
+>>> plan = block_diagonal_plan(closed.jaxpr, [False], (1, 2))
+>>> structured_block_diagonal(plan, closed.jaxpr, closed.consts, [jnp.zeros((1, 2))])[..., 0, 0]
+Array([[6.25  , 6.0625]], dtype=float32)
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence, TypeGuard
 
 import jax
 import jax.numpy as jnp
@@ -48,8 +69,9 @@ from jax.extend.core import Jaxpr, JaxprEqn, Literal, Var
 
 from braintrace._compatible_imports import split_jaxpr_invars
 from braintrace._compiler.jaxpr_graph import ELEMENTWISE_PRIMITIVES, subjaxprs
+from braintrace._op._rule_helpers import materialised
 
-__all__ = ["MixingRule", "BlockDiagonalPlan", "block_diagonal_plan", "structured_block_diagonal"]
+__all__ = ["MixingRule", "SeriesRule", "BlockDiagonalPlan", "block_diagonal_plan", "structured_block_diagonal"]
 
 Array = jax.Array
 
@@ -85,10 +107,42 @@ class MixingRule(NamedTuple):
     mask: np.ndarray
 
 
+class SeriesRule(NamedTuple):
+    """How a first mixing ``u = x W₁``, read element-wise by a second ``z = y W₂``, adds to it.
+
+    Attributes
+    ----------
+    first : int
+        ``id`` of the first mixing equation.
+    pre_cols : numpy.ndarray
+        ``(L,)``: for each column of ``z``, the column of ``x`` at the same position (``-1``:
+        none).
+    mid_cols : numpy.ndarray
+        ``(G, J)``: for each slot ``g`` of ``u`` and column ``j`` of ``y``, the column of ``u`` in
+        slot ``g`` at ``j``'s position (``-1``: none).
+    """
+
+    first: int
+    pre_cols: np.ndarray
+    mid_cols: np.ndarray
+
+
 class BlockDiagonalPlan(NamedTuple):
-    """The result of the analysis: one :class:`MixingRule` per mixing equation (by ``id``)."""
+    """The result of the analysis, keyed by the ``id`` of mixing equations.
+
+    Attributes
+    ----------
+    rules : dict
+        One :class:`MixingRule` per mixing equation.
+    series : dict
+        Per second mixing, one :class:`SeriesRule` per first mixing its input reads.
+    slots : dict
+        Per first mixing read by a second, the slot of each output column, ``(K,)``.
+    """
 
     rules: dict[int, MixingRule]
+    series: dict[int, tuple[SeriesRule, ...]]
+    slots: dict[int, np.ndarray]
 
 
 class _Unsupported(Exception):
@@ -96,14 +150,39 @@ class _Unsupported(Exception):
 
 
 class _Label(NamedTuple):
-    """Per-element position labels of one variable and whether it went through a mixing op."""
+    """Per-element position labels of one variable, the number of mixing ops it crossed, and
+    the first mixings it reads without having crossed a second."""
 
     ids: np.ndarray
-    mixed: bool
+    depth: int
+    sources: frozenset[int]
+
+
+class _FirstMixing(NamedTuple):
+    """Row-0 position labels of a first mixing's input and output, and its leading shape."""
+
+    x_ids: np.ndarray
+    out_ids: np.ndarray
+    leading: tuple[int, ...]
+
+
+class _Analysis:
+    """What the analysis collects while it walks a transition."""
+
+    def __init__(self, positions: np.ndarray) -> None:
+        self.positions = positions
+        self.rules: dict[int, MixingRule] = {}
+        self.series: dict[int, tuple[SeriesRule, ...]] = {}
+        self.slots: dict[int, np.ndarray] = {}
+        self.firsts: dict[int, _FirstMixing] = {}
 
 
 def _shape(v: Any) -> tuple[int, ...]:
     return tuple(v.aval.shape)
+
+
+def _is_var(v: Any) -> TypeGuard[Var]:
+    return isinstance(v, Var) and not isinstance(v, Literal)
 
 
 def block_diagonal_plan(
@@ -124,7 +203,7 @@ def block_diagonal_plan(
     -------
     BlockDiagonalPlan or None
         ``None`` when the transition is outside what the structured extraction handles
-        exactly (two mixing ops in series, an unknown op on a hidden-derived value, ...).
+        exactly (three mixing ops in series, an unknown op on a hidden-derived value, ...).
     """
     positions = np.arange(math.prod(varshape), dtype=np.int64).reshape(varshape)
     _, hidden_invars = split_jaxpr_invars(jaxpr, len(member_has_state_axis))
@@ -134,43 +213,43 @@ def block_diagonal_plan(
     ]
     if any(e.shape != _shape(v) for e, v in zip(expected, hidden_invars)):
         return None
-    labels: dict[Var, _Label] = {v: _Label(e, False) for v, e in zip(hidden_invars, expected)}
-    rules: dict[int, MixingRule] = {}
+    labels: dict[Var, _Label] = {v: _Label(e, 0, frozenset()) for v, e in zip(hidden_invars, expected)}
+    analysis = _Analysis(positions)
     try:
-        _analyse(jaxpr, labels, rules, positions)
+        _analyse(jaxpr, labels, analysis)
     except _Unsupported:
         return None
     for v, want in zip(jaxpr.outvars, expected):
-        got = labels.get(v) if isinstance(v, Var) and not isinstance(v, Literal) else None
+        got = labels.get(v) if _is_var(v) else None
         if got is not None and not np.all((got.ids == want) | (got.ids < 0)):
             return None
-    return BlockDiagonalPlan(rules)
+    return BlockDiagonalPlan(analysis.rules, analysis.series, analysis.slots)
 
 
-def _analyse(jaxpr: Jaxpr, labels: dict[Var, _Label], rules: dict[int, MixingRule], positions: np.ndarray) -> None:
+def _analyse(jaxpr: Jaxpr, labels: dict[Var, _Label], analysis: _Analysis) -> None:
     for eqn in jaxpr.eqns:
-        ins = [labels.get(v) if isinstance(v, Var) and not isinstance(v, Literal) else None for v in eqn.invars]
+        ins = [labels.get(v) if _is_var(v) else None for v in eqn.invars]
         if all(lab is None for lab in ins):
             continue
-        for v, lab in zip(eqn.outvars, _eqn_labels(eqn, ins, rules, positions)):
+        for v, lab in zip(eqn.outvars, _eqn_labels(eqn, ins, analysis)):
             labels[v] = lab
 
 
-def _eqn_labels(
-    eqn: JaxprEqn, ins: list[_Label | None], rules: dict[int, MixingRule], positions: np.ndarray
-) -> list[_Label]:
+def _eqn_labels(eqn: JaxprEqn, ins: list[_Label | None], analysis: _Analysis) -> list[_Label]:
     name = eqn.primitive.name
-    mixed = any(lab.mixed for lab in ins if lab is not None)
+    known = [lab for lab in ins if lab is not None]
+    depth = max(lab.depth for lab in known)
+    sources = frozenset().union(*(lab.sources for lab in known))
     if name in ELEMENTWISE_PRIMITIVES:
-        return [_Label(_merge(eqn, ins), mixed) for _ in eqn.outvars]
+        return [_Label(_merge(eqn, ins), depth, sources) for _ in eqn.outvars]
     if name in _STRUCTURAL:
-        return [_Label(ids, mixed) for ids in _structural(eqn, ins)]
+        return [_Label(ids, depth, sources) for ids in _structural(eqn, ins)]
     if name in _REDUCTIONS:
-        return [_Label(_reduce(eqn, ins[0]), mixed)]
+        return [_Label(_reduce(eqn, ins[0]), depth, sources)]
     if name in _CALLS:
-        return _call(eqn, ins, positions)
+        return _call(eqn, ins, analysis.positions, depth, sources)
     if name == "dot_general" or name in _ETP_DENSE:
-        return [_mixing(eqn, ins, rules, positions)]
+        return [_mixing(eqn, ins, analysis)]
     raise _Unsupported(name)
 
 
@@ -216,27 +295,29 @@ def _reduce(eqn: JaxprEqn, lab: _Label | None) -> np.ndarray:
     return np.asarray(ref)
 
 
-def _call(eqn: JaxprEqn, ins: list[_Label | None], positions: np.ndarray) -> list[_Label]:
+def _call(
+    eqn: JaxprEqn, ins: list[_Label | None], positions: np.ndarray, depth: int, sources: frozenset[int]
+) -> list[_Label]:
     bodies = list(subjaxprs(eqn))
     if len(bodies) != 1 or len(bodies[0].invars) != len(eqn.invars):
         raise _Unsupported(eqn.primitive.name)
     body = bodies[0]
     inner = {v: lab for v, lab in zip(body.invars, ins) if lab is not None}
-    inner_rules: dict[int, MixingRule] = {}
-    _analyse(body, inner, inner_rules, positions)
-    if inner_rules:
+    inner_analysis = _Analysis(positions)
+    _analyse(body, inner, inner_analysis)
+    if inner_analysis.rules:
         # A mixing op inside a call would need the call rewritten too; leave it to the fallback.
         raise _Unsupported(f"mixing inside {eqn.primitive.name}")
-    mixed = any(lab.mixed for lab in ins if lab is not None)
     return [
-        inner.get(v, _Label(np.full(_shape(v), -1, np.int64), mixed)) if isinstance(v, Var) else
-        _Label(np.full((), -1, np.int64), mixed)
+        inner.get(v, _Label(np.full(_shape(v), -1, np.int64), depth, sources)) if isinstance(v, Var) else
+        _Label(np.full((), -1, np.int64), depth, sources)
         for v in body.outvars
     ]
 
 
-def _mixing(eqn: JaxprEqn, ins: list[_Label | None], rules: dict[int, MixingRule], positions: np.ndarray) -> _Label:
-    """A dense ``x @ W`` with a hidden-derived ``x``: record its same-position mask."""
+def _mixing(eqn: JaxprEqn, ins: list[_Label | None], analysis: _Analysis) -> _Label:
+    """A dense ``x @ W`` with a hidden-derived ``x``: record its same-position mask, and for a
+    second mixing in series what it needs of each first one."""
     name = eqn.primitive.name
     if name == "dot_general":
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
@@ -245,10 +326,12 @@ def _mixing(eqn: JaxprEqn, ins: list[_Label | None], rules: dict[int, MixingRule
         if not standard or len(_shape(eqn.invars[1])) != 2:
             raise _Unsupported("dot_general layout")
     x_lab, others = ins[0], ins[1:]
-    if x_lab is None or any(lab is not None for lab in others) or x_lab.mixed:
-        raise _Unsupported("mixing of a mixed value, or of a hidden-derived weight")
+    if x_lab is None or any(lab is not None for lab in others):
+        raise _Unsupported("mixing of a hidden-derived weight")
+    if x_lab.depth >= 2:
+        raise _Unsupported("three mixings in series")
     out_shape = _shape(eqn.outvars[0])
-    out_ids = _output_positions(out_shape, positions)
+    out_ids = _output_positions(out_shape, analysis.positions)
     x_ids = x_lab.ids
     if x_ids.shape[:-1] != out_shape[:-1]:
         raise _Unsupported("mixing changes the leading axes")
@@ -259,8 +342,49 @@ def _mixing(eqn: JaxprEqn, ins: list[_Label | None], rules: dict[int, MixingRule
     mask = (xs[0][:, None] == outs[0][None, :]) & (xs[0][:, None] >= 0)
     counts = mask.sum(axis=0)
     select = np.where(counts == 1, mask.argmax(axis=0), -1) if np.all(counts <= 1) else None
-    rules[id(eqn)] = MixingRule(0, select, mask)
-    return _Label(out_ids, True)
+    analysis.rules[id(eqn)] = MixingRule(0, select, mask)
+    leading = out_shape[:-1]
+    if x_lab.depth == 0:
+        analysis.firsts[id(eqn)] = _FirstMixing(xs[0], outs[0], leading)
+        return _Label(out_ids, 1, frozenset({id(eqn)}))
+    rules = []
+    for first_id in sorted(x_lab.sources):
+        first = analysis.firsts[first_id]
+        if first.leading != leading:
+            raise _Unsupported("mixings in series over different leading axes")
+        slots = _slots(first.out_ids)
+        analysis.slots[first_id] = slots
+        rules.append(SeriesRule(first_id, _column_at(first.x_ids, outs[0]), _slot_columns(first.out_ids, slots, xs[0])))
+    analysis.series[id(eqn)] = tuple(rules)
+    return _Label(out_ids, 2, frozenset())
+
+
+def _slots(ids: np.ndarray) -> np.ndarray:
+    """The slot of each column: how many earlier columns carry its position."""
+    slots = np.zeros(ids.shape, np.int64)
+    seen: dict[int, int] = {}
+    for c, p in enumerate(ids.tolist()):
+        slots[c] = seen.get(p, 0)
+        seen[p] = slots[c] + 1
+    return slots
+
+
+def _column_at(ids: np.ndarray, wanted: np.ndarray) -> np.ndarray:
+    """For each wanted position, the one column of ``ids`` carrying it (``-1``: none)."""
+    valid = ids[ids >= 0]
+    if len(np.unique(valid)) != len(valid):
+        raise _Unsupported("a first mixing in series reads a position twice")
+    where = {p: c for c, p in enumerate(ids.tolist()) if p >= 0}
+    return np.array([where.get(p, -1) if p >= 0 else -1 for p in wanted.tolist()], np.int64)
+
+
+def _slot_columns(ids: np.ndarray, slots: np.ndarray, wanted: np.ndarray) -> np.ndarray:
+    """``(G, len(wanted))``: per slot, the column of ``ids`` in that slot at each wanted position."""
+    where = {(p, s): c for c, (p, s) in enumerate(zip(ids.tolist(), slots.tolist()))}
+    num_slots = int(slots.max()) + 1 if slots.size else 0
+    return np.array(
+        [[where.get((p, g), -1) if p >= 0 else -1 for p in wanted.tolist()] for g in range(num_slots)], np.int64
+    ).reshape(num_slots, len(wanted))
 
 
 def _rows_shifted(xs: np.ndarray, outs: np.ndarray) -> bool:
@@ -294,6 +418,11 @@ def _output_positions(out_shape: tuple[int, ...], positions: np.ndarray) -> np.n
 
 # --- evaluation ---------------------------------------------------------------------------
 
+# The parts a tangent is carried in: not yet mixed, and the same-position part of mixed values.
+# A first mixing read by a second adds one part per slot, keyed ``(id(eqn), slot)``.
+_PURE, _SAME_POSITION = "pure", "same-position"
+_Parts = dict[Any, Array]
+
 
 def _bind(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
     params = eqn.primitive.get_bind_params(eqn.params)
@@ -311,27 +440,42 @@ def _mixing_weight(eqn: JaxprEqn, invals: Sequence[Any]) -> Array:
     return jnp.asarray(w)
 
 
-def _masked_mixing(eqn: JaxprEqn, rule: MixingRule) -> Callable[..., Any]:
-    """The equation as a function whose tangent keeps only the same-position part."""
+def _same_position_tangent(rule: MixingRule, w: Array, x_dot: Array) -> Array:
+    """The same-position part of ``ẋ @ W``."""
+    if rule.select is not None:
+        cols = np.maximum(rule.select, 0)
+        scale = jnp.where(jnp.asarray(rule.select >= 0), w[cols, jnp.arange(w.shape[1])], 0)
+        return x_dot[..., cols] * scale
+    return x_dot @ (w * jnp.asarray(rule.mask, w.dtype))
 
-    @jax.custom_jvp
-    def fn(*invals: Any) -> Any:
-        return _bind(eqn, invals)[0]
 
-    @fn.defjvp
-    def fn_jvp(primals: Any, tangents: Any) -> Any:
-        # Only ``x`` carries a tangent here: the weights are held fixed (stop_gradient-ed).
-        out = fn(*primals)
-        x_dot = tangents[rule.operand]
-        w = _mixing_weight(eqn, primals).astype(out.dtype)
-        x_dot = jnp.asarray(x_dot, out.dtype)
-        if rule.select is not None:
-            cols = np.maximum(rule.select, 0)
-            scale = jnp.where(jnp.asarray(rule.select >= 0), w[cols, jnp.arange(w.shape[1])], 0)
-            return out, x_dot[..., cols] * scale
-        return out, x_dot @ (w * jnp.asarray(rule.mask, w.dtype))
+def _series_tangent(rule: SeriesRule, slot: int, w1: Array, w2: Array, x1_dot: Array, mid: Array) -> Array:
+    """``ẋ₁[i(p)] · (m_g @ H_g)`` for one first mixing and slot (see the module docstring)."""
+    pre_ok, mid_ok = rule.pre_cols >= 0, rule.mid_cols[slot] >= 0
+    rows, cols = np.maximum(rule.pre_cols, 0), np.maximum(rule.mid_cols[slot], 0)
+    h = jnp.where(jnp.asarray(mid_ok[:, None] & pre_ok[None, :]), w1[rows[None, :], cols[:, None]] * w2, 0)
+    return jnp.where(jnp.asarray(pre_ok), x1_dot[..., rows], 0) * (mid @ h)
 
-    return fn
+
+def _elementwise_tangents(eqn: JaxprEqn, invals: list[Any], parts: list[_Parts]) -> list[_Parts]:
+    """Push each tangent part through a non-mixing equation by its own JVP."""
+    carried = [i for i, p in enumerate(parts) if p]
+
+    def fn(*vals: Any) -> list[Any]:
+        full = list(invals)
+        for i, v in zip(carried, vals):
+            full[i] = v
+        return _bind(eqn, full)
+
+    keys = list(dict.fromkeys(k for i in carried for k in parts[i]))
+    outs: list[_Parts] = [{} for _ in eqn.outvars]
+    for key in keys:
+        tangents = [parts[i].get(key, jnp.zeros_like(invals[i])) for i in carried]
+        _, out_dots = jax.jvp(fn, [invals[i] for i in carried], tangents)
+        for out, dot in zip(outs, out_dots):
+            if dot.dtype != jax.dtypes.float0:
+                out[key] = dot
+    return outs
 
 
 def structured_block_diagonal(
@@ -352,25 +496,63 @@ def structured_block_diagonal(
     if split is None:
         split = lambda s: [s[..., i] for i in range(s.shape[-1])]  # noqa: E731
     consts = [jax.lax.stop_gradient(c) for c in consts]
-    mixers = {i: _masked_mixing(e, plan.rules[id(e)]) for i, e in enumerate(jaxpr.eqns) if id(e) in plan.rules}
     constvars, hidden_invars = split_jaxpr_invars(jaxpr, len(hidden_vals))
+    stacked = jax.lax.stop_gradient(concat(hidden_vals))
+    # Without mixings in series the same-position part never meets a mixing again, so it
+    # travels with the unmixed part as one tangent.
+    same_position = _SAME_POSITION if plan.series else _PURE
 
-    def fn(stacked: Array) -> Array:
+    def column(direction: Array) -> Array:
         env: dict[Var, Any] = dict(zip(constvars, consts))
         env.update(zip(hidden_invars, split(stacked)))
+        tangents: dict[Var, _Parts] = {v: {_PURE: d} for v, d in zip(hidden_invars, split(direction))}
+        first_inputs: dict[int, tuple[Array, Array]] = {}
 
         def read(v: Any) -> Any:
             return v.val if isinstance(v, Literal) else env[v]
 
-        for i, eqn in enumerate(jaxpr.eqns):
+        for eqn in jaxpr.eqns:
             invals = [read(v) for v in eqn.invars]
-            outs = [mixers[i](*invals)] if i in mixers else _bind(eqn, invals)
+            outs = _bind(eqn, invals)
             env.update(zip(eqn.outvars, outs))
-        return concat([read(v) for v in jaxpr.outvars])
+            parts = [tangents.get(v, {}) if _is_var(v) else {} for v in eqn.invars]
+            if not any(parts):
+                continue
+            rule = plan.rules.get(id(eqn))
+            if rule is None:
+                tangents.update(zip(eqn.outvars, _elementwise_tangents(eqn, invals, parts)))
+                continue
+            dtype = outs[0].dtype
+            w = _mixing_weight(eqn, invals).astype(dtype)
+            x_parts = parts[rule.operand]
+            out: _Parts = {}
+            if _PURE in x_parts:
+                out[same_position] = _same_position_tangent(rule, w, x_parts[_PURE].astype(dtype))
+            slots = plan.slots.get(id(eqn))
+            if slots is not None:
+                first_inputs[id(eqn)] = (w, x_parts.get(_PURE, jnp.zeros_like(invals[rule.operand])).astype(dtype))
+                for g in range(int(slots.max()) + 1):
+                    out[(id(eqn), g)] = jnp.broadcast_to(jnp.asarray(slots == g, dtype), outs[0].shape)
+            for series in plan.series.get(id(eqn), ()):
+                w1, x1_dot = first_inputs[series.first]
+                for g in range(series.mid_cols.shape[0]):
+                    mid = x_parts.get((series.first, g))
+                    if mid is not None:
+                        term = _series_tangent(series, g, w1, w, x1_dot, mid.astype(dtype))
+                        out[same_position] = out[same_position] + term if same_position in out else term
+            tangents[eqn.outvars[0]] = out
 
-    stacked = jax.lax.stop_gradient(concat(hidden_vals))
+        def total(v: Any) -> Array:
+            parts = tangents.get(v, {}) if _is_var(v) else {}
+            kept = [parts[k] for k in (_PURE, _SAME_POSITION) if k in parts]
+            return sum(kept[1:], kept[0]) if kept else jnp.zeros_like(read(v))
+
+        return concat([total(v) for v in jaxpr.outvars])
+
     num_state = stacked.shape[-1]
     eye = jnp.eye(num_state, dtype=stacked.dtype).reshape(num_state, *([1] * (stacked.ndim - 1)), num_state)
-    tangents = jnp.broadcast_to(eye, (num_state, *stacked.shape))
-    cols = jax.vmap(lambda t: jax.jvp(fn, (stacked,), (t,))[1])(tangents)
-    return jnp.moveaxis(cols, 0, -1)  # cols[b, ..., a] -> [..., a, b]
+    directions = jnp.broadcast_to(eye, (num_state, *stacked.shape))
+    cols = jax.vmap(column)(directions)
+    # Computed once: the trace update that broadcasts the blocks would otherwise recompute
+    # the whole tangent pass for every trace entry.
+    return materialised(jnp.moveaxis(cols, 0, -1))  # cols[b, ..., a] -> [..., a, b]

@@ -49,16 +49,16 @@ def _fn(group: Any, inputs: list) -> Any:
 
 @pytest.mark.parametrize("batch", [None, 3])
 @pytest.mark.parametrize(
-    "model, structured",
-    [(models.LIF, True), (models.VanillaRNN, True), (models.LSTM, True), (models.LeakyRNN, True), (models.GRU, False)],
+    "model, in_series",
+    [(models.LIF, False), (models.VanillaRNN, False), (models.LSTM, False), (models.LeakyRNN, False), (models.GRU, True)],
     ids=lambda v: getattr(v, "__name__", str(v)),
 )
-def test_blocks_equal_the_dense_jacobian_blocks(model: Any, structured: bool, batch: int | None, quiet: list) -> None:
+def test_blocks_equal_the_dense_jacobian_blocks(model: Any, in_series: bool, batch: int | None, quiet: list) -> None:
     for group, hidden, inputs in _group_case(model(), batch):
         assert not group.is_diagonal_recurrence
-        # GRU mixes twice in series (r = σ([x, h] W_r), then [x, r h] W_h): the blocks of a
-        # product are not products of blocks, so the structured path must refuse it.
-        assert (group._mixing_plan() is not None) is structured
+        # GRU mixes twice in series (r = σ([x, h] W_r), then [x, r h] W_h).
+        plan = group._mixing_plan()
+        assert plan is not None and bool(plan.series) is in_series
         # Only the unit axis mixes: the fallback probes the batch rows together.
         assert group._mixing_axes(group.concat_hidden(hidden)) == [0 if batch is None else 1]
         got = jax.jit(group.diagonal_jacobian)(hidden, inputs)
@@ -79,10 +79,86 @@ def test_a_permutation_after_the_mixing_is_refused_and_the_fallback_is_exact() -
     np.testing.assert_allclose(got, _dense_blocks(fn, h), rtol=1e-6, atol=1e-7)
 
 
-def test_two_mixings_in_series_are_refused() -> None:
+def test_three_mixings_in_series_are_refused() -> None:
     w = jax.random.normal(jax.random.PRNGKey(0), (4, 4))
-    closed = jax.make_jaxpr(lambda h: jnp.tanh(jnp.tanh(h @ w) @ w))(jnp.zeros(4))
+    closed = jax.make_jaxpr(lambda h: jnp.tanh(jnp.tanh(jnp.tanh(h @ w) @ w) @ w))(jnp.zeros(4))
     assert block_diagonal_plan(closed.jaxpr, [False], (4,)) is None
+
+
+def _structured(step: Any, h: jax.Array, num_state: int | None = None) -> tuple[Any, Any, Any]:
+    """The plan, the structured blocks and the dense blocks of ``step`` (one member)."""
+    closed = jax.make_jaxpr(step)(h)
+    has_axis = num_state is not None
+    plan = block_diagonal_plan(closed.jaxpr, [has_axis], h.shape[:-1] if has_axis else h.shape)
+    assert plan is not None
+    kw = dict(concat=lambda v: v[0], split=lambda s: [s]) if has_axis else {}
+    got = jax.jit(lambda h: structured_block_diagonal(plan, closed.jaxpr, closed.consts, [h], **kw))(h)
+    ref = _dense_blocks(step, h) if has_axis else _dense_blocks(lambda s: step(s[..., 0])[..., None], h[..., None])
+    return plan, got, ref
+
+
+@pytest.mark.parametrize("batch", [(), (3,)])
+def test_two_mixings_in_series_with_stacked_gates(batch: tuple[int, ...]) -> None:
+    """Two gates from one first mixing (two slots), one read directly and one through a second
+    mixing that also reads ``h`` unmixed; a second first mixing feeds the second as well."""
+    x = jax.random.normal(jax.random.PRNGKey(13), (*batch, 2))
+    u = jax.random.normal(jax.random.PRNGKey(14), (2 + 5, 10))
+    v = jax.random.normal(jax.random.PRNGKey(15), (5, 5))
+    w = jax.random.normal(jax.random.PRNGKey(16), (2 + 5, 5))
+
+    def step(h: jax.Array) -> jax.Array:
+        a, r = jnp.split(jax.nn.sigmoid(jnp.concatenate([x, h], axis=-1) @ u), 2, axis=-1)
+        q = jnp.sin(h @ v)
+        cand = jnp.tanh(jnp.concatenate([x, r * h + q * q], axis=-1) @ w)
+        return (1 - a) * h + a * cand
+
+    h = jax.random.normal(jax.random.PRNGKey(17), (*batch, 5))
+    plan, got, ref = _structured(step, h)
+    ((second, rules),) = plan.series.items()
+    assert len(rules) == 2 and sorted(int(s.max()) + 1 for s in plan.slots.values()) == [1, 2]
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    # The negative control: without the series terms, the second mixing's blocks are those of
+    # its unmixed input alone.
+    no_series = plan._replace(series={second: ()})
+    closed = jax.make_jaxpr(step)(h)
+    wrong = structured_block_diagonal(no_series, closed.jaxpr, closed.consts, [h])
+    assert not np.allclose(wrong, ref, rtol=1e-3, atol=1e-3)
+
+
+def test_two_mixings_in_series_on_a_state_axis() -> None:
+    """A two-state member: the first mixing reads state 0, the second reads state 1 gated by it."""
+    u = jax.random.normal(jax.random.PRNGKey(18), (4, 4))
+    w = jax.random.normal(jax.random.PRNGKey(19), (4, 4))
+
+    def step(h: jax.Array) -> jax.Array:
+        gate = jax.nn.sigmoid(h[..., 0] @ u)
+        new1 = jnp.tanh((gate * h[..., 1]) @ w) + 0.5 * h[..., 1]
+        return jnp.stack([0.9 * h[..., 0] + new1, new1 * h[..., 0]], axis=-1)
+
+    h = jax.random.normal(jax.random.PRNGKey(20), (2, 4, 2))
+    plan, got, ref = _structured(step, h, num_state=2)
+    assert plan.series
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_first_mixing_reading_a_position_twice_is_refused_in_series() -> None:
+    """``[h, h²] @ U`` read by a second mixing: the pre-factor is no longer one column per
+    position, so the plan is refused and the fallback is exact."""
+    u = jax.random.normal(jax.random.PRNGKey(21), (8, 4))
+    w = jax.random.normal(jax.random.PRNGKey(22), (4, 4))
+
+    def step(h: jax.Array) -> jax.Array:
+        return jnp.tanh((jax.nn.sigmoid(jnp.concatenate([h, h * h], axis=-1) @ u) * h) @ w)
+
+    h = jax.random.normal(jax.random.PRNGKey(23), (2, 4))
+    closed = jax.make_jaxpr(step)(h)
+    assert block_diagonal_plan(closed.jaxpr, [False], (2, 4)) is None
+
+    def fn(s: jax.Array) -> jax.Array:
+        return step(s[..., 0])[..., None]
+
+    got = jax.jit(lambda s: block_diagonal_last_dim(fn, s))(h[..., None])
+    np.testing.assert_allclose(got, _dense_blocks(fn, h[..., None]), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("batch", [(), (3,)])
@@ -153,3 +229,30 @@ def test_fallback_probes_the_mixing_axes_only(forward: bool, chunk_size: int | N
     # The negative control: a mixing axis probed as if it did not mix sums its positions' columns.
     wrong = block_diagonal_last_dim(fn, h, forward=forward, mixing_axes=[])
     assert not np.allclose(wrong, _dense_blocks(fn, h), rtol=1e-3, atol=1e-3)
+
+
+def _online_gradients(learner_of: Any) -> list[np.ndarray]:
+    model = models.GRU()
+    brainstate.nn.init_all_states(model, batch_size=2)
+    xs = jax.random.normal(jax.random.PRNGKey(24), (6, 2, 3))
+    learner = learner_of(model, xs[0])
+    grads = learner.etrace_grad(xs, step_fn=lambda x: jnp.sum(learner(x) ** 2))
+    return [np.asarray(g) for g in jax.tree.leaves(grads)]
+
+
+@pytest.mark.parametrize("algorithm, options", [(braintrace.OSTLRecurrent, {}), (braintrace.SnAp, {"n": 1})],
+                         ids=["OSTLRecurrent", "SnAp-1"])
+def test_a_gru_learner_reads_the_same_blocks_structured_or_probed(
+    algorithm: Any, options: dict, monkeypatch: Any, quiet: list
+) -> None:
+    """The learners that keep recurrent mixing in ``D`` give the same gradients on a GRU through
+    the series extraction as through the probing fallback (plan refused)."""
+    def learner_of(model: Any, x: jax.Array) -> Any:
+        return braintrace.compile(model, algorithm, x, batch_size=2, **options)
+
+    structured = _online_gradients(learner_of)
+    monkeypatch.setattr(braintrace._compiler.hidden_group.HiddenGroup, "_mixing_plan", lambda self: None)
+    probed = _online_gradients(learner_of)
+    assert len(structured) == len(probed) > 0
+    for got, ref in zip(structured, probed):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
