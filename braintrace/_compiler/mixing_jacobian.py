@@ -478,6 +478,38 @@ def _elementwise_tangents(eqn: JaxprEqn, invals: list[Any], parts: list[_Parts])
     return outs
 
 
+class _MixingTangents:
+    """The tangent parts a mixing equation produces, within one forward pass over the transition."""
+
+    def __init__(self, plan: BlockDiagonalPlan) -> None:
+        self.plan = plan
+        # Without mixings in series the same-position part never meets a mixing again, so it
+        # travels with the unmixed part as one tangent.
+        self.same_position = _SAME_POSITION if plan.series else _PURE
+        self.first_inputs: dict[int, tuple[Array, Array]] = {}
+
+    def __call__(self, eqn: JaxprEqn, rule: MixingRule, invals: list[Any], out: Array, x_parts: _Parts) -> _Parts:
+        w = _mixing_weight(eqn, invals).astype(out.dtype)
+        parts: _Parts = {}
+        same = self.same_position
+        if _PURE in x_parts:
+            parts[same] = _same_position_tangent(rule, w, x_parts[_PURE].astype(out.dtype))
+        slots = self.plan.slots.get(id(eqn))
+        if slots is not None:  # a first mixing read by a second: seed each slot's part
+            x_dot = x_parts.get(_PURE, jnp.zeros_like(invals[rule.operand])).astype(out.dtype)
+            self.first_inputs[id(eqn)] = (w, x_dot)
+            for g in range(int(slots.max()) + 1):
+                parts[(id(eqn), g)] = jnp.broadcast_to(jnp.asarray(slots == g, out.dtype), out.shape)
+        for series in self.plan.series.get(id(eqn), ()):  # a second mixing: close each path
+            w1, x1_dot = self.first_inputs[series.first]
+            for g in range(series.mid_cols.shape[0]):
+                mid = x_parts.get((series.first, g))
+                if mid is not None:
+                    term = _series_tangent(series, g, w1, w, x1_dot, mid.astype(out.dtype))
+                    parts[same] = parts[same] + term if same in parts else term
+        return parts
+
+
 def structured_block_diagonal(
     plan: BlockDiagonalPlan,
     jaxpr: Jaxpr,
@@ -498,15 +530,12 @@ def structured_block_diagonal(
     consts = [jax.lax.stop_gradient(c) for c in consts]
     constvars, hidden_invars = split_jaxpr_invars(jaxpr, len(hidden_vals))
     stacked = jax.lax.stop_gradient(concat(hidden_vals))
-    # Without mixings in series the same-position part never meets a mixing again, so it
-    # travels with the unmixed part as one tangent.
-    same_position = _SAME_POSITION if plan.series else _PURE
 
     def column(direction: Array) -> Array:
         env: dict[Var, Any] = dict(zip(constvars, consts))
         env.update(zip(hidden_invars, split(stacked)))
         tangents: dict[Var, _Parts] = {v: {_PURE: d} for v, d in zip(hidden_invars, split(direction))}
-        first_inputs: dict[int, tuple[Array, Array]] = {}
+        mixing_tangents = _MixingTangents(plan)
 
         def read(v: Any) -> Any:
             return v.val if isinstance(v, Literal) else env[v]
@@ -521,26 +550,8 @@ def structured_block_diagonal(
             rule = plan.rules.get(id(eqn))
             if rule is None:
                 tangents.update(zip(eqn.outvars, _elementwise_tangents(eqn, invals, parts)))
-                continue
-            dtype = outs[0].dtype
-            w = _mixing_weight(eqn, invals).astype(dtype)
-            x_parts = parts[rule.operand]
-            out: _Parts = {}
-            if _PURE in x_parts:
-                out[same_position] = _same_position_tangent(rule, w, x_parts[_PURE].astype(dtype))
-            slots = plan.slots.get(id(eqn))
-            if slots is not None:
-                first_inputs[id(eqn)] = (w, x_parts.get(_PURE, jnp.zeros_like(invals[rule.operand])).astype(dtype))
-                for g in range(int(slots.max()) + 1):
-                    out[(id(eqn), g)] = jnp.broadcast_to(jnp.asarray(slots == g, dtype), outs[0].shape)
-            for series in plan.series.get(id(eqn), ()):
-                w1, x1_dot = first_inputs[series.first]
-                for g in range(series.mid_cols.shape[0]):
-                    mid = x_parts.get((series.first, g))
-                    if mid is not None:
-                        term = _series_tangent(series, g, w1, w, x1_dot, mid.astype(dtype))
-                        out[same_position] = out[same_position] + term if same_position in out else term
-            tangents[eqn.outvars[0]] = out
+            else:
+                tangents[eqn.outvars[0]] = mixing_tangents(eqn, rule, invals, outs[0], parts[rule.operand])
 
         def total(v: Any) -> Array:
             parts = tangents.get(v, {}) if _is_var(v) else {}

@@ -50,7 +50,8 @@ def _fn(group: Any, inputs: list) -> Any:
 @pytest.mark.parametrize("batch", [None, 3])
 @pytest.mark.parametrize(
     "model, in_series",
-    [(models.LIF, False), (models.VanillaRNN, False), (models.LSTM, False), (models.LeakyRNN, False), (models.GRU, True)],
+    [(models.LIF, False), (models.VanillaRNN, False), (models.LSTM, False), (models.LeakyRNN, False),
+     (models.GRU, True)],
     ids=lambda v: getattr(v, "__name__", str(v)),
 )
 def test_blocks_equal_the_dense_jacobian_blocks(model: Any, in_series: bool, batch: int | None, quiet: list) -> None:
