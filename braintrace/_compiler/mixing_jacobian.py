@@ -1,7 +1,7 @@
 """Per-position Jacobian blocks of hidden transitions that mix positions through dense weights.
 
-With ``include_recurrent_mixing=True`` a group's transition may contain dense mixing ops
-(``h @ W``, ``braintrace.matmul(s, W)``, ``concatenate([x, h]) @ W``): the Jacobian
+With ``include_recurrent_mixing=True`` a group's transition may contain mixing ops (``h @ W``,
+``braintrace.matmul(s, W)``, ``concatenate([x, h]) @ W``, ``braintrace.conv``): the Jacobian
 ``∂h^t/∂h^{t-1}`` is then dense over positions, yet the learners only need its per-position
 ``(S, S)`` blocks ``D[p, a, b] = ∂h^t[p, a] / ∂h^{t-1}[p, b]``. Materialising the dense
 ``(P·S)²`` Jacobian to read its diagonal blocks costs quadratic memory in the number of
@@ -15,7 +15,9 @@ This module computes the blocks exactly without it, in one forward-mode pass per
    mixing ops each value has crossed.
 2. A mixing equation ``z = x @ W`` whose input ``x`` has crossed none keeps only the
    same-position part of its Jacobian: ``ż[..., n] = Σ_k [pos(x_k) = pos(z_n)] W[k, n] ẋ[..., k]``
-   (for the usual layouts a gather and a scale, ``O(P)``).
+   (for the usual layouts a gather and a scale, ``O(P)``). A convolution (stride 1) keeps the
+   kernel's tap that reads the output's own location, between the channels at one position:
+   one convolution of ``ẋ`` with that masked kernel.
 3. Two mixings in series (a GRU's ``r = σ([x, h] W_r)`` read by ``[x, r h] W_h``): the block of a
    product of dense maps is not the product of their blocks, since the path from ``h[p]`` back to
    ``h[p]`` may pass through any position ``q`` in between. With ``x`` the first mixing's input
@@ -32,9 +34,9 @@ This module computes the blocks exactly without it, in one forward-mode pass per
 4. ``jacfwd`` with the tangent ``e_b`` set at every position at once then yields exactly the
    diagonal blocks.
 
-This is exact when every path from ``h^{t-1}`` to ``h^t`` crosses at most two mixing ops, a
-first mixing read by a second reads one column per position, and the analysis recognises every
-op on the way; :func:`block_diagonal_plan` returns ``None`` otherwise and the caller falls back
+This is exact when every path from ``h^{t-1}`` to ``h^t`` crosses at most two mixing ops (a
+convolution only one), a first mixing read by a second reads one column per position, and the
+analysis recognises every op on the way; :func:`block_diagonal_plan` returns ``None`` otherwise and the caller falls back
 to the general (slower, still exact) per-position probing of
 :func:`braintrace._compiler.hidden_group.block_diagonal_last_dim`.
 
@@ -85,6 +87,7 @@ _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"
 _CALLS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "pjit", "jit",
                     "closed_call", "core_call", "remat", "checkpoint"})
 _ETP_DENSE = frozenset({"etp_mm", "etp_mv"})
+_ETP_CONV = "etp_conv"
 
 
 class MixingRule(NamedTuple):
@@ -96,10 +99,12 @@ class MixingRule(NamedTuple):
         Index in ``eqn.invars`` of the hidden-derived input ``x``.
     select : numpy.ndarray or None
         ``(N,)``: for each output column the one input column at the same position (``-1``:
-        none). Set when no column meets more than one input column.
+        none). Set when no column meets more than one input column (dense mixings only).
     mask : numpy.ndarray
-        ``(K, N)`` bool: ``mask[k, n]`` when input column ``k`` and output column ``n`` are at
-        the same position.
+        Shaped like the weight, bool: the weight entries that join an input element to an
+        output element at the same position (dense ``(K, N)``: ``mask[k, n]`` when input column
+        ``k`` and output column ``n`` are at the same position; a convolution's kernel: the
+        taps that read the output's own location, between channels at the same position).
     """
 
     operand: int
@@ -250,6 +255,8 @@ def _eqn_labels(eqn: JaxprEqn, ins: list[_Label | None], analysis: _Analysis) ->
         return _call(eqn, ins, analysis.positions, depth, sources)
     if name == "dot_general" or name in _ETP_DENSE:
         return [_mixing(eqn, ins, analysis)]
+    if name == _ETP_CONV:
+        return [_conv_mixing(eqn, ins, analysis)]
     raise _Unsupported(name)
 
 
@@ -349,7 +356,9 @@ def _mixing(eqn: JaxprEqn, ins: list[_Label | None], analysis: _Analysis) -> _La
         return _Label(out_ids, 1, frozenset({id(eqn)}))
     rules = []
     for first_id in sorted(x_lab.sources):
-        first = analysis.firsts[first_id]
+        first = analysis.firsts.get(first_id)
+        if first is None:
+            raise _Unsupported("a convolution in series with another mixing")
         if first.leading != leading:
             raise _Unsupported("mixings in series over different leading axes")
         slots = _slots(first.out_ids)
@@ -357,6 +366,52 @@ def _mixing(eqn: JaxprEqn, ins: list[_Label | None], analysis: _Analysis) -> _La
         rules.append(SeriesRule(first_id, _column_at(first.x_ids, outs[0]), _slot_columns(first.out_ids, slots, xs[0])))
     analysis.series[id(eqn)] = tuple(rules)
     return _Label(out_ids, 2, frozenset())
+
+
+def _conv_mixing(eqn: JaxprEqn, ins: list[_Label | None], analysis: _Analysis) -> _Label:
+    """``braintrace.conv`` of a hidden-derived ``x`` (stride 1, no input dilation or groups): the
+    same-position part is the convolution with the kernel masked to the tap that reads the
+    output's own location, between the channels at one position."""
+    params = eqn.params
+    x_lab, others = ins[0], ins[1:]
+    if x_lab is None or any(lab is not None for lab in others):
+        raise _Unsupported("a convolution of a hidden-derived kernel")
+    if x_lab.depth >= 1:
+        raise _Unsupported("a convolution in series with another mixing")
+    x_shape, k_shape, out_shape = _shape(eqn.invars[0]), _shape(eqn.invars[1]), _shape(eqn.outvars[0])
+    out_ids = _output_positions(out_shape, analysis.positions)
+    x_ids = x_lab.ids
+    if len(x_shape) != len(k_shape) or any(s != 1 for s in params["strides"]) \
+            or any(d != 1 for d in params["lhs_dilation"] or ()) \
+            or params["feature_group_count"] != 1 or params["batch_group_count"] != 1:
+        raise _Unsupported("a strided, input-dilated or grouped convolution")
+    lhs_spec, rhs_spec, out_spec = jax.lax.conv_dimension_numbers(x_shape, k_shape, params["dimension_numbers"])
+    rhs_dilation = params["rhs_dilation"] or (1,) * len(params["strides"])
+    window = [(k_shape[a] - 1) * d + 1 for a, d in zip(rhs_spec[2:], rhs_dilation)]
+    padding = params["padding"]
+    pads = jax.lax.padtype_to_pads([x_shape[a] for a in lhs_spec[2:]], window, params["strides"], padding) \
+        if isinstance(padding, str) else list(padding)
+    # Rows: one per batch entry and location; columns: the channels there.
+    xs = np.transpose(x_ids, (lhs_spec[0], *lhs_spec[2:], lhs_spec[1])).reshape(-1, x_shape[lhs_spec[1]])
+    outs = np.transpose(out_ids, (out_spec[0], *out_spec[2:], out_spec[1]))
+    outs = outs.reshape(-1, out_shape[out_spec[1]])
+    if xs.shape[0] != outs.shape[0] or not _rows_shifted(xs, outs) \
+            or not set(xs[0][xs[0] >= 0].tolist()) <= set(outs[0].tolist()):
+        raise _Unsupported("convolution positions")
+    # The tap reading input location i at output location i: tap · dilation = low padding.
+    taps = [lo // d if lo % d == 0 and 0 <= lo // d < k_shape[a] else -1
+            for (lo, _), d, a in zip(pads, rhs_dilation, rhs_spec[2:])]
+    channels = (xs[0][:, None] == outs[0][None, :]) & (xs[0][:, None] >= 0)  # (C_in, C_out)
+    mask = np.zeros(k_shape, bool)
+    if all(t >= 0 for t in taps):
+        index: list[Any] = [slice(None)] * len(k_shape)
+        for a, t in zip(rhs_spec[2:], taps):
+            index[a] = t
+        # With the spatial axes indexed away, the in and out channel axes keep their order.
+        in_first = rhs_spec[1] < rhs_spec[0]
+        mask[tuple(index)] = channels if in_first else channels.T
+    analysis.rules[id(eqn)] = MixingRule(0, None, mask)
+    return _Label(out_ids, 1, frozenset({id(eqn)}))
 
 
 def _slots(ids: np.ndarray) -> np.ndarray:
@@ -431,17 +486,23 @@ def _bind(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
 
 
 def _mixing_weight(eqn: JaxprEqn, invals: Sequence[Any]) -> Array:
-    """The effective ``(K, N)`` matrix of a dense mixing equation (hooks applied)."""
+    """The effective weight of a mixing equation (hooks applied): a dense ``(K, N)`` matrix or
+    a convolution's kernel."""
     w = invals[1]
-    if eqn.primitive.name in _ETP_DENSE:
-        fn = eqn.params.get("weight_fn")
-        if fn is not None:
-            w = fn(w)
+    hook = {_ETP_CONV: "kernel_fn", **dict.fromkeys(_ETP_DENSE, "weight_fn")}.get(eqn.primitive.name)
+    fn = eqn.params.get(hook) if hook is not None else None
+    if fn is not None:
+        w = fn(w)
     return jnp.asarray(w)
 
 
-def _same_position_tangent(rule: MixingRule, w: Array, x_dot: Array) -> Array:
-    """The same-position part of ``ẋ @ W``."""
+def _same_position_tangent(eqn: JaxprEqn, rule: MixingRule, w: Array, x_dot: Array) -> Array:
+    """The same-position part of ``ẋ @ W`` (or of the convolution of ``ẋ``)."""
+    if eqn.primitive.name == _ETP_CONV:
+        p = eqn.params
+        return jax.lax.conv_general_dilated(
+            x_dot, w * jnp.asarray(rule.mask, w.dtype), window_strides=p["strides"], padding=p["padding"],
+            rhs_dilation=p["rhs_dilation"], dimension_numbers=p["dimension_numbers"])
     if rule.select is not None:
         cols = np.maximum(rule.select, 0)
         scale = jnp.where(jnp.asarray(rule.select >= 0), w[cols, jnp.arange(w.shape[1])], 0)
@@ -493,7 +554,7 @@ class _MixingTangents:
         parts: _Parts = {}
         same = self.same_position
         if _PURE in x_parts:
-            parts[same] = _same_position_tangent(rule, w, x_parts[_PURE].astype(out.dtype))
+            parts[same] = _same_position_tangent(eqn, rule, w, x_parts[_PURE].astype(out.dtype))
         slots = self.plan.slots.get(id(eqn))
         if slots is not None:  # a first mixing read by a second: seed each slot's part
             x_dot = x_parts.get(_PURE, jnp.zeros_like(invals[rule.operand])).astype(out.dtype)

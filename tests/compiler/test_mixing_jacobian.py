@@ -232,28 +232,101 @@ def test_fallback_probes_the_mixing_axes_only(forward: bool, chunk_size: int | N
     assert not np.allclose(wrong, _dense_blocks(fn, h), rtol=1e-3, atol=1e-3)
 
 
-def _online_gradients(learner_of: Any) -> list[np.ndarray]:
-    model = models.GRU()
+class _ConvRNN(brainstate.nn.Module):
+    """``h = σ(τ) h + tanh(conv([x, h], K))`` on a 4×3 map with two channels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernel = brainstate.ParamState(jax.random.normal(jax.random.PRNGKey(29), (3, 3, 3, 2)) / 3)
+        self.tau = brainstate.ParamState(jnp.ones((4, 3, 2)))
+
+    def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros((batch_size, 4, 3, 2)))
+
+    def update(self, x: jax.Array) -> jax.Array:
+        xh = jnp.concatenate([x.reshape(-1, 4, 3, 1), self.h.value], axis=-1)
+        drive = braintrace.conv(xh, self.kernel.value, dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        leak = braintrace.element_wise(self.tau.value, weight_fn=jax.nn.sigmoid)
+        self.h.value = leak * self.h.value + jnp.tanh(drive)
+        return self.h.value.reshape(x.shape[0], -1)
+
+
+def _online_gradients(model: brainstate.nn.Module, n_in: int, learner_of: Any, check: Any) -> list[np.ndarray]:
     brainstate.nn.init_all_states(model, batch_size=2)
-    xs = jax.random.normal(jax.random.PRNGKey(24), (6, 2, 3))
+    xs = jax.random.normal(jax.random.PRNGKey(24), (6, 2, n_in))
     learner = learner_of(model, xs[0])
+    assert check(learner)
     grads = learner.etrace_grad(xs, step_fn=lambda x: jnp.sum(learner(x) ** 2))
     return [np.asarray(g) for g in jax.tree.leaves(grads)]
 
 
+@pytest.mark.parametrize("model, n_in", [(models.GRU, 3), (_ConvRNN, 12)], ids=["GRU", "conv"])
 @pytest.mark.parametrize("algorithm, options", [(braintrace.OSTLRecurrent, {}), (braintrace.SnAp, {"n": 1})],
                          ids=["OSTLRecurrent", "SnAp-1"])
-def test_a_gru_learner_reads_the_same_blocks_structured_or_probed(
-    algorithm: Any, options: dict, monkeypatch: Any, quiet: list
+def test_a_learner_reads_the_same_blocks_structured_or_probed(
+    model: Any, n_in: int, algorithm: Any, options: dict, monkeypatch: Any, quiet: list
 ) -> None:
-    """The learners that keep recurrent mixing in ``D`` give the same gradients on a GRU through
-    the series extraction as through the probing fallback (plan refused)."""
+    """The learners that keep recurrent mixing in ``D`` give the same gradients through the
+    structured extraction (two mixings in series; a convolution) as through the probing
+    fallback (plan refused)."""
     def learner_of(model: Any, x: jax.Array) -> Any:
         return braintrace.compile(model, algorithm, x, batch_size=2, **options)
 
-    structured = _online_gradients(learner_of)
+    def plans(learner: Any) -> list[Any]:
+        return [g._mixing_plan() for g in learner.graph.hidden_groups]
+
+    structured = _online_gradients(model(), n_in, learner_of, lambda lrn: all(p is not None for p in plans(lrn)))
     monkeypatch.setattr(braintrace._compiler.hidden_group.HiddenGroup, "_mixing_plan", lambda self: None)
-    probed = _online_gradients(learner_of)
+    probed = _online_gradients(model(), n_in, learner_of, lambda lrn: all(p is None for p in plans(lrn)))
     assert len(structured) == len(probed) > 0
     for got, ref in zip(structured, probed):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+CONV_CASES = {
+    "NHWC SAME": dict(dimension_numbers=("NHWC", "HWIO", "NHWC"), padding="SAME"),
+    "NCHW SAME_LOWER": dict(dimension_numbers=("NCHW", "OIHW", "NCHW"), padding="SAME_LOWER"),
+    "dilated kernel": dict(dimension_numbers=("NHWC", "HWIO", "NHWC"), padding="SAME", rhs_dilation=(2, 1)),
+    "explicit padding": dict(dimension_numbers=("NHWC", "HWIO", "NHWC"), padding=((2, 0), (1, 1))),
+    "no same-location tap": dict(dimension_numbers=("NHWC", "HWIO", "NHWC"), padding=((3, -1), (1, 1))),
+}
+
+
+@pytest.mark.parametrize("case", list(CONV_CASES))
+def test_a_convolution_keeps_the_tap_at_each_location(case: str) -> None:
+    """``braintrace.conv`` mixing the hidden map: the same-position part is the convolution
+    masked to the tap that reads the output's own location (none with the last padding)."""
+    options = CONV_CASES[case]
+    channel_last = options["dimension_numbers"][0] == "NHWC"
+    x = jax.random.normal(jax.random.PRNGKey(25), (2, 5, 4, 1) if channel_last else (2, 1, 5, 4))
+    kernel = jax.random.normal(jax.random.PRNGKey(26), (3, 3, 4, 3) if channel_last else (3, 4, 3, 3))
+    axis = -1 if channel_last else 1
+
+    def step(h: jax.Array) -> jax.Array:
+        drive = braintrace.conv(jnp.concatenate([x, h], axis=axis), kernel, **options)
+        return 0.8 * h + jnp.tanh(drive)
+
+    h = jax.random.normal(jax.random.PRNGKey(27), (2, 5, 4, 3) if channel_last else (2, 3, 5, 4))
+    plan, got, ref = _structured(step, h)
+    ((rule,),) = [plan.rules.values()]
+    assert bool(rule.mask.any()) is (case != "no same-location tap")
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    # The negative control: the kernel's centre tap taken whatever the padding.
+    if case == "explicit padding":
+        closed = jax.make_jaxpr(step)(h)
+        shifted = np.zeros_like(rule.mask)
+        shifted[1, 1] = rule.mask[2, 1]
+        wrong_plan = plan._replace(rules={k: rule._replace(mask=shifted) for k in plan.rules})
+        wrong = structured_block_diagonal(wrong_plan, closed.jaxpr, closed.consts, [h])
+        assert not np.allclose(wrong, ref, rtol=1e-3, atol=1e-3)
+
+
+def test_a_strided_convolution_is_refused() -> None:
+    kernel = jax.random.normal(jax.random.PRNGKey(28), (3, 3, 3, 3))
+
+    def step(h: jax.Array) -> jax.Array:
+        return jnp.tanh(braintrace.conv(h, kernel, strides=(2, 1), padding=((1, 2), (1, 1)),
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC")))
+
+    closed = jax.make_jaxpr(step)(jnp.zeros((2, 4, 4, 3)))
+    assert block_diagonal_plan(closed.jaxpr, [False], (2, 4, 4, 3)) is None
