@@ -8,12 +8,15 @@ the seconds ``import braintrace`` adds to ``import brainstate``, median of fresh
 
 * ``vs BPTT``: the method's step time over the BPTT step time;
 * ``vs D_RTRL``: the step time over the D_RTRL single-step time;
-* ``vs floor`` (D_RTRL and EProp single-step): step time over the traces' memory-traffic floor,
-  ``2 x trace bytes x T / bandwidth`` (``EProp single`` has EProp's defaults, ``κ = 0`` as in
+* ``vs floor`` (the single-step learners that carry D_RTRL's trace): step time over the traces'
+  memory-traffic floor, ``2 x trace bytes x T / bandwidth`` (``EProp single`` has EProp's
+  defaults, ``κ = 0`` as in
   upstream braintrace, and carries D_RTRL's one trace; with ``κ > 0`` EProp carries a second
   trace-sized array, the filter ``ē``, so twice D_RTRL's bytes; ``EProp random single`` is
   ``feedback='random'`` at ``κ = 0``, D_RTRL's one trace met by a random-feedback learning
-  signal), with the bandwidth of a jitted in-place ``a*x+b`` measured here;
+  signal; ``OSTLRecurrent single`` rolls D_RTRL's one trace with ``D`` the per-position block
+  of the whole transition, recurrent weights included), with the bandwidth of a jitted
+  in-place ``a*x+b`` measured here;
 * ``mem T1000/T100``: compiled temporary memory at T=1000 over T=100;
 * ``compile vs BPTT``: the wall time of tracing, lowering and compiling the step over BPTT's, each
   the fastest of three compilations at fresh lengths near T=1000 (after a first at T=100, so that
@@ -76,15 +79,15 @@ SETTINGS = {
     "conv8": Setting("conv8", ConvRNN, 8, n_in=64),
 }
 METHODS = ("BPTT", "D_RTRL single", "D_RTRL multi(10)", "pp_prop single", "pp_prop multi(10)",
-           "EProp single", "EProp(κ=.9) single", "EProp random single", "D_RTRL single bf16",
-           "pp_prop single bf16")
+           "EProp single", "EProp(κ=.9) single", "EProp random single", "OSTLRecurrent single",
+           "D_RTRL single bf16", "pp_prop single bf16")
 #: The rows with traces stored in bfloat16, and the float32-trace rows they are compared with.
 BF16_OF = {"D_RTRL single bf16": "D_RTRL single", "pp_prop single bf16": "pp_prop single"}
 #: How much shorter the sequences of the repeated compilations are (a multiple of every window).
 COMPILE_STRIDE = 10
 #: The trace-sized arrays each single-step method reads and writes once per step.
 TRACES_PER_STEP = {"D_RTRL single": 1, "EProp single": 1, "EProp(κ=.9) single": 2, "EProp random single": 1,
-                   "OTPE single": 1}
+                   "OSTLRecurrent single": 1, "OTPE single": 1}
 
 
 def _loss(out: jax.Array, target: jax.Array) -> jax.Array:
@@ -207,6 +210,7 @@ def run(setting: Setting, batch: int, steps: int, long_steps: int, repeats: int,
         "EProp(κ=.9) single": lambda: online_step(setting, batch, "eprop", 1, kappa_filter_decay=0.9),
         "EProp random single": lambda: online_step(setting, batch, "eprop", 1, feedback="random",
                                                    random_feedback_key=0),
+        "OSTLRecurrent single": lambda: online_step(setting, batch, "ostl_recurrent", 1),
         "D_RTRL single bf16": lambda: online_step(setting, batch, "d_rtrl", 1, trace_dtype=jnp.bfloat16),
         "pp_prop single bf16": lambda: online_step(setting, batch, "pp_prop", 1, decay_or_rank=0.9,
                                                    trace_dtype=jnp.bfloat16),
