@@ -1,7 +1,8 @@
 """Per-position Jacobian blocks of hidden transitions that mix positions through dense weights.
 
 With ``include_recurrent_mixing=True`` a group's transition may contain mixing ops (``h @ W``,
-``braintrace.matmul(s, W)``, ``concatenate([x, h]) @ W``, ``braintrace.conv``): the Jacobian
+``braintrace.matmul(s, W)``, ``concatenate([x, h]) @ W``, ``braintrace.conv``,
+``braintrace.sparse_matmul``): the Jacobian
 ``∂h^t/∂h^{t-1}`` is then dense over positions, yet the learners only need its per-position
 ``(S, S)`` blocks ``D[p, a, b] = ∂h^t[p, a] / ∂h^{t-1}[p, b]``. Materialising the dense
 ``(P·S)²`` Jacobian to read its diagonal blocks costs quadratic memory in the number of
@@ -17,7 +18,9 @@ This module computes the blocks exactly without it, in one forward-mode pass per
    same-position part of its Jacobian: ``ż[..., n] = Σ_k [pos(x_k) = pos(z_n)] W[k, n] ẋ[..., k]``
    (for the usual layouts a gather and a scale, ``O(P)``). A convolution (stride 1) keeps the
    kernel's tap that reads the output's own location, between the channels at one position:
-   one convolution of ``ẋ`` with that masked kernel.
+   one convolution of ``ẋ`` with that masked kernel. A sparse product keeps its stored entries
+   that join a position to itself (a connectome's self-connections): a gather and a scatter
+   over those entries only.
 3. Two mixings in series (a GRU's ``r = σ([x, h] W_r)`` read by ``[x, r h] W_h``): the block of a
    product of dense maps is not the product of their blocks, since the path from ``h[p]`` back to
    ``h[p]`` may pass through any position ``q`` in between. With ``x`` the first mixing's input
@@ -35,7 +38,7 @@ This module computes the blocks exactly without it, in one forward-mode pass per
    diagonal blocks.
 
 This is exact when every path from ``h^{t-1}`` to ``h^t`` crosses at most two mixing ops (a
-convolution only one), a first mixing read by a second reads one column per position, and the
+convolution or a sparse product only one), a first mixing read by a second reads one column per position, and the
 analysis recognises every op on the way; :func:`block_diagonal_plan` returns ``None`` otherwise and the caller falls back
 to the general (slower, still exact) per-position probing of
 :func:`braintrace._compiler.hidden_group.block_diagonal_last_dim`.
@@ -71,7 +74,9 @@ from jax.extend.core import Jaxpr, JaxprEqn, Literal, Var
 
 from braintrace._compatible_imports import split_jaxpr_invars
 from braintrace._compiler.jaxpr_graph import ELEMENTWISE_PRIMITIVES, subjaxprs
+from braintrace._errors import internal_error
 from braintrace._op._rule_helpers import materialised
+from braintrace._op.sparse import stored_entries
 
 __all__ = ["MixingRule", "SeriesRule", "BlockDiagonalPlan", "block_diagonal_plan", "structured_block_diagonal"]
 
@@ -88,6 +93,7 @@ _CALLS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr
                     "closed_call", "core_call", "remat", "checkpoint"})
 _ETP_DENSE = frozenset({"etp_mm", "etp_mv"})
 _ETP_CONV = "etp_conv"
+_ETP_SPARSE = frozenset({"etp_sp_mm", "etp_sp_mv"})
 
 
 class MixingRule(NamedTuple):
@@ -104,7 +110,8 @@ class MixingRule(NamedTuple):
         Shaped like the weight, bool: the weight entries that join an input element to an
         output element at the same position (dense ``(K, N)``: ``mask[k, n]`` when input column
         ``k`` and output column ``n`` are at the same position; a convolution's kernel: the
-        taps that read the output's own location, between channels at the same position).
+        taps that read the output's own location, between channels at the same position; a
+        sparse matrix's stored values: the entries that join one position to itself).
     """
 
     operand: int
@@ -257,6 +264,8 @@ def _eqn_labels(eqn: JaxprEqn, ins: list[_Label | None], analysis: _Analysis) ->
         return [_mixing(eqn, ins, analysis)]
     if name == _ETP_CONV:
         return [_conv_mixing(eqn, ins, analysis)]
+    if name in _ETP_SPARSE:
+        return [_sparse_mixing(eqn, ins, analysis)]
     raise _Unsupported(name)
 
 
@@ -414,6 +423,30 @@ def _conv_mixing(eqn: JaxprEqn, ins: list[_Label | None], analysis: _Analysis) -
     return _Label(out_ids, 1, frozenset({id(eqn)}))
 
 
+def _sparse_mixing(eqn: JaxprEqn, ins: list[_Label | None], analysis: _Analysis) -> _Label:
+    """``braintrace.sparse_matmul`` of a hidden-derived ``x``: the same-position part keeps the
+    stored entries that join a position to itself (a connectome's self-connections)."""
+    x_lab, others = ins[0], ins[1:]
+    if x_lab is None or any(lab is not None for lab in others):
+        raise _Unsupported("a sparse product of hidden-derived values")
+    if x_lab.depth >= 1:
+        raise _Unsupported("a sparse product in series with another mixing")
+    entries = stored_entries(eqn.params["sparse_mat"])
+    if entries is None:
+        raise _Unsupported("a sparse structure without host coordinates")
+    out_shape = _shape(eqn.outvars[0])
+    out_ids = _output_positions(out_shape, analysis.positions)
+    if x_lab.ids.shape[:-1] != out_shape[:-1]:
+        raise _Unsupported("mixing changes the leading axes")
+    xs, outs = x_lab.ids.reshape(-1, x_lab.ids.shape[-1]), out_ids.reshape(-1, out_shape[-1])
+    if not _rows_shifted(xs, outs):
+        raise _Unsupported("position mask differs across leading axes")
+    rows, cols = entries
+    mask = (xs[0][rows] == outs[0][cols]) & (xs[0][rows] >= 0)
+    analysis.rules[id(eqn)] = MixingRule(0, None, mask)
+    return _Label(out_ids, 1, frozenset({id(eqn)}))
+
+
 def _slots(ids: np.ndarray) -> np.ndarray:
     """The slot of each column: how many earlier columns carry its position."""
     slots = np.zeros(ids.shape, np.int64)
@@ -489,7 +522,7 @@ def _mixing_weight(eqn: JaxprEqn, invals: Sequence[Any]) -> Array:
     """The effective weight of a mixing equation (hooks applied): a dense ``(K, N)`` matrix or
     a convolution's kernel."""
     w = invals[1]
-    hook = {_ETP_CONV: "kernel_fn", **dict.fromkeys(_ETP_DENSE, "weight_fn")}.get(eqn.primitive.name)
+    hook = {_ETP_CONV: "kernel_fn", **dict.fromkeys(_ETP_DENSE | _ETP_SPARSE, "weight_fn")}.get(eqn.primitive.name)
     fn = eqn.params.get(hook) if hook is not None else None
     if fn is not None:
         w = fn(w)
@@ -503,6 +536,14 @@ def _same_position_tangent(eqn: JaxprEqn, rule: MixingRule, w: Array, x_dot: Arr
         return jax.lax.conv_general_dilated(
             x_dot, w * jnp.asarray(rule.mask, w.dtype), window_strides=p["strides"], padding=p["padding"],
             rhs_dilation=p["rhs_dilation"], dimension_numbers=p["dimension_numbers"])
+    if eqn.primitive.name in _ETP_SPARSE:
+        entries = stored_entries(eqn.params["sparse_mat"])
+        if entries is None:
+            raise internal_error("a sparse mixing planned without host coordinates")
+        kept = np.flatnonzero(rule.mask)
+        rows, cols = entries[0][kept], entries[1][kept]
+        zeros = jnp.zeros((*x_dot.shape[:-1], _shape(eqn.outvars[0])[-1]), x_dot.dtype)
+        return zeros.at[..., cols].add(x_dot[..., rows] * w[kept])
     if rule.select is not None:
         cols = np.maximum(rule.select, 0)
         scale = jnp.where(jnp.asarray(rule.select >= 0), w[cols, jnp.arange(w.shape[1])], 0)

@@ -316,8 +316,19 @@ def tail_relabels_positions(tail: Jaxpr, varshape: Sequence[int]) -> bool:
     ``y`` is not laid out over the group's positions, or when the tail cannot be read (nothing
     is proven then).
     """
+    if _element_wise_only(tail):  # nothing moves, and no (V, V) pattern is built (a connectome's V²)
+        return False
     reach = tail_reach(tail, varshape)
     return reach is not None and any(np.any(a & ~np.eye(len(a), dtype=bool)) for a in reach)
+
+
+def _element_wise_only(jaxpr: Jaxpr) -> bool:
+    """Whether every equation is element-wise (or a call of only such), so no value changes index."""
+    return all(
+        eqn.primitive.name in _ELEMENTWISE
+        or (eqn.primitive.name in _CALLS and all(_element_wise_only(body) for body in subjaxprs(eqn)))
+        for eqn in jaxpr.eqns
+    )
 
 
 #: ``covered(relation, group, reach)``: whether a learner's traces hold the influence a

@@ -141,6 +141,14 @@ def _structure(sparse_mat: Any) -> Any:
     return mat
 
 
+def stored_entries(sparse_mat: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(row(p), col(p))`` of each stored entry of an ``etp_sp_mm`` structure, on the host, in the
+    order of the weight's values (``None``: not a CSR or CSC with concrete indices)."""
+    if isinstance(sparse_mat, _HashableSparseMat):
+        return sparse_mat.coordinates
+    return _entry_coordinates(_structure(sparse_mat))
+
+
 def _nnz_shape(mat: Any) -> tuple[int, ...]:
     return tuple(np.shape(mat.data))
 
@@ -392,7 +400,7 @@ def _sp_snap_adjacency(
     if len(x_shape) != len(y_shape) or x_shape[:-1] != y_shape[:-1]:
         return None
     mat = _structure(sparse_mat)
-    coordinates = _entry_coordinates(mat)
+    coordinates = stored_entries(sparse_mat)
     if coordinates is not None:
         stored = np.zeros(mat.shape, bool)
         stored[coordinates] = True

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import brainevent
 import brainstate
 import jax
 import jax.numpy as jnp
@@ -260,15 +261,37 @@ def _online_gradients(model: brainstate.nn.Module, n_in: int, learner_of: Any, c
     return [np.asarray(g) for g in jax.tree.leaves(grads)]
 
 
-@pytest.mark.parametrize("model, n_in", [(models.GRU, 3), (_ConvRNN, 12)], ids=["GRU", "conv"])
+def _ring_with_self_connections(n: int) -> Any:
+    """A CSR over ``n`` neurons: each reads itself (half of them) and its two neighbours."""
+    rows, cols = [], []
+    for i in range(n):
+        for j in sorted({(i - 1) % n, (i + 1) % n} | ({i} if i % 2 == 0 else set())):
+            rows.append(i)
+            cols.append(j)
+    indptr = np.searchsorted(np.asarray(rows), np.arange(n + 1))
+    data = jnp.ones(len(cols))
+    return brainevent.CSR((data, jnp.asarray(cols, jnp.int32), jnp.asarray(indptr, jnp.int32)), shape=(n, n))
+
+
+def _tiny_connectome() -> brainstate.nn.Module:
+    """The benchmark's connectome model on a ring whose even neurons also connect to themselves."""
+    from benchmarks import connectome
+
+    ring = _ring_with_self_connections(30)
+    return connectome.ConnectomeLIF(np.asarray(ring.indptr), np.asarray(ring.indices), n_in=4, n_sensory=6,
+                                    n_readout=5)
+
+
+@pytest.mark.parametrize("model, n_in", [(models.GRU, 3), (_ConvRNN, 12), (_tiny_connectome, 4)],
+                         ids=["GRU", "conv", "connectome"])
 @pytest.mark.parametrize("algorithm, options", [(braintrace.OSTLRecurrent, {}), (braintrace.SnAp, {"n": 1})],
                          ids=["OSTLRecurrent", "SnAp-1"])
 def test_a_learner_reads_the_same_blocks_structured_or_probed(
     model: Any, n_in: int, algorithm: Any, options: dict, monkeypatch: Any, quiet: list
 ) -> None:
     """The learners that keep recurrent mixing in ``D`` give the same gradients through the
-    structured extraction (two mixings in series; a convolution) as through the probing
-    fallback (plan refused)."""
+    structured extraction (two mixings in series; a convolution; a sparse connectome) as through
+    the probing fallback (plan refused)."""
     def learner_of(model: Any, x: jax.Array) -> Any:
         return braintrace.compile(model, algorithm, x, batch_size=2, **options)
 
@@ -330,3 +353,26 @@ def test_a_strided_convolution_is_refused() -> None:
 
     closed = jax.make_jaxpr(step)(jnp.zeros((2, 4, 4, 3)))
     assert block_diagonal_plan(closed.jaxpr, [False], (2, 4, 4, 3)) is None
+
+
+@pytest.mark.parametrize("batch", [(), (3,)])
+def test_a_sparse_product_keeps_its_self_connections(batch: tuple[int, ...]) -> None:
+    """``braintrace.sparse_matmul`` mixing the hidden state: the same-position part is the stored
+    entries that join a neuron to itself (through the weight hook)."""
+    mat = _ring_with_self_connections(6)
+    values = jax.random.normal(jax.random.PRNGKey(30), (mat.data.shape[0],))
+
+    def step(h: jax.Array) -> jax.Array:
+        drive = braintrace.sparse_matmul(jnp.tanh(h), values, sparse_mat=mat, weight_fn=jnp.sin)
+        return 0.7 * h + drive * h
+
+    h = jax.random.normal(jax.random.PRNGKey(31), (*batch, 6))
+    plan, got, ref = _structured(step, h)
+    ((rule,),) = [plan.rules.values()]
+    assert int(rule.mask.sum()) == 3  # the three self-connections
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    # The negative control: the neighbours' entries kept as if they joined a position to itself.
+    closed = jax.make_jaxpr(step)(h)
+    wrong_plan = plan._replace(rules={k: rule._replace(mask=~rule.mask) for k in plan.rules})
+    wrong = structured_block_diagonal(wrong_plan, closed.jaxpr, closed.consts, [h])
+    assert not np.allclose(wrong, ref, rtol=1e-3, atol=1e-3)

@@ -317,6 +317,23 @@ def test_tail_relabels_positions(tail: Any, relabels: bool) -> None:
     assert tail_relabels_positions(jaxpr, (4,)) is relabels
 
 
+def test_an_element_wise_tail_builds_no_position_pattern(monkeypatch: Any) -> None:
+    """A connectome's tail over 139,255 neurons would need a (V, V) pattern per axis (19 GB):
+    an element-wise tail (calls included) is answered without one. Negative control: a roll needs
+    the patterns."""
+    from braintrace._compiler import position_dependence
+
+    def refuse(varshape: Any) -> Any:
+        raise AssertionError("a dense position pattern was built")
+
+    monkeypatch.setattr(position_dependence, "_identity", refuse)
+    spike = jax.jit(lambda v: (v > 0).astype(v.dtype))
+    jaxpr = jax.make_jaxpr(lambda y: 0.9 * y + spike(jnp.tanh(y)))(jnp.zeros((2, 139_255))).jaxpr
+    assert tail_relabels_positions(jaxpr, (2, 139_255)) is False
+    with pytest.raises(AssertionError, match="dense position pattern"):
+        tail_relabels_positions(jax.make_jaxpr(lambda y: jnp.roll(y, 1))(jnp.zeros(4)).jaxpr, (4,))
+
+
 def test_a_tail_over_other_positions_proves_nothing() -> None:
     jaxpr = jax.make_jaxpr(lambda y: jnp.roll(y, 1)[:4])(jnp.zeros(5)).jaxpr
     assert tail_relabels_positions(jaxpr, (4,)) is False
