@@ -341,20 +341,11 @@ def _mixing(eqn: JaxprEqn, ins: list[_Label | None], analysis: _Analysis) -> _La
         standard = (tuple(lc), tuple(rc), tuple(lb), tuple(rb)) == ((x_ndim - 1,), (0,), (), ())
         if not standard or len(_shape(eqn.invars[1])) != 2:
             raise _Unsupported("dot_general layout")
-    x_lab, others = ins[0], ins[1:]
-    if x_lab is None or any(lab is not None for lab in others):
-        raise _Unsupported("mixing of a hidden-derived weight")
+    x_lab = _mixed_operand(ins)
     if x_lab.depth >= 2:
         raise _Unsupported("three mixings in series")
     out_shape = _shape(eqn.outvars[0])
-    out_ids = _output_positions(out_shape, analysis.positions)
-    x_ids = x_lab.ids
-    if x_ids.shape[:-1] != out_shape[:-1]:
-        raise _Unsupported("mixing changes the leading axes")
-    k, n = x_ids.shape[-1], out_shape[-1]
-    xs, outs = x_ids.reshape(-1, k), out_ids.reshape(-1, n)
-    if not _rows_shifted(xs, outs):
-        raise _Unsupported("position mask differs across leading axes")
+    out_ids, xs, outs = _position_rows(x_lab.ids, out_shape, analysis.positions)
     mask = (xs[0][:, None] == outs[0][None, :]) & (xs[0][:, None] >= 0)
     counts = mask.sum(axis=0)
     select = np.where(counts == 1, mask.argmax(axis=0), -1) if np.all(counts <= 1) else None
@@ -377,14 +368,34 @@ def _mixing(eqn: JaxprEqn, ins: list[_Label | None], analysis: _Analysis) -> _La
     return _Label(out_ids, 2, frozenset())
 
 
+def _mixed_operand(ins: list[_Label | None]) -> _Label:
+    """The labels of a mixing equation's ``x``, the only operand that may be hidden-derived."""
+    x_lab, others = ins[0], ins[1:]
+    if x_lab is None or any(lab is not None for lab in others):
+        raise _Unsupported("mixing of a hidden-derived weight")
+    return x_lab
+
+
+def _position_rows(
+    x_ids: np.ndarray, out_shape: tuple[int, ...], positions: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The output's labels, and per leading row (a batch entry) the input's and the output's last
+    axis, checked to be row 0 shifted by one offset."""
+    out_ids = _output_positions(out_shape, positions)
+    if x_ids.shape[:-1] != out_shape[:-1]:
+        raise _Unsupported("mixing changes the leading axes")
+    xs, outs = x_ids.reshape(-1, x_ids.shape[-1]), out_ids.reshape(-1, out_shape[-1])
+    if not _rows_shifted(xs, outs):
+        raise _Unsupported("position mask differs across leading axes")
+    return out_ids, xs, outs
+
+
 def _conv_mixing(eqn: JaxprEqn, ins: list[_Label | None], analysis: _Analysis) -> _Label:
     """``braintrace.conv`` of a hidden-derived ``x`` (stride 1, no input dilation or groups): the
     same-position part is the convolution with the kernel masked to the tap that reads the
     output's own location, between the channels at one position."""
     params = eqn.params
-    x_lab, others = ins[0], ins[1:]
-    if x_lab is None or any(lab is not None for lab in others):
-        raise _Unsupported("a convolution of a hidden-derived kernel")
+    x_lab = _mixed_operand(ins)
     if x_lab.depth >= 1:
         raise _Unsupported("a convolution in series with another mixing")
     x_shape, k_shape, out_shape = _shape(eqn.invars[0]), _shape(eqn.invars[1]), _shape(eqn.outvars[0])
@@ -426,21 +437,13 @@ def _conv_mixing(eqn: JaxprEqn, ins: list[_Label | None], analysis: _Analysis) -
 def _sparse_mixing(eqn: JaxprEqn, ins: list[_Label | None], analysis: _Analysis) -> _Label:
     """``braintrace.sparse_matmul`` of a hidden-derived ``x``: the same-position part keeps the
     stored entries that join a position to itself (a connectome's self-connections)."""
-    x_lab, others = ins[0], ins[1:]
-    if x_lab is None or any(lab is not None for lab in others):
-        raise _Unsupported("a sparse product of hidden-derived values")
+    x_lab = _mixed_operand(ins)
     if x_lab.depth >= 1:
         raise _Unsupported("a sparse product in series with another mixing")
     entries = stored_entries(eqn.params["sparse_mat"])
     if entries is None:
         raise _Unsupported("a sparse structure without host coordinates")
-    out_shape = _shape(eqn.outvars[0])
-    out_ids = _output_positions(out_shape, analysis.positions)
-    if x_lab.ids.shape[:-1] != out_shape[:-1]:
-        raise _Unsupported("mixing changes the leading axes")
-    xs, outs = x_lab.ids.reshape(-1, x_lab.ids.shape[-1]), out_ids.reshape(-1, out_shape[-1])
-    if not _rows_shifted(xs, outs):
-        raise _Unsupported("position mask differs across leading axes")
+    out_ids, xs, outs = _position_rows(x_lab.ids, _shape(eqn.outvars[0]), analysis.positions)
     rows, cols = entries
     mask = (xs[0][rows] == outs[0][cols]) & (xs[0][rows] >= 0)
     analysis.rules[id(eqn)] = MixingRule(0, None, mask)
