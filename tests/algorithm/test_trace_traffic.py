@@ -1,4 +1,4 @@
-"""How much of the trace one compiled D_RTRL, EProp or OTTT training step moves (read from XLA's optimised HLO).
+"""How much of the trace one compiled D_RTRL, EProp, OTTT, OTPE or OSTLRecurrent training step moves (read from XLA's optimised HLO).
 
 D_RTRL's single-step cost is dominated by the trace. In a jitted scan over time, the loop body
 should write the trace once (the update, in place) and read it once more (the history term of
