@@ -562,8 +562,8 @@ def _series_tangent(rule: SeriesRule, slot: int, w1: Array, w2: Array, x1_dot: A
     return jnp.where(jnp.asarray(pre_ok), x1_dot[..., rows], 0) * (mid @ h)
 
 
-def _elementwise_tangents(eqn: JaxprEqn, invals: list[Any], parts: list[_Parts]) -> list[_Parts]:
-    """Push each tangent part through a non-mixing equation by its own JVP."""
+def _pushed_tangents(eqn: JaxprEqn, invals: list[Any], parts: list[_Parts]) -> tuple[list[Any], list[_Parts]]:
+    """A non-mixing equation's outputs, and each tangent part pushed through it (one linearisation)."""
     carried = [i for i, p in enumerate(parts) if p]
 
     def fn(*vals: Any) -> list[Any]:
@@ -572,15 +572,14 @@ def _elementwise_tangents(eqn: JaxprEqn, invals: list[Any], parts: list[_Parts])
             full[i] = v
         return _bind(eqn, full)
 
-    keys = list(dict.fromkeys(k for i in carried for k in parts[i]))
-    outs: list[_Parts] = [{} for _ in eqn.outvars]
-    for key in keys:
-        tangents = [parts[i].get(key, jnp.zeros_like(invals[i])) for i in carried]
-        _, out_dots = jax.jvp(fn, [invals[i] for i in carried], tangents)
-        for out, dot in zip(outs, out_dots):
+    outs, linear = jax.linearize(fn, *[invals[i] for i in carried])
+    pushed: list[_Parts] = [{} for _ in eqn.outvars]
+    for key in dict.fromkeys(k for i in carried for k in parts[i]):
+        out_dots = linear(*[parts[i].get(key, jnp.zeros_like(invals[i])) for i in carried])
+        for out, dot in zip(pushed, out_dots):
             if dot.dtype != jax.dtypes.float0:
                 out[key] = dot
-    return outs
+    return outs, pushed
 
 
 class _MixingTangents:
@@ -647,16 +646,17 @@ def structured_block_diagonal(
 
         for eqn in jaxpr.eqns:
             invals = [read(v) for v in eqn.invars]
-            outs = _bind(eqn, invals)
-            env.update(zip(eqn.outvars, outs))
             parts = [tangents.get(v, {}) if _is_var(v) else {} for v in eqn.invars]
-            if not any(parts):
-                continue
             rule = plan.rules.get(id(eqn))
-            if rule is None:
-                tangents.update(zip(eqn.outvars, _elementwise_tangents(eqn, invals, parts)))
+            if not any(parts):
+                outs = _bind(eqn, invals)
+            elif rule is None:
+                outs, pushed = _pushed_tangents(eqn, invals, parts)
+                tangents.update(zip(eqn.outvars, pushed))
             else:
+                outs = _bind(eqn, invals)
                 tangents[eqn.outvars[0]] = mixing_tangents(eqn, rule, invals, outs[0], parts[rule.operand])
+            env.update(zip(eqn.outvars, outs))
 
         def total(v: Any) -> Array:
             parts = tangents.get(v, {}) if _is_var(v) else {}
