@@ -30,7 +30,7 @@ Array([0.5, 0.5], dtype=float32)
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import brainstate
 import jax
@@ -300,12 +300,20 @@ class ETraceGraphExecutor:
         }
         return out, new_vals, env
 
-    def extract_jacobians(self, env: dict[Var, Any]) -> StepJacobians:
+    def extract_jacobians(self, env: Mapping[Var, Any]) -> StepJacobians:
         """``((xs, dfs), Ds)`` of one step from its variable values (all ``stop_gradient``-ed).
 
         With :attr:`transition_points`, ``Ds`` holds each group's :class:`TransitionPoint` and
         ``dfs`` each relation's :class:`TailPoint`.
+
+        The values are read through ``stop_gradient`` before any Jacobian is taken: a learner
+        extracts them inside the VJP of its step, and an undetached read would have that VJP
+        trace the derivative of every Jacobian too (then discard it).
         """
+        return self._jacobians(_DetachedValues(env))
+
+    def _jacobians(self, env: Mapping[Var, Any]) -> StepJacobians:
+        """:meth:`extract_jacobians` on values already detached."""
         graph = self.graph
         xs: dict[int, Any] = {}
         dfs: dict[Any, Any] = {}
@@ -411,7 +419,26 @@ class ETraceGraphExecutor:
         return outs, {**params, **final_vals}, jacs, final_trace
 
 
-def _transition_points(groups: Sequence[Any], env: dict[Var, Any]) -> list[TransitionPoint]:
+class _DetachedValues(Mapping[Var, Any]):
+    """A step's variable values, each read through ``stop_gradient`` (once, when first read)."""
+
+    def __init__(self, env: Mapping[Var, Any]) -> None:
+        self._env = env
+        self._read: dict[Var, Any] = {}
+
+    def __getitem__(self, var: Var) -> Any:
+        if var not in self._read:
+            self._read[var] = jax.lax.stop_gradient(self._env[var])
+        return self._read[var]
+
+    def __iter__(self) -> Iterator[Var]:
+        return iter(self._env)
+
+    def __len__(self) -> int:
+        return len(self._env)
+
+
+def _transition_points(groups: Sequence[Any], env: Mapping[Var, Any]) -> list[TransitionPoint]:
     """Every group's :class:`TransitionPoint` in one step."""
     points = []
     for group in groups:
@@ -515,7 +542,7 @@ def _df_around_whiles(tail: Any, consts: Sequence[Any], y: Any, group: Any) -> A
     return jax.jvp(fn, (y,), (jnp.ones_like(y),))[1]
 
 
-def _extract_descended_relation(rel: Any, env: dict[Var, Any], xs: dict[int, Any], dfs: dict[Any, Any]) -> None:
+def _extract_descended_relation(rel: Any, env: Mapping[Var, Any], xs: dict[int, Any], dfs: dict[Any, Any]) -> None:
     """``x`` and ``df`` of a relation inside a descended scan, stacked over its substeps ``(L, ...)``.
 
     The relation's variables are body-scoped; their per-substep values are the scan's stacked
@@ -537,7 +564,7 @@ def _extract_descended_relation(rel: Any, env: dict[Var, Any], xs: dict[int, Any
         dfs[df_key(rel, group)] = jax.vmap(df_at)(y_seq, const_seq)
 
 
-def _descended_group_jacobian(group: Any, env: dict[Var, Any]) -> Any:
+def _descended_group_jacobian(group: Any, env: Mapping[Var, Any]) -> Any:
     """``D`` of a group carried by a descended scan at every substep: ``(L, *varshape, S, S)``."""
     stacked = group.descent.scan.stacked_var_map
     hidden_seq = [env[stacked[v]] for v in group.descent.body_hidden_invars]
@@ -621,9 +648,9 @@ class ETraceVjpGraphExecutor(ETraceGraphExecutor):
             kwargs.update(sparse_n=self.sparse_n, snap_max_jacobian_elements=self.snap_max_jacobian_elements)
         return kwargs
 
-    def extract_jacobians(self, env: dict[Var, Any]) -> StepJacobians:
+    def _jacobians(self, env: Mapping[Var, Any]) -> StepJacobians:
         """As the base executor, with SnAp's widened ``D`` and ``df`` and the recurrence applied."""
-        jac = super().extract_jacobians(env)
+        jac = super()._jacobians(env)
         widened = [g for g in self.graph.hidden_groups if widens(g)]
         patterned = any(g.snap is not None for g in self.graph.hidden_groups)
         if self.transition_points or (not patterned and self.recurrence is None):
@@ -655,7 +682,7 @@ class ETraceVjpGraphExecutor(ETraceGraphExecutor):
         return jax.lax.stop_gradient(((xs, dfs), Ds))
 
 
-def _moved_tail_jacobian(rel: Any, index: int, pattern: SnapPattern, env: dict[Var, Any]) -> Any:
+def _moved_tail_jacobian(rel: Any, index: int, pattern: SnapPattern, env: Mapping[Var, Any]) -> Any:
     """SnAp's instantaneous term of a relation whose ``y -> h`` tail moves values between positions.
 
     The tail's Jacobian gathered onto each position's neighbourhood

@@ -49,6 +49,7 @@ _PLANS: dict[int, tuple[Jaxpr, BlockDiagonalPlan | None]] = {}
 # The axes along which each transition mixes positions (``None``: read conservatively).
 _AXES: dict[int, tuple[Jaxpr, list[int] | None]] = {}
 _MAX_PLANS = 64
+_CUSTOM_VJP_CALLS = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr"})
 
 
 def _basis(shape: tuple[int, ...], num_state: int, dtype: Any) -> Array:
@@ -70,7 +71,7 @@ def jacrev_last_dim(fn: Callable[[Array], Array], hidden: Array) -> Array:
 
 
 def jacfwd_last_dim(fn: Callable[[Array], Array], hidden: Array) -> Array:
-    """The forward-mode twin of :func:`jacrev_last_dim` (for transitions containing a while)."""
+    """The forward-mode twin of :func:`jacrev_last_dim`: one JVP per state."""
     tangents = _basis(hidden.shape[:-1], hidden.shape[-1], hidden.dtype)
     cols = jax.vmap(lambda t: jax.jvp(fn, (hidden,), (t,))[1])(tangents)
     return jnp.moveaxis(cols, 0, -1)  # cols[b, ..., a] -> [..., a, b]
@@ -254,7 +255,7 @@ class HiddenGroup(NamedTuple):
             return self.concat_hidden(self.transition(self.split_hidden(stacked), input_vals))
 
         stacked = self.concat_hidden(hidden_vals)
-        forward = contains_eqn(self.transition_jaxpr, lambda e: e.primitive.name == "while")
+        forward = self._forward_mode()
         if self.is_diagonal_recurrence:
             return (jacfwd_last_dim if forward else jacrev_last_dim)(fn, stacked)
         # Weight mixing: the structured extraction is exact and O(P); otherwise probe positions.
@@ -275,9 +276,21 @@ class HiddenGroup(NamedTuple):
         def fn(stacked: Array) -> Array:
             return self.concat_hidden(self.transition(self.split_hidden(stacked), input_vals))
 
-        forward = contains_eqn(self.transition_jaxpr, lambda e: e.primitive.name == "while")
+        forward = self._forward_mode()
         jacobian: Array = (jax.jacfwd if forward else jax.jacrev)(fn)(self.concat_hidden(hidden_vals))
         return jacobian
+
+    def _forward_mode(self) -> bool:
+        """Whether the transition's Jacobians are taken in forward mode (JVPs) rather than reverse.
+
+        Forward mode traces one pass where reverse mode traces a linearisation and its
+        transpose, and a ``while`` has no transpose; a ``custom_vjp`` function has no forward
+        rule, so a transition calling one (and no ``while``) is differentiated in reverse.
+        """
+        jaxpr = self.transition_jaxpr
+        if contains_eqn(jaxpr, lambda e: e.primitive.name == "while"):
+            return True
+        return not contains_eqn(jaxpr, lambda e: e.primitive.name in _CUSTOM_VJP_CALLS)
 
     def _mixing_plan(self) -> BlockDiagonalPlan | None:
         key = id(self.transition_jaxpr)
@@ -323,7 +336,7 @@ class HiddenGroup(NamedTuple):
         """
         fn = self._held_new_reads(hidden_vals, input_vals)
         stacked = self.concat_hidden(hidden_vals)
-        forward = contains_eqn(self.transition_jaxpr, lambda e: e.primitive.name == "while")
+        forward = self._forward_mode()
         if self.is_diagonal_recurrence:
             return (jacfwd_last_dim if forward else jacrev_last_dim)(fn, stacked)
         return block_diagonal_last_dim(fn, stacked, forward=forward, mixing_axes=self._mixing_axes(stacked))
