@@ -336,17 +336,14 @@ def _loop_over_rows(solve_row: Callable[[Any], Tree], operands: Any, num_rows: i
         value = solve_row(row)
         return value if total is None else jax.tree.map(jnp.add, total, value)
 
-    def add_block(block: Array, total: Tree) -> Tree:
-        for offset in range(ROWS_PER_ITERATION):
-            index = block * ROWS_PER_ITERATION + offset
-            total = add_row(jax.tree.map(lambda x: _row_at(x, index), operands), total)
-        return total
+    def add_row_at(index: Array, total: Tree) -> Tree:
+        return add_row(jax.tree.map(lambda x: _row_at(x, index), operands), total)
 
     total: Tree | None = None
     if num_blocks:
         shapes = jax.eval_shape(solve_row, jax.tree.map(lambda x: x[0], operands))
         zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        total = jax.lax.fori_loop(0, num_blocks, add_block, zero)
+        total = jax.lax.fori_loop(0, num_blocks * ROWS_PER_ITERATION, add_row_at, zero, unroll=ROWS_PER_ITERATION)
     for b in range(num_rows - rest, num_rows):
         total = add_row(jax.tree.map(lambda x: _row_at(x, b), operands), total)
     return cast(Tree, total)
