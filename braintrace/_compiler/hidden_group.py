@@ -72,6 +72,8 @@ def jacrev_last_dim(fn: Callable[[Array], Array], hidden: Array) -> Array:
 
 def jacfwd_last_dim(fn: Callable[[Array], Array], hidden: Array) -> Array:
     """The forward-mode twin of :func:`jacrev_last_dim`: one JVP per state."""
+    if hidden.shape[-1] == 1:  # a single tangent, no batch of them
+        return jax.jvp(fn, (hidden,), (jnp.ones_like(hidden),))[1][..., None]
     tangents = _basis(hidden.shape[:-1], hidden.shape[-1], hidden.dtype)
     cols = jax.vmap(lambda t: jax.jvp(fn, (hidden,), (t,))[1])(tangents)
     return jnp.moveaxis(cols, 0, -1)  # cols[b, ..., a] -> [..., a, b]
