@@ -138,7 +138,7 @@ def _mixing(eqn: JaxprEqn, deps: list[Dependence | None]) -> Dependence:
     if dep_x is None or any(d is not None for i, d in enumerate(deps) if i != x_index):
         raise _Unreadable(f"`{name}` reads a hidden-derived value through an operand other than x")
     x_shape, y_shape = _shape(eqn.invars[x_index]), _shape(eqn.outvars[0])
-    per_axis = rule(x_shape, y_shape, **eqn.params)
+    per_axis = rule(x_shape, y_shape, operand_shapes=tuple(_shape(a) for a in eqn.invars), **eqn.params)
     if per_axis is None or len(per_axis) != len(y_shape) or len(x_shape) != len(y_shape):
         raise _Unreadable(f"the snap_adjacency rule of `{name}` cannot describe x {x_shape} -> y {y_shape}")
     out = []

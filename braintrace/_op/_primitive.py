@@ -102,10 +102,12 @@ class ETPPrimitive(Primitive):
             lands on the one hidden position it is rolled at, so that SnAp-n may widen it
             (default: not anchored, SnAp refuses the primitive).
         snap_adjacency : callable, optional
-            ``snap_adjacency(x_shape, y_shape, **params)``: for an operation that mixes hidden
-            positions inside a recurrent transition, per axis of ``y`` a boolean
-            ``(y axis, x axis)`` pattern (``None`` for the identity), or ``None`` when it cannot
-            describe the shapes. Without it SnAp reads the operation as all-to-all.
+            ``snap_adjacency(x_shape, y_shape, *, operand_shapes, **params)``: for an operation
+            that mixes hidden positions inside a recurrent transition, per axis of ``y`` a
+            boolean ``(y axis, x axis)`` pattern (``None`` for the identity), or ``None`` when it
+            cannot describe the shapes. ``operand_shapes`` holds the shape of every operand of
+            the equation, in order (a kernel's extent is not among its params). Without it SnAp
+            reads the operation as all-to-all.
 
         Raises
         ------

@@ -147,10 +147,11 @@ ETP_FAST_PATH_RULES: dict[Primitive, FastPathRules] = {}
 #: one hidden position (the ``y`` position it is rolled at), so SnAp-n may widen it onto that
 #: position's neighbours. Absent: not anchored (SnAp refuses the primitive).
 ETP_RULES_SNAP_ANCHOR: dict[Primitive, Callable[[Params], bool]] = {}
-#: ``snap_adjacency(x_shape, y_shape, **params) -> per-axis patterns or None``: for a primitive
-#: that mixes positions inside a recurrent transition, per axis of ``y`` a boolean
+#: ``snap_adjacency(x_shape, y_shape, *, operand_shapes, **params) -> per-axis patterns or None``:
+#: for a primitive that mixes positions inside a recurrent transition, per axis of ``y`` a boolean
 #: ``(y axis, x axis)`` array (``[o, i]``: ``y`` at ``o`` reads ``x`` at ``i``) or ``None`` for
 #: the identity; ``None`` overall when the shapes are not ones the rule describes.
+#: ``operand_shapes``: the shape of every operand of the equation, in order.
 ETP_RULES_SNAP_ADJACENCY: dict[Primitive, Rule] = {}
 #: Unbatched primitive -> the batched primitive ``vmap`` re-binds it as.
 BATCHED_COUNTERPARTS: dict[Primitive, Primitive] = {}

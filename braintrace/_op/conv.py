@@ -500,6 +500,64 @@ def _solve_body(
 _solve_compiled = _compiled(_solve_body)
 
 
+def _conv_snap_adjacency(
+    x_shape: tuple[int, ...], y_shape: tuple[int, ...], *, operand_shapes: Sequence[tuple[int, ...]], **params: Any
+) -> tuple[np.ndarray | None, ...] | None:
+    """Output position ``o`` reads input ``i`` where a kernel tap lands on it.
+
+    Per spatial axis, the taps the strides, padding and dilations place over ``i``; along the
+    channel axis every input channel of the output channel's group; the batch axis is the
+    identity. ``None`` when the input and output are laid out differently, for batch groups,
+    and for a named padding over an input dilation (which has no kernel placement).
+
+    Examples
+    --------
+    >>> patterns = _conv_snap_adjacency(
+    ...     (2, 4, 3), (2, 4, 3), operand_shapes=[(2, 4, 3), (3, 3, 3)], strides=(1,), padding="SAME",
+    ...     dimension_numbers=("NWC", "WIO", "NWC"))
+    >>> patterns[0] is None, patterns[1].astype(int).tolist(), bool(patterns[2].all())
+    (True, [[1, 1, 0, 0], [1, 1, 1, 0], [0, 1, 1, 1], [0, 0, 1, 1]], True)
+    """
+    if len(x_shape) != len(y_shape) or params.get("batch_group_count", 1) != 1:
+        return None
+    k_shape = tuple(operand_shapes[1])
+    lhs_spec, rhs_spec, out_spec = lax.conv_dimension_numbers(x_shape, k_shape, params.get("dimension_numbers"))
+    if tuple(lhs_spec) != tuple(out_spec):
+        return None
+    n_spatial = len(lhs_spec) - 2
+    strides = tuple(params["strides"])
+    lhs_dilation = tuple(params.get("lhs_dilation") or (1,) * n_spatial)
+    rhs_dilation = tuple(params.get("rhs_dilation") or (1,) * n_spatial)
+    spatial_in = [x_shape[a] for a in lhs_spec[2:]]
+    kernel = [k_shape[a] for a in rhs_spec[2:]]
+    padding = params.get("padding", "SAME")
+    if isinstance(padding, str):
+        if any(d != 1 for d in lhs_dilation):
+            return None
+        extents = [(k - 1) * d + 1 for k, d in zip(kernel, rhs_dilation)]
+        padding = lax.padtype_to_pads(spatial_in, extents, strides, padding)
+    patterns: list[np.ndarray | None] = [None] * len(y_shape)
+    for d, axis in enumerate(lhs_spec[2:]):
+        patterns[axis] = _taps(y_shape[axis], x_shape[axis], kernel[d], strides[d], padding[d][0],
+                               lhs_dilation[d], rhs_dilation[d])
+    groups = int(params.get("feature_group_count", 1))
+    c_in, c_out = x_shape[lhs_spec[1]], y_shape[out_spec[1]]
+    patterns[out_spec[1]] = np.equal.outer(np.arange(c_out) // (c_out // groups), np.arange(c_in) // (c_in // groups))
+    return tuple(patterns)
+
+
+def _taps(n_out: int, n_in: int, size: int, stride: int, low: int, lhs_dilation: int, rhs_dilation: int) -> np.ndarray:
+    """``(n_out, n_in)``: whether output ``o`` reads input ``i`` along one spatial axis (tap ``j``
+    of output ``o`` sits at ``o·stride + j·rhs_dilation - low`` of the input dilated by
+    ``lhs_dilation``; only its multiples of ``lhs_dilation`` are input elements)."""
+    at = np.arange(n_out)[:, None] * stride + np.arange(size)[None, :] * rhs_dilation - low
+    hit = (at >= 0) & (at % lhs_dilation == 0) & (at // lhs_dilation < n_in)
+    reads = np.zeros((n_out, n_in), bool)
+    rows, taps = np.nonzero(hit)
+    reads[rows, at[rows, taps] // lhs_dilation] = True
+    return reads
+
+
 etp_conv_p.register_etp_rules(
     dt_to_t=_conv_dt_to_t,
     xy_to_dw=_conv_xy_to_dw,
@@ -508,6 +566,7 @@ etp_conv_p.register_etp_rules(
     instant_drtrl=_conv_instant_drtrl,
     solve_drtrl=_conv_solve_drtrl,
     snap_anchor=snap_anchored,
+    snap_adjacency=_conv_snap_adjacency,
 )
 
 
