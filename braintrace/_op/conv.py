@@ -518,9 +518,9 @@ def _conv_snap_adjacency(
     >>> patterns[0] is None, patterns[1].astype(int).tolist(), bool(patterns[2].all())
     (True, [[1, 1, 0, 0], [1, 1, 1, 0], [0, 1, 1, 1], [0, 0, 1, 1]], True)
     """
-    if len(x_shape) != len(y_shape) or params.get("batch_group_count", 1) != 1:
-        return None
     k_shape = tuple(operand_shapes[1])
+    if not len(x_shape) == len(y_shape) == len(k_shape) or params.get("batch_group_count", 1) != 1:
+        return None
     lhs_spec, rhs_spec, out_spec = lax.conv_dimension_numbers(x_shape, k_shape, params.get("dimension_numbers"))
     if tuple(lhs_spec) != tuple(out_spec):
         return None

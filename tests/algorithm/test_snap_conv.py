@@ -97,6 +97,12 @@ def test_layouts_the_rule_cannot_describe_read_as_none(params: dict[str, Any]) -
         (2, 4, 4), (2, 4, 4), operand_shapes=[(2, 4, 4), (3, 4, 4)], **_params(params)) is None
 
 
+def test_a_kernel_of_another_rank_reads_as_none() -> None:
+    params = _params(dict(strides=(1,), padding="SAME", dimension_numbers=("NWC", "WIO", "NWC")))
+    assert conv_module._conv_snap_adjacency(
+        (2, 4, 4), (2, 4, 4), operand_shapes=[(2, 4, 4), (3, 3, 4, 4)], **params) is None
+
+
 # --- SnAp-n on a convolutional RNN ----------------------------------------------------------
 
 W, C, I, B = 5, 2, 3, 2
