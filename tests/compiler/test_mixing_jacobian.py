@@ -355,6 +355,38 @@ def test_a_strided_convolution_is_refused() -> None:
     assert block_diagonal_plan(closed.jaxpr, [False], (2, 4, 4, 3)) is None
 
 
+class _DepthwiseConvRNN(brainstate.nn.Module):
+    """``h = tanh(x + depthwise_conv(h, K))`` on a 4×3 map with two channels, each its own group."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernel = brainstate.ParamState(jax.random.normal(jax.random.PRNGKey(32), (3, 3, 1, 2)) / 3)
+
+    def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros((batch_size, 4, 3, 2)))
+
+    def update(self, x: jax.Array) -> jax.Array:
+        recurrent = braintrace.conv(self.h.value, self.kernel.value, feature_group_count=2,
+                                    dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        self.h.value = jnp.tanh(x[:, None, :, None] + recurrent)
+        return self.h.value.reshape(x.shape[0], -1)
+
+
+def test_a_grouped_convolution_is_probed_along_its_spatial_axes_only(quiet: list) -> None:
+    """The structured extraction refuses a grouped convolution; the fallback reads the kernel's
+    adjacency and probes the map's positions only (the batch rows and the channels, one group
+    each, never read each other)."""
+    ((group, hidden, inputs),) = _group_case(_DepthwiseConvRNN(), 2)
+    assert group._mixing_plan() is None
+    stacked = group.concat_hidden(hidden)
+    assert group._mixing_axes(stacked) == [1, 2]
+    ref = _dense_blocks(_fn(group, inputs), stacked)
+    np.testing.assert_allclose(jax.jit(group.diagonal_jacobian)(hidden, inputs), ref, rtol=1e-5, atol=1e-6)
+    # The negative control: the map's columns probed as if they did not mix.
+    wrong = block_diagonal_last_dim(_fn(group, inputs), stacked, forward=True, mixing_axes=[1])
+    assert not np.allclose(wrong, ref, rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize("batch", [(), (3,)])
 def test_a_sparse_product_keeps_its_self_connections(batch: tuple[int, ...]) -> None:
     """``braintrace.sparse_matmul`` mixing the hidden state: the same-position part is the stored
