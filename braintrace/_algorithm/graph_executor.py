@@ -53,8 +53,9 @@ from braintrace._compiler import (
     compile_etrace_graph,
 )
 from braintrace._compiler.control_flow_policy import resolve_policy
+from braintrace._compiler.hidden_group import calls_custom_vjp
 from braintrace._compiler.jaxpr_graph import contains_eqn
-from braintrace._compiler.position_dependence import tail_reach
+from braintrace._compiler.position_dependence import tail_reach, tail_relabels_positions
 from braintrace._compiler.snap_pattern import (
     DEFAULT_MAX_JACOBIAN_ELEMENTS,
     SnapPattern,
@@ -334,7 +335,7 @@ class ETraceGraphExecutor:
                 def fn(y: Any, tail: Any = tail, consts: Any = consts, group: Any = group) -> Any:
                     return group.concat_hidden(jax.core.eval_jaxpr(tail, consts, y))
 
-                dfs[df_key(rel, group)] = jax.jvp(fn, (y,), (jnp.ones_like(y),))[1]
+                dfs[df_key(rel, group)] = _tail_df(fn, y, rel, group, tail)
                 if contains_eqn(tail, lambda e: e.primitive.name == "while"):
                     dfs[detached_df_key(rel, group)] = dfs[df_key(rel, group)] - _df_around_whiles(
                         tail, consts, y, group)
@@ -526,6 +527,38 @@ def _bind_detaching_whiles(eqn: JaxprEqn, operands: list[Any]) -> list[Any]:
     if eqn.primitive.name == "while":
         operands = [jax.lax.stop_gradient(v) for v in operands]
     return bind_eqn(eqn, operands)
+
+
+def _tail_df(fn: Callable[[Any], Any], y: Any, rel: Any, group: Any, tail: Any) -> Any:
+    """``df``: the Jacobian of the ``y -> h`` tail ``fn`` applied to ``ones_like(y)``, ``(*varshape, S)``.
+
+    One JVP. A tail calling a ``custom_vjp`` function (which forward mode cannot differentiate)
+    is differentiated by one VJP per state instead: the same values where the tail keeps every
+    ``y`` at its position, so it is refused where it moves values, broadcasts ``y`` or holds a
+    ``while`` (which reverse mode cannot enter).
+
+    Raises
+    ------
+    NotSupportedError
+        For a tail calling a ``custom_vjp`` function that reverse mode cannot stand in for.
+    """
+    if not calls_custom_vjp(tail):
+        return jax.jvp(fn, (y,), (jnp.ones_like(y),))[1]
+    varshape = tuple(group.varshape)
+    if (tuple(jnp.shape(y)) != varshape or tail_relabels_positions(tail, varshape)
+            or contains_eqn(tail, lambda e: e.primitive.name == "while")):
+        raise NotSupportedError(
+            f"The output of {rel.primitive.name} with weight {rel.path} reaches the hidden states "
+            f"{group.hidden_paths} through a jax.custom_vjp function, and through a while_loop, a "
+            f"broadcast or a move between positions; forward mode cannot differentiate a custom_vjp "
+            f"function there. Define it with jax.custom_jvp (its forward rule serves both modes)."
+        )
+    _, pullback = jax.vjp(fn, y)
+    num_state = group.num_state
+    cotangents = jnp.broadcast_to(jnp.eye(num_state, dtype=jnp.result_type(y)).reshape(
+        num_state, *([1] * len(varshape)), num_state), (num_state, *varshape, num_state))
+    rows = jax.vmap(lambda ct: pullback(ct)[0])(cotangents)  # rows[a, p] = ∂h[p, a] / ∂y[p]
+    return jnp.moveaxis(rows, 0, -1)
 
 
 def _df_around_whiles(tail: Any, consts: Sequence[Any], y: Any, group: Any) -> Any:

@@ -40,6 +40,7 @@ __all__ = [
     "jacfwd_last_dim",
     "block_diagonal_last_dim",
     "group_merging",
+    "calls_custom_vjp",
 ]
 
 Path = tuple[Any, ...]
@@ -50,6 +51,12 @@ _PLANS: dict[int, tuple[Jaxpr, BlockDiagonalPlan | None]] = {}
 _AXES: dict[int, tuple[Jaxpr, list[int] | None]] = {}
 _MAX_PLANS = 64
 _CUSTOM_VJP_CALLS = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
+def calls_custom_vjp(jaxpr: Jaxpr) -> bool:
+    """Whether ``jaxpr`` (or one of its sub-jaxprs) calls a ``custom_vjp`` function, which has a
+    reverse-mode rule only (forward mode cannot differentiate it)."""
+    return contains_eqn(jaxpr, lambda e: e.primitive.name in _CUSTOM_VJP_CALLS)
 
 
 def _basis(shape: tuple[int, ...], num_state: int, dtype: Any) -> Array:
@@ -292,7 +299,7 @@ class HiddenGroup(NamedTuple):
         jaxpr = self.transition_jaxpr
         if contains_eqn(jaxpr, lambda e: e.primitive.name == "while"):
             return True
-        return not contains_eqn(jaxpr, lambda e: e.primitive.name in _CUSTOM_VJP_CALLS)
+        return not calls_custom_vjp(jaxpr)
 
     def _mixing_plan(self) -> BlockDiagonalPlan | None:
         key = id(self.transition_jaxpr)

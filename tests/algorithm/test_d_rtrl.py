@@ -738,3 +738,45 @@ def test_a_subclass_that_changes_rolled_traces_gets_the_history_of_its_stored_tr
     clipped = single_step_grads(learner, xs)
     assert max_rel_err(single_step_grads(learner_with(not fast_solve), xs), clipped) < EXACT
     assert max_rel_err(bptt_grads(Leaky(row, xs[0], True), xs, batch_size=B), clipped) > 1e-3
+
+
+@jax.custom_vjp
+def _soft_spike(v: Any) -> Any:
+    """A sigmoid whose VJP is a user's surrogate slope, not the sigmoid's derivative."""
+    return jax.nn.sigmoid(4.0 * v)
+
+
+_soft_spike.defvjp(lambda v: (_soft_spike(v), v), lambda v, g: (g / (1.0 + jnp.abs(v)) ** 2,))
+
+
+class SpikingDrive(brainstate.nn.Module):
+    """``h = 0.8 h + spike(move(x @ W))`` with ``spike`` a ``custom_vjp`` function."""
+
+    def __init__(self, roll: bool = False) -> None:
+        super().__init__()
+        self.roll = roll
+        self.w = brainstate.ParamState(normal(91, (I, O), 0.5))
+
+    def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros((batch_size, O)))
+
+    def update(self, x: Any) -> Any:
+        drive = braintrace.matmul(x, self.w.value)
+        self.h.value = 0.8 * self.h.value + _soft_spike(jnp.roll(drive, 1, axis=-1) if self.roll else drive)
+        return self.h.value
+
+
+def test_a_custom_vjp_function_between_a_weight_and_the_hidden_state_is_differentiated_by_its_vjp(
+    x64: None
+) -> None:
+    """Forward mode cannot differentiate a ``custom_vjp`` function: the tail's ``df`` is its VJP,
+    the user's surrogate slope, and D_RTRL stays exact (one element-wise layer)."""
+    xs = normal(92, (T, B, I))
+    learner = braintrace.compile(SpikingDrive(), braintrace.D_RTRL, xs[0], batch_size=B)
+    assert max_rel_err(bptt_grads(SpikingDrive(), xs, batch_size=B), single_step_grads(learner, xs)) < EXACT
+
+
+def test_a_custom_vjp_function_on_a_tail_that_moves_values_is_refused_with_the_fix() -> None:
+    xs = normal(93, (T, B, I))
+    with pytest.raises(braintrace.NotSupportedError, match="jax.custom_jvp"):
+        braintrace.compile(SpikingDrive(roll=True), braintrace.D_RTRL, xs[0], batch_size=B)

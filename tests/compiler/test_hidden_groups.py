@@ -109,6 +109,51 @@ def test_forward_and_reverse_last_dim_jacobians_agree() -> None:
     np.testing.assert_allclose(block_diagonal_last_dim(fn, h, forward=True), rev, rtol=1e-6)
 
 
+@jax.custom_vjp
+def _soft_spike(v: Any) -> Any:
+    """A sigmoid whose VJP is a user's surrogate slope, not the sigmoid's derivative."""
+    return jax.nn.sigmoid(4.0 * v)
+
+
+def _soft_spike_fwd(v: Any) -> tuple[Any, Any]:
+    return _soft_spike(v), v
+
+
+def _soft_spike_bwd(v: Any, g: Any) -> tuple[Any]:
+    return (g / (1.0 + jnp.abs(v)) ** 2,)
+
+
+_soft_spike.defvjp(_soft_spike_fwd, _soft_spike_bwd)
+
+
+class _CustomVjpLeaky(models._Base):
+    """``h = 0.8 h + 0.3 spike(h) + x @ W`` with ``spike`` a ``custom_vjp`` function."""
+
+    def __init__(self) -> None:
+        super().__init__(3, 4)
+        self.W = models._w(5, (3, 4))
+        self.init_state()
+
+    def update(self, x: Any) -> Any:
+        self.h.value = 0.8 * self.h.value + 0.3 * _soft_spike(self.h.value) + braintrace.matmul(x, self.W.value)
+        return self.h.value
+
+
+def test_a_transition_calling_a_custom_vjp_function_is_differentiated_in_reverse(quiet: list) -> None:
+    """Forward mode has no rule for a ``custom_vjp`` function: ``D`` is then taken by its VJP,
+    the user's surrogate slope."""
+    graph = braintrace.compile_etrace_graph(_CustomVjpLeaky(), jnp.ones(3))
+    (group,) = graph.hidden_groups
+    assert group.is_diagonal_recurrence and not group._forward_mode()
+    hidden, inputs = _group_point(graph, group)
+    d = group.diagonal_jacobian(hidden, inputs)
+    np.testing.assert_allclose(d[..., 0, 0], 0.8 + 0.3 / (1.0 + jnp.abs(hidden[0])) ** 2, rtol=1e-6)
+    # The negative control: forward mode cannot differentiate the transition.
+    fn = lambda s: group.concat_hidden(group.transition(group.split_hidden(s), inputs))  # noqa: E731
+    with pytest.raises(TypeError, match="custom_vjp"):
+        jacfwd_last_dim(fn, group.concat_hidden(hidden))
+
+
 def test_self_product_is_supported(quiet: list) -> None:
     m = models.SelfProduct()
     (group,) = _groups(m, jnp.ones(3))
