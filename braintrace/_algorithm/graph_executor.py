@@ -53,7 +53,7 @@ from braintrace._compiler import (
     compile_etrace_graph,
 )
 from braintrace._compiler.control_flow_policy import resolve_policy
-from braintrace._compiler.hidden_group import calls_custom_vjp
+from braintrace._compiler.hidden_group import calls_custom_vjp, state_basis
 from braintrace._compiler.jaxpr_graph import contains_eqn
 from braintrace._compiler.position_dependence import tail_reach, tail_relabels_positions
 from braintrace._compiler.snap_pattern import (
@@ -553,10 +553,8 @@ def _tail_df(fn: Callable[[Any], Any], y: Any, rel: Any, group: Any, tail: Any) 
             f"broadcast or a move between positions; forward mode cannot differentiate a custom_vjp "
             f"function there. Define it with jax.custom_jvp (its forward rule serves both modes)."
         )
-    _, pullback = jax.vjp(fn, y)
-    num_state = group.num_state
-    cotangents = jnp.broadcast_to(jnp.eye(num_state, dtype=jnp.result_type(y)).reshape(
-        num_state, *([1] * len(varshape)), num_state), (num_state, *varshape, num_state))
+    out, pullback = jax.vjp(fn, y)
+    cotangents = state_basis(out.shape[:-1], out.shape[-1], out.dtype)
     rows = jax.vmap(lambda ct: pullback(ct)[0])(cotangents)  # rows[a, p] = ∂h[p, a] / ∂y[p]
     return jnp.moveaxis(rows, 0, -1)
 

@@ -41,6 +41,7 @@ __all__ = [
     "block_diagonal_last_dim",
     "group_merging",
     "calls_custom_vjp",
+    "state_basis",
 ]
 
 Path = tuple[Any, ...]
@@ -59,7 +60,7 @@ def calls_custom_vjp(jaxpr: Jaxpr) -> bool:
     return contains_eqn(jaxpr, lambda e: e.primitive.name in _CUSTOM_VJP_CALLS)
 
 
-def _basis(shape: tuple[int, ...], num_state: int, dtype: Any) -> Array:
+def state_basis(shape: tuple[int, ...], num_state: int, dtype: Any) -> Array:
     """Cotangents/tangents ``e_a`` broadcast over every position: ``(S, *varshape, S)``."""
     eye = jnp.eye(num_state, dtype=dtype)
     eye = eye.reshape(num_state, *([1] * len(shape)), num_state)
@@ -73,7 +74,7 @@ def jacrev_last_dim(fn: Callable[[Array], Array], hidden: Array) -> Array:
     input position): one VJP per state, with the cotangent set on every position at once.
     """
     out, vjp = jax.vjp(fn, hidden)
-    rows = jax.vmap(lambda ct: vjp(ct)[0])(_basis(out.shape[:-1], out.shape[-1], out.dtype))
+    rows = jax.vmap(lambda ct: vjp(ct)[0])(state_basis(out.shape[:-1], out.shape[-1], out.dtype))
     return jnp.moveaxis(rows, 0, -2)  # rows[a, ..., b] -> [..., a, b]
 
 
@@ -81,7 +82,7 @@ def jacfwd_last_dim(fn: Callable[[Array], Array], hidden: Array) -> Array:
     """The forward-mode twin of :func:`jacrev_last_dim`: one JVP per state."""
     if hidden.shape[-1] == 1:  # a single tangent, no batch of them
         return jax.jvp(fn, (hidden,), (jnp.ones_like(hidden),))[1][..., None]
-    tangents = _basis(hidden.shape[:-1], hidden.shape[-1], hidden.dtype)
+    tangents = state_basis(hidden.shape[:-1], hidden.shape[-1], hidden.dtype)
     cols = jax.vmap(lambda t: jax.jvp(fn, (hidden,), (t,))[1])(tangents)
     return jnp.moveaxis(cols, 0, -1)  # cols[b, ..., a] -> [..., a, b]
 
