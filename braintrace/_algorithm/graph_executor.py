@@ -55,7 +55,7 @@ from braintrace._compiler import (
 from braintrace._compiler.control_flow_policy import resolve_policy
 from braintrace._compiler.hidden_group import calls_custom_vjp, state_basis
 from braintrace._compiler.jaxpr_graph import contains_eqn
-from braintrace._compiler.position_dependence import tail_reach, tail_relabels_positions
+from braintrace._compiler.position_dependence import tail_keeps_positions, tail_reach
 from braintrace._compiler.snap_pattern import (
     DEFAULT_MAX_JACOBIAN_ELEMENTS,
     SnapPattern,
@@ -533,9 +533,9 @@ def _tail_df(fn: Callable[[Any], Any], y: Any, rel: Any, group: Any, tail: Any) 
     """``df``: the Jacobian of the ``y -> h`` tail ``fn`` applied to ``ones_like(y)``, ``(*varshape, S)``.
 
     One JVP. A tail calling a ``custom_vjp`` function (which forward mode cannot differentiate)
-    is differentiated by one VJP per state instead: the same values where the tail keeps every
-    ``y`` at its position, so it is refused where it moves values, broadcasts ``y`` or holds a
-    ``while`` (which reverse mode cannot enter).
+    is differentiated by one VJP per state instead: the same values where the tail provably keeps
+    every ``y`` at its position, so it is refused where it may move values, broadcasts ``y`` or
+    holds a ``while`` (which reverse mode cannot enter).
 
     Raises
     ------
@@ -545,13 +545,14 @@ def _tail_df(fn: Callable[[Any], Any], y: Any, rel: Any, group: Any, tail: Any) 
     if not calls_custom_vjp(tail):
         return jax.jvp(fn, (y,), (jnp.ones_like(y),))[1]
     varshape = tuple(group.varshape)
-    if (tuple(jnp.shape(y)) != varshape or tail_relabels_positions(tail, varshape)
+    if (tuple(jnp.shape(y)) != varshape or not tail_keeps_positions(tail, varshape)
             or contains_eqn(tail, lambda e: e.primitive.name == "while")):
         raise NotSupportedError(
             f"The output of {rel.primitive.name} with weight {rel.path} reaches the hidden states "
             f"{group.hidden_paths} through a jax.custom_vjp function, and through a while_loop, a "
-            f"broadcast or a move between positions; forward mode cannot differentiate a custom_vjp "
-            f"function there. Define it with jax.custom_jvp (its forward rule serves both modes)."
+            f"broadcast or an operation that may move values between positions; forward mode cannot "
+            f"differentiate a custom_vjp function there. Define it with jax.custom_jvp (its forward "
+            f"rule serves both modes)."
         )
     out, pullback = jax.vjp(fn, y)
     cotangents = state_basis(out.shape[:-1], out.shape[-1], out.dtype)

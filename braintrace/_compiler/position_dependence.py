@@ -322,6 +322,16 @@ def tail_relabels_positions(tail: Jaxpr, varshape: Sequence[int]) -> bool:
     return reach is not None and any(np.any(a & ~np.eye(len(a), dtype=bool)) for a in reach)
 
 
+def tail_keeps_positions(tail: Jaxpr, varshape: Sequence[int]) -> bool:
+    """Whether a ``y -> h`` tail provably keeps every value at its position (every hidden output
+    at a position reads ``y`` only at that position). ``False`` where it moves one, or where the
+    tail cannot be read."""
+    if _element_wise_only(tail):
+        return True
+    reach = tail_reach(tail, varshape)
+    return reach is not None and not any(np.any(a & ~np.eye(len(a), dtype=bool)) for a in reach)
+
+
 def _element_wise_only(jaxpr: Jaxpr) -> bool:
     """Whether every equation is element-wise (or a call of only such), so no value changes index."""
     return all(

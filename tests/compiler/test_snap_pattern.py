@@ -20,7 +20,7 @@ import pytest
 
 import braintrace
 from braintrace import DiagnosticKind, NotSupportedError
-from braintrace._compiler.position_dependence import tail_relabels_positions
+from braintrace._compiler.position_dependence import tail_keeps_positions, tail_relabels_positions
 from braintrace._compiler.snap_pattern import (
     axis_closure,
     check_snap_arguments,
@@ -315,6 +315,21 @@ def test_order_one_checks_only() -> None:
 def test_tail_relabels_positions(tail: Any, relabels: bool) -> None:
     jaxpr = jax.make_jaxpr(tail)(jnp.zeros(4)).jaxpr
     assert tail_relabels_positions(jaxpr, (4,)) is relabels
+
+
+@pytest.mark.parametrize(
+    "tail, keeps",
+    [
+        (lambda y: jnp.tanh(y) * y + 1.0, True),
+        (lambda y: jnp.concatenate([y[:2], y[2:]]) * 2.0, True),  # read, not element-wise
+        (lambda y: jnp.tanh(jnp.roll(y, 1)), False),
+        (lambda y: jnp.cumsum(y), False),  # unreadable: nothing proven
+    ],
+    ids=["elementwise", "split-and-join", "roll", "unreadable"],
+)
+def test_tail_keeps_positions(tail: Any, keeps: bool) -> None:
+    jaxpr = jax.make_jaxpr(tail)(jnp.zeros(4)).jaxpr
+    assert tail_keeps_positions(jaxpr, (4,)) is keeps
 
 
 def test_an_element_wise_tail_builds_no_position_pattern(monkeypatch: Any) -> None:
