@@ -296,11 +296,23 @@ class HiddenGroup(NamedTuple):
         Forward mode traces one pass where reverse mode traces a linearisation and its
         transpose, and a ``while`` has no transpose; a ``custom_vjp`` function has no forward
         rule, so a transition calling one (and no ``while``) is differentiated in reverse.
+
+        Raises
+        ------
+        NotSupportedError
+            If the transition holds a ``while`` and calls a ``custom_vjp`` function.
         """
         jaxpr = self.transition_jaxpr
-        if contains_eqn(jaxpr, lambda e: e.primitive.name == "while"):
-            return True
-        return not calls_custom_vjp(jaxpr)
+        if not contains_eqn(jaxpr, lambda e: e.primitive.name == "while"):
+            return not calls_custom_vjp(jaxpr)
+        if calls_custom_vjp(jaxpr):
+            raise NotSupportedError(
+                f"The transition of hidden group {self.index} ({self.hidden_paths}) holds a while_loop, "
+                f"which reverse mode cannot enter, and calls a jax.custom_vjp function, which forward "
+                f"mode cannot differentiate. Define that function with jax.custom_jvp (its forward "
+                f"rule serves both modes)."
+            )
+        return True
 
     def _mixing_plan(self) -> BlockDiagonalPlan | None:
         key = id(self.transition_jaxpr)

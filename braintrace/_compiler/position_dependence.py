@@ -55,6 +55,7 @@ __all__ = [
     "tail_reach",
     "read_tail",
     "tail_relabels_positions",
+    "tail_keeps_positions",
     "Coverage",
     "warn_relabelling_tails",
 ]

@@ -154,6 +154,22 @@ def test_a_transition_calling_a_custom_vjp_function_is_differentiated_in_reverse
         jacfwd_last_dim(fn, group.concat_hidden(hidden))
 
 
+class _CustomVjpSettling(_CustomVjpLeaky):
+    """:class:`_CustomVjpLeaky` whose leak settles in a weight-free ``while_loop``."""
+
+    def update(self, x: Any) -> Any:
+        settled, _ = jax.lax.while_loop(lambda c: c[1] < 2, lambda c: (0.9 * c[0], c[1] + 1), (self.h.value, 0))
+        self.h.value = settled + 0.3 * _soft_spike(self.h.value) + braintrace.matmul(x, self.W.value)
+        return self.h.value
+
+
+def test_a_transition_with_a_while_and_a_custom_vjp_function_is_refused_with_the_fix(quiet: list) -> None:
+    (group,) = _groups(_CustomVjpSettling(), jnp.ones(3))
+    with pytest.raises(NotSupportedError, match="jax.custom_jvp"):
+        group._forward_mode()
+    assert not _groups(_CustomVjpLeaky(), jnp.ones(3))[0]._forward_mode()  # no while: reverse mode
+
+
 def test_self_product_is_supported(quiet: list) -> None:
     m = models.SelfProduct()
     (group,) = _groups(m, jnp.ones(3))
