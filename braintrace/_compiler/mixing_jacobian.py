@@ -76,6 +76,7 @@ from braintrace._compatible_imports import split_jaxpr_invars
 from braintrace._compiler.jaxpr_graph import ELEMENTWISE_PRIMITIVES, subjaxprs
 from braintrace._errors import internal_error
 from braintrace._op._rule_helpers import materialised
+from braintrace._op.conv import resolved_padding
 from braintrace._op.sparse import stored_entries
 
 __all__ = ["MixingRule", "SeriesRule", "BlockDiagonalPlan", "block_diagonal_plan", "structured_block_diagonal"]
@@ -407,10 +408,7 @@ def _conv_mixing(eqn: JaxprEqn, ins: list[_Label | None], analysis: _Analysis) -
         raise _Unsupported("a strided, input-dilated or grouped convolution")
     lhs_spec, rhs_spec, out_spec = jax.lax.conv_dimension_numbers(x_shape, k_shape, params["dimension_numbers"])
     rhs_dilation = params["rhs_dilation"] or (1,) * len(params["strides"])
-    window = [(k_shape[a] - 1) * d + 1 for a, d in zip(rhs_spec[2:], rhs_dilation)]
-    padding = params["padding"]
-    pads = jax.lax.padtype_to_pads([x_shape[a] for a in lhs_spec[2:]], window, params["strides"], padding) \
-        if isinstance(padding, str) else list(padding)
+    pads = resolved_padding(x_shape, k_shape, params)
     # Rows: one per batch entry and location; columns: the channels there.
     xs = np.transpose(x_ids, (lhs_spec[0], *lhs_spec[2:], lhs_spec[1])).reshape(-1, x_shape[lhs_spec[1]])
     outs = np.transpose(out_ids, (out_spec[0], *out_spec[2:], out_spec[1]))

@@ -66,7 +66,7 @@ from braintrace._op._rule_helpers import (
 )
 from braintrace._typing import Array, ArrayLike, Params, WeightFn
 
-__all__ = ["etp_conv_p", "conv"]
+__all__ = ["etp_conv_p", "conv", "resolved_padding"]
 
 
 # --- layout helpers -----------------------------------------------------------------------
@@ -94,6 +94,29 @@ def _dimension_numbers(
     return lax.conv_dimension_numbers(
         tuple(x_shape), tuple(k_shape), params.get("dimension_numbers")
     )
+
+
+def resolved_padding(
+    x_shape: Sequence[int], k_shape: Sequence[int], params: Mapping[str, Any]
+) -> tuple[tuple[int, int], ...]:
+    """``(low, high)`` per spatial dimension, in the convolution's order (``lhs_spec[2:]``): the
+    pairs as given, or a named padding resolved for the kernel's dilated extent, as
+    ``lax.conv_general_dilated`` resolves it (over the undilated input).
+
+    Examples
+    --------
+    >>> resolved_padding((2, 5, 3), (3, 3, 4), dict(strides=(1,), padding="SAME", rhs_dilation=(2,),
+    ...                  dimension_numbers=("NWC", "WIO", "NWC")))
+    ((2, 2),)
+    """
+    padding = params.get("padding", "SAME")
+    if not isinstance(padding, str):
+        return tuple((int(lo), int(hi)) for lo, hi in padding)
+    dn = _dimension_numbers(x_shape, k_shape, params)
+    rhs_dilation = params.get("rhs_dilation") or (1,) * (len(dn.lhs_spec) - 2)
+    extents = [(k_shape[a] - 1) * d + 1 for a, d in zip(dn.rhs_spec[2:], rhs_dilation)]
+    pads = lax.padtype_to_pads([x_shape[a] for a in dn.lhs_spec[2:]], extents, params["strides"], padding)
+    return tuple((int(lo), int(hi)) for lo, hi in pads)
 
 
 def _channel_last(hidden: Array, params: Mapping[str, Any]) -> Array:
@@ -528,14 +551,10 @@ def _conv_snap_adjacency(
     strides = tuple(params["strides"])
     lhs_dilation = tuple(params.get("lhs_dilation") or (1,) * n_spatial)
     rhs_dilation = tuple(params.get("rhs_dilation") or (1,) * n_spatial)
-    spatial_in = [x_shape[a] for a in lhs_spec[2:]]
+    if isinstance(params.get("padding", "SAME"), str) and any(d != 1 for d in lhs_dilation):
+        return None
     kernel = [k_shape[a] for a in rhs_spec[2:]]
-    padding = params.get("padding", "SAME")
-    if isinstance(padding, str):
-        if any(d != 1 for d in lhs_dilation):
-            return None
-        extents = [(k - 1) * d + 1 for k, d in zip(kernel, rhs_dilation)]
-        padding = lax.padtype_to_pads(spatial_in, extents, strides, padding)
+    padding = resolved_padding(x_shape, k_shape, params)
     patterns: list[np.ndarray | None] = [None] * len(y_shape)
     for d, axis in enumerate(lhs_spec[2:]):
         patterns[axis] = _taps(y_shape[axis], x_shape[axis], kernel[d], strides[d], padding[d][0],
