@@ -32,6 +32,7 @@ from tests.algorithm.bptt import (
     window_grads,
     x64,
 )
+from tests.compiler.models import soft_spike
 
 __all__ = ["x64"]  # the fixture is used by name
 
@@ -740,15 +741,6 @@ def test_a_subclass_that_changes_rolled_traces_gets_the_history_of_its_stored_tr
     assert max_rel_err(bptt_grads(Leaky(row, xs[0], True), xs, batch_size=B), clipped) > 1e-3
 
 
-@jax.custom_vjp
-def _soft_spike(v: Any) -> Any:
-    """A sigmoid whose VJP is a user's surrogate slope, not the sigmoid's derivative."""
-    return jax.nn.sigmoid(4.0 * v)
-
-
-_soft_spike.defvjp(lambda v: (_soft_spike(v), v), lambda v, g: (g / (1.0 + jnp.abs(v)) ** 2,))
-
-
 class SpikingDrive(brainstate.nn.Module):
     """``h = 0.8 h + spike(move(x @ W))`` with ``spike`` a ``custom_vjp`` function."""
 
@@ -762,7 +754,7 @@ class SpikingDrive(brainstate.nn.Module):
 
     def update(self, x: Any) -> Any:
         drive = braintrace.matmul(x, self.w.value)
-        self.h.value = 0.8 * self.h.value + _soft_spike(jnp.roll(drive, 1, axis=-1) if self.roll else drive)
+        self.h.value = 0.8 * self.h.value + soft_spike(jnp.roll(drive, 1, axis=-1) if self.roll else drive)
         return self.h.value
 
 

@@ -19,6 +19,16 @@ def _w(key: int, shape: tuple[int, ...], scale: float = 0.3) -> brainstate.Param
     return brainstate.ParamState(scale * jax.random.normal(jax.random.PRNGKey(key), shape))
 
 
+@jax.custom_vjp
+def soft_spike(v: Any) -> Any:
+    """A sigmoid whose VJP is a user's surrogate slope ``1 / (1 + |v|)²``, not the sigmoid's
+    derivative: a ``custom_vjp`` function, which forward mode cannot differentiate."""
+    return jax.nn.sigmoid(4.0 * v)
+
+
+soft_spike.defvjp(lambda v: (soft_spike(v), v), lambda v, g: (g / (1.0 + jnp.abs(v)) ** 2,))
+
+
 def _linear(key: int, n_in: int, n_out: int) -> brainstate.ParamState:
     k1, k2 = jax.random.split(jax.random.PRNGKey(key))
     return brainstate.ParamState({

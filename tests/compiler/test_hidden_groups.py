@@ -109,23 +109,6 @@ def test_forward_and_reverse_last_dim_jacobians_agree() -> None:
     np.testing.assert_allclose(block_diagonal_last_dim(fn, h, forward=True), rev, rtol=1e-6)
 
 
-@jax.custom_vjp
-def _soft_spike(v: Any) -> Any:
-    """A sigmoid whose VJP is a user's surrogate slope, not the sigmoid's derivative."""
-    return jax.nn.sigmoid(4.0 * v)
-
-
-def _soft_spike_fwd(v: Any) -> tuple[Any, Any]:
-    return _soft_spike(v), v
-
-
-def _soft_spike_bwd(v: Any, g: Any) -> tuple[Any]:
-    return (g / (1.0 + jnp.abs(v)) ** 2,)
-
-
-_soft_spike.defvjp(_soft_spike_fwd, _soft_spike_bwd)
-
-
 class _CustomVjpLeaky(models._Base):
     """``h = 0.8 h + 0.3 spike(h) + x @ W`` with ``spike`` a ``custom_vjp`` function."""
 
@@ -135,7 +118,7 @@ class _CustomVjpLeaky(models._Base):
         self.init_state()
 
     def update(self, x: Any) -> Any:
-        self.h.value = 0.8 * self.h.value + 0.3 * _soft_spike(self.h.value) + braintrace.matmul(x, self.W.value)
+        self.h.value = 0.8 * self.h.value + 0.3 * models.soft_spike(self.h.value) + braintrace.matmul(x, self.W.value)
         return self.h.value
 
 
@@ -159,7 +142,7 @@ class _CustomVjpSettling(_CustomVjpLeaky):
 
     def update(self, x: Any) -> Any:
         settled, _ = jax.lax.while_loop(lambda c: c[1] < 2, lambda c: (0.9 * c[0], c[1] + 1), (self.h.value, 0))
-        self.h.value = settled + 0.3 * _soft_spike(self.h.value) + braintrace.matmul(x, self.W.value)
+        self.h.value = settled + 0.3 * models.soft_spike(self.h.value) + braintrace.matmul(x, self.W.value)
         return self.h.value
 
 
