@@ -25,6 +25,11 @@ the seconds ``import braintrace`` adds to ``import brainstate``, median of fresh
   float32-trace time (D_RTRL, pp_prop). ``python -m benchmarks.half_precision`` measures the
   gradient drift of that storage over a long stream.
 
+On ``leaky64`` the row ``D_RTRL by hand`` is D_RTRL written by hand in plain JAX
+(:mod:`benchmarks.hand_written`: one ``lax.scan``, no graph, no custom VJP; tested to compute the
+learner's gradient), and a line gives ``D_RTRL single``'s step and compile time over its: how far
+the library's step and compile sit above what a user could write for this one model.
+
 OTTT and OTPE learn only fixed-leak dense layers, so they have their own models
 (``lif256-fixed``, ``lif1024-fixed``: :class:`~benchmarks.models.FixedLeakLIF` at the LIF sizes),
 each timed against BPTT and D_RTRL on that same model (:data:`OTTT_METHODS`; OTPE in mode
@@ -52,6 +57,7 @@ import jax
 import jax.numpy as jnp
 
 import braintrace
+from benchmarks import hand_written
 from benchmarks.models import GRU, LIF, ConvRNN, FixedLeakLIF, LeakyRNN
 
 
@@ -64,12 +70,15 @@ class Setting:
     n_out: int = 4
     #: The methods run on this model (``None``: :data:`METHODS`).
     methods: tuple[str, ...] | None = None
+    #: Whether the model has a hand-written plain-JAX D_RTRL (:mod:`benchmarks.hand_written`),
+    #: timed as the row ``D_RTRL by hand``.
+    by_hand: bool = False
 
 
 #: The rows of a fixed-leak model: OTTT and OTPE and what they are compared with on that model.
 OTTT_METHODS = ("BPTT", "D_RTRL single", "OTTT single", "OTPE single")
 SETTINGS = {
-    "leaky64": Setting("leaky64", LeakyRNN, 64),
+    "leaky64": Setting("leaky64", LeakyRNN, 64, by_hand=True),
     "gru256": Setting("gru256", GRU, 256),
     "lif256": Setting("lif256", LIF, 256),
     "lif1024": Setting("lif1024", LIF, 1024),
@@ -83,6 +92,8 @@ METHODS = ("BPTT", "D_RTRL single", "D_RTRL multi(10)", "pp_prop single", "pp_pr
            "D_RTRL single bf16", "pp_prop single bf16")
 #: The rows with traces stored in bfloat16, and the float32-trace rows they are compared with.
 BF16_OF = {"D_RTRL single bf16": "D_RTRL single", "pp_prop single bf16": "pp_prop single"}
+#: The row of the hand-written plain-JAX D_RTRL (models with ``Setting.by_hand``).
+BY_HAND = "D_RTRL by hand"
 #: How much shorter the sequences of the repeated compilations are (a multiple of every window).
 COMPILE_STRIDE = 10
 #: The trace-sized arrays each single-step method reads and writes once per step.
@@ -117,6 +128,13 @@ def bptt_step(setting: Setting, batch: int) -> Callable[[jax.Array, jax.Array], 
         return _sgd(params, brainstate.transform.grad(loss_fn, params)(xs, ys))
 
     return step
+
+
+def hand_step(setting: Setting, batch: int) -> Callable[[jax.Array, jax.Array], Any]:
+    """From zero states, the hand-written plain-JAX D_RTRL gradient of the same loss
+    (:mod:`benchmarks.hand_written`, the leaky RNN only), then SGD."""
+    model = setting.model(setting.n_in, setting.hidden, setting.n_out)
+    return hand_written.leaky_d_rtrl_step(model, _loss, _sgd)
 
 
 def online_step(setting: Setting, batch: int, algorithm: str, window: int, **options: Any) -> tuple[Any, Any]:
@@ -216,8 +234,9 @@ def run(setting: Setting, batch: int, steps: int, long_steps: int, repeats: int,
                                                    trace_dtype=jnp.bfloat16),
         "OTTT single": lambda: online_step(setting, batch, "ottt", 1, leak=FixedLeakLIF.leak),
         "OTPE single": lambda: online_step(setting, batch, "otpe", 1, leak=FixedLeakLIF.leak),
+        BY_HAND: lambda: (hand_step(setting, batch), None),
     }
-    methods = METHODS if setting.methods is None else setting.methods
+    methods = (METHODS if setting.methods is None else setting.methods) + ((BY_HAND,) if setting.by_hand else ())
     builders = {name: build for name, build in builders.items() if name in methods}
     rows: dict[str, Any] = {}
     steps_of: dict[str, Any] = {}
@@ -301,6 +320,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             floor = f"{r['vs_floor']:.2f}" if "vs_floor" in r else "-"
             print(f"  {method:<20}{r['vs_bptt']:9.2f}{r['vs_d_rtrl']:11.2f}{floor:>10}{r['mem_growth']:18.2f}"
                   f"{r['compile_vs_bptt']:17.2f}")
+        if BY_HAND in rows:
+            d_rtrl, hand = rows["D_RTRL single"], rows[BY_HAND]
+            print(f"  D_RTRL single over {BY_HAND}: step {d_rtrl['seconds'] / hand['seconds']:.2f}, "
+                  f"compile {d_rtrl['compile_seconds'] / hand['compile_seconds']:.2f}")
         if any(n in rows for n in BF16_OF):
             print("  bf16/f32 trace: " + ", ".join(f"{f32} {rows[n]['bf16_vs_f32']:.2f}" for n, f32 in BF16_OF.items()))
         print()

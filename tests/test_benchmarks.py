@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+import braintrace
 from benchmarks import ostl_recurrent
-from benchmarks.__main__ import BF16_OF, METHODS, OTTT_METHODS, main
+from benchmarks.__main__ import BF16_OF, BY_HAND, METHODS, OTTT_METHODS, SETTINGS, main, run
+from benchmarks.hand_written import leaky_d_rtrl_grads
+from benchmarks.models import LeakyRNN
 
 
 def test_learner_benchmark_reports_every_method() -> None:
@@ -35,6 +44,42 @@ def test_learner_benchmark_reports_ottt_on_the_fixed_leak_lif() -> None:
         assert row["vs_bptt"] > 0 and math.isfinite(row["vs_bptt"]) and row["vs_d_rtrl"] > 0
     # The online learners' compiled memory is flat in T; BPTT's grows.
     assert rows["OTTT single"]["mem_growth"] < rows["BPTT"]["mem_growth"]
+
+def _mse(out: jax.Array, target: jax.Array) -> jax.Array:
+    return jnp.mean((out - target) ** 2)
+
+
+def test_hand_written_d_rtrl_is_the_learners_gradient() -> None:
+    """The floor the benchmark compares D_RTRL with computes D_RTRL's gradient (float64)."""
+    batch, steps = 3, 6
+    with jax.enable_x64(True):
+        model = LeakyRNN(4, 8, 2)
+        model.tau.value = jnp.linspace(-1.0, 1.0, 8)  # a leak per neuron
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            learner = braintrace.compile(model, "d_rtrl", jnp.zeros((batch, 4)), batch_size=batch)
+        xs = jax.random.normal(jax.random.PRNGKey(1), (steps, batch, 4))
+        ys = jax.random.normal(jax.random.PRNGKey(2), (steps, batch, 2))
+        learner.reset()
+        grads = learner.etrace_grad(xs, ys, step_fn=lambda x, y: _mse(learner(x), y), reduction="sum")
+        names = {id(getattr(model, n)): n for n in ("tau", "w_in", "w_rec", "w_out")}
+        ours = {names[id(learner.param_states[p])]: g for p, g in grads.items()}
+        params = {n: getattr(model, n).value for n in names.values()}
+        by_hand = leaky_d_rtrl_grads(params, xs, ys, _mse)
+        for name, g in by_hand.items():
+            np.testing.assert_allclose(ours[name], g, rtol=1e-12, atol=1e-14, err_msg=name)
+        # Negative control: the traces rolled with another leak give another gradient.
+        wrong = leaky_d_rtrl_grads({**params, "tau": params["tau"] + 1.0}, xs, ys, _mse)
+        assert not np.allclose(ours["w_rec"], wrong["w_rec"], rtol=1e-3)
+
+
+def test_learner_benchmark_times_the_hand_written_floor() -> None:
+    setting = dataclasses.replace(SETTINGS["leaky64"], hidden=8, methods=("BPTT", "D_RTRL single"))
+    rows = run(setting, batch=2, steps=4, long_steps=24, repeats=1, bw=1e10)
+    assert set(rows) == {"BPTT", "D_RTRL single", BY_HAND}
+    assert rows[BY_HAND]["seconds"] > 0 and rows[BY_HAND]["compile_seconds"] > 0
+    assert rows[BY_HAND]["mem_growth"] < rows["BPTT"]["mem_growth"]  # online: flat in T
+
 
 @pytest.mark.parametrize("model", ["lif", "gru"])
 def test_ostl_benchmark_reports_every_method(model: str) -> None:
