@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-
 import warnings
 
 import jax
@@ -45,6 +44,7 @@ def test_learner_benchmark_reports_ottt_on_the_fixed_leak_lif() -> None:
     # The online learners' compiled memory is flat in T; BPTT's grows.
     assert rows["OTTT single"]["mem_growth"] < rows["BPTT"]["mem_growth"]
 
+
 def _mse(out: jax.Array, target: jax.Array) -> jax.Array:
     return jnp.mean((out - target) ** 2)
 
@@ -68,7 +68,7 @@ def test_hand_written_d_rtrl_is_the_learners_gradient() -> None:
         by_hand = leaky_d_rtrl_grads(params, xs, ys, _mse)
         for name, g in by_hand.items():
             np.testing.assert_allclose(ours[name], g, rtol=1e-12, atol=1e-14, err_msg=name)
-        # Negative control: the traces rolled with another leak give another gradient.
+        # Negative control: the comparison tells models apart (another leak, another gradient).
         wrong = leaky_d_rtrl_grads({**params, "tau": params["tau"] + 1.0}, xs, ys, _mse)
         assert not np.allclose(ours["w_rec"], wrong["w_rec"], rtol=1e-3)
 
