@@ -76,6 +76,9 @@ def leaky_d_rtrl_step(model: LeakyRNN, loss: Callable[[jax.Array, jax.Array], ja
     """A jitted training step over ``model``'s parameters: :func:`leaky_d_rtrl_grads` of the
     sequence averaged over its steps (as ``etrace_grad``'s default ``reduction='mean'``), then
     ``update(param_states, grads)`` (the benchmark's SGD; its result is returned)."""
+    if not isinstance(model, LeakyRNN):
+        raise TypeError(f"leaky_d_rtrl_step needs a LeakyRNN (its D_RTRL is written out for that "
+                        f"model's equations), got a {type(model).__name__}.")
     states = {"tau": model.tau, "w_in": model.w_in, "w_rec": model.w_rec, "w_out": model.w_out}
 
     @brainstate.transform.jit

@@ -14,8 +14,8 @@ import pytest
 import braintrace
 from benchmarks import ostl_recurrent
 from benchmarks.__main__ import BF16_OF, BY_HAND, METHODS, OTTT_METHODS, SETTINGS, main, run
-from benchmarks.hand_written import leaky_d_rtrl_grads
-from benchmarks.models import LeakyRNN
+from benchmarks.hand_written import leaky_d_rtrl_grads, leaky_d_rtrl_step
+from benchmarks.models import GRU, LeakyRNN
 
 
 def test_learner_benchmark_reports_every_method() -> None:
@@ -71,6 +71,11 @@ def test_hand_written_d_rtrl_is_the_learners_gradient() -> None:
         # Negative control: the comparison tells models apart (another leak, another gradient).
         wrong = leaky_d_rtrl_grads({**params, "tau": params["tau"] + 1.0}, xs, ys, _mse)
         assert not np.allclose(ours["w_rec"], wrong["w_rec"], rtol=1e-3)
+
+
+def test_hand_written_step_refuses_another_model() -> None:
+    with pytest.raises(TypeError, match="needs a LeakyRNN.*got a GRU"):
+        leaky_d_rtrl_step(GRU(2, 3, 1), _mse, lambda states, grads: None)
 
 
 def test_learner_benchmark_times_the_hand_written_floor() -> None:
