@@ -320,7 +320,7 @@ def tail_relabels_positions(tail: Jaxpr, varshape: Sequence[int]) -> bool:
     if _element_wise_only(tail):  # nothing moves, and no (V, V) pattern is built (a connectome's V²)
         return False
     reach = tail_reach(tail, varshape)
-    return reach is not None and any(np.any(a & ~np.eye(len(a), dtype=bool)) for a in reach)
+    return reach is not None and _off_diagonal(reach)
 
 
 def tail_keeps_positions(tail: Jaxpr, varshape: Sequence[int]) -> bool:
@@ -330,7 +330,12 @@ def tail_keeps_positions(tail: Jaxpr, varshape: Sequence[int]) -> bool:
     if _element_wise_only(tail):
         return True
     reach = tail_reach(tail, varshape)
-    return reach is not None and not any(np.any(a & ~np.eye(len(a), dtype=bool)) for a in reach)
+    return reach is not None and not _off_diagonal(reach)
+
+
+def _off_diagonal(reach: AxisPatterns) -> bool:
+    """Whether some axis of ``reach`` relates a position to another one."""
+    return any(np.any(a & ~np.eye(len(a), dtype=bool)) for a in reach)
 
 
 def _element_wise_only(jaxpr: Jaxpr) -> bool:
