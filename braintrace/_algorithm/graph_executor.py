@@ -545,14 +545,20 @@ def _tail_df(fn: Callable[[Any], Any], y: Any, rel: Any, group: Any, tail: Any) 
     if not calls_custom_vjp(tail):
         return jax.jvp(fn, (y,), (jnp.ones_like(y),))[1]
     varshape = tuple(group.varshape)
-    if (tuple(jnp.shape(y)) != varshape or not tail_keeps_positions(tail, varshape)
-            or contains_eqn(tail, lambda e: e.primitive.name == "while")):
+    if tuple(jnp.shape(y)) != varshape:
+        why = f"a broadcast of y {tuple(jnp.shape(y))} over the positions {varshape}"
+    elif contains_eqn(tail, lambda e: e.primitive.name == "while"):
+        why = "a while_loop, which reverse mode cannot enter"
+    elif not tail_keeps_positions(tail, varshape):
+        why = "an operation that may move values between positions"
+    else:
+        why = None
+    if why is not None:
         raise NotSupportedError(
             f"The output of {rel.primitive.name} with weight {rel.path} reaches the hidden states "
-            f"{group.hidden_paths} through a jax.custom_vjp function, and through a while_loop, a "
-            f"broadcast or an operation that may move values between positions; forward mode cannot "
-            f"differentiate a custom_vjp function there. Define it with jax.custom_jvp (its forward "
-            f"rule serves both modes)."
+            f"{group.hidden_paths} through a jax.custom_vjp function and through {why}; forward mode "
+            f"cannot differentiate a custom_vjp function, and reverse mode does not give df there. "
+            f"Define that function with jax.custom_jvp (its forward rule serves both modes)."
         )
     out, pullback = jax.vjp(fn, y)
     cotangents = state_basis(out.shape[:-1], out.shape[-1], out.dtype)
