@@ -46,6 +46,7 @@ from braintrace._algorithm import (
     UORO,
     pp_prop,
 )
+from braintrace._algorithm.batch_size import checked_batch_size
 from braintrace._algorithm.sharding import Sharding, check_batch_size, plan_sharding
 from braintrace._errors import CompilationError
 
@@ -140,9 +141,13 @@ def _batch_mismatch(example_inputs: tuple[Any, ...], batch_size: int | None) -> 
 
 
 def _one_step_hint(shapes: list[tuple[int, ...]], batch_size: int) -> str:
+    """The fixes for an example whose axis 0 is not ``batch_size``: one step of the sequence, or
+    the batch size the example has."""
+    leading = {s[0] for s in shapes if s}
+    its_batch = f" If axis 0 is the batch, pass batch_size={leading.pop()}." if len(leading) == 1 else ""
     if any(len(s) >= 2 and s[1] == batch_size for s in shapes):
-        return "It looks like a whole sequence (time, batch, ...): pass one step, xs[0]."
-    return "Give one step of a batch, shape (batch_size, ...), or the batch_size of the example."
+        return f"If it is a whole sequence (time, batch, ...), pass one step, xs[0].{its_batch}"
+    return f"Give one step of a batch, shape (batch_size, ...).{its_batch}"
 
 
 def _compile_graph(learner: ETraceAlgorithm, example_inputs: tuple[Any, ...], batch_size: int | None) -> None:
@@ -154,6 +159,18 @@ def _compile_graph(learner: ETraceAlgorithm, example_inputs: tuple[Any, ...], ba
         if mismatch is None:
             raise
         raise ValueError(f"compile: {mismatch} Compiling the step failed with: {err}") from err
+
+
+def _no_hidden_state_hint(learner: ETraceAlgorithm) -> str:
+    """When the model has no ``HiddenState``: that, and the short-term states that may be meant as one."""
+    if learner.hidden_states:
+        return ""
+    short_term = [path for path, st in learner.other_states.items() if type(st) is brainstate.ShortTermState]
+    meant = (f" Its short-term state{'s' if len(short_term) > 1 else ''} "
+             f"{', '.join(map(str, short_term))} {'are' if len(short_term) > 1 else 'is'} not followed: "
+             f"declare a recurrent state as brainstate.HiddenState(...)." if short_term else "")
+    return (" The model has no brainstate.HiddenState, and eligibility traces follow hidden states "
+            f"only.{meant}")
 
 
 @contextlib.contextmanager
@@ -220,8 +237,9 @@ def compile(
     Raises
     ------
     TypeError, ValueError
-        For a bad ``algorithm`` or option, a ``config=`` next to an ETraceConfig algorithm, no example input, a ``verbose`` outside ``{0, 1, 2}``,
-        ``vmap=True`` without ``batch_size``, an example input whose axis 0 is not
+        For a bad ``algorithm`` or option, a ``config=`` next to an ETraceConfig algorithm, no
+        example input, a ``verbose`` outside ``{0, 1, 2}``, a ``batch_size`` that is not a
+        positive int, ``vmap=True`` without ``batch_size``, an example input whose axis 0 is not
         ``batch_size``, a step that would change a hidden state's shape (a batched example
         compiled without ``batch_size``), a ``sharding`` that is not a :class:`~braintrace.Sharding`,
         or a batch size or hidden unit count that its mesh axis's device count does not divide.
@@ -255,6 +273,7 @@ def compile(
         )
     if verbose not in (0, 1, 2):
         raise ValueError(f"compile: verbose must be 0, 1 or 2, got {verbose!r}.")
+    batch_size = checked_batch_size(batch_size, "compile")
     if vmap and batch_size is None:
         raise ValueError("compile: vmap=True needs the batch_size to build per-sample states.")
     if vmap and batch_size is not None:
@@ -287,8 +306,8 @@ def compile(
     if len(learner.graph.hidden_param_op_relations) == 0:
         raise CompilationError(
             "No trainable weights are routed through ETP ops to a hidden state, so nothing can learn "
-            "online. Use braintrace.matmul / element_wise / conv ... for the weights that drive hidden "
-            "states; compile(..., verbose=2) shows why each weight was excluded."
+            f"online.{_no_hidden_state_hint(learner)} Use braintrace.matmul / element_wise / conv ... for "
+            "the weights that drive hidden states; compile(..., verbose=2) shows why each weight was excluded."
         )
     if sharding is not None:
         result.sharding_plan = plan_sharding(result, learner, sharding, batch_size, vmapped=vmap)

@@ -29,6 +29,7 @@ import brainunit as u
 import jax
 import jax.numpy as jnp
 
+from braintrace._algorithm.batch_size import checked_batch_size
 from braintrace._algorithm.config import ETraceConfig
 from braintrace._algorithm.graph_executor import ETraceGraphExecutor, ETraceVjpGraphExecutor, refuse_while_in_windows
 from braintrace._algorithm.input_data import has_multistep_data
@@ -364,7 +365,8 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
         Raises
         ------
         ValueError
-            If a reset hidden state does not have the shape the learner was compiled for.
+            If ``batch_size`` is not a positive int, or a reset hidden state does not have the
+            shape the learner was compiled for.
 
         Examples
         --------
@@ -376,7 +378,10 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
         >>> float(abs(learner.hidden_states[('h',)].value).sum()), int(learner.running_index.value)
         (0.0, 0)
         """
-        batch_size = self.batch_size if batch_size is None else batch_size
+        if batch_size is None:
+            batch_size = self.batch_size
+        else:
+            batch_size = checked_batch_size(batch_size, f"{type(self).__name__}.reset")
         model = self.model4compile
         compiled = self.graph.module_info.retrieved_model_states
         brainstate.nn.reset_all_states(model, batch_size=batch_size)

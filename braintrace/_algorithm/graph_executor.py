@@ -230,15 +230,18 @@ class ETraceGraphExecutor:
         """
         if self._compiled_signature is None:
             return
-        got = _arg_signature(get_single_step_data(*args))
+        step = get_single_step_data(*args)
+        got = _arg_signature(step)
         if got != self._compiled_signature:
+            lists = (" A Python list is a pytree of separate values to JAX: pass an array, jnp.asarray(x)."
+                     if any(isinstance(a, list) for a in step) else "")
             raise ValueError(
                 f"The learner was compiled for step inputs with shapes {_describe(self._compiled_signature)}, "
                 f"but this call's step inputs have shapes {_describe(got)}. Call it with inputs of the "
                 f"compiled structure and shapes (MultiStepData adds a leading time axis); a new batch "
-                f"size or input layout needs a new braintrace.compile(...)."
+                f"size or input layout needs a new braintrace.compile(...).{lists}"
             )
-        dtypes = _arg_dtypes(get_single_step_data(*args))
+        dtypes = _arg_dtypes(step)
         if dtypes != self._compiled_dtypes:
             raise TypeError(
                 f"The learner was compiled for step inputs of dtypes {_listed(self._compiled_dtypes)}, "

@@ -36,6 +36,7 @@ import brainstate
 import jax
 import jax.numpy as jnp
 
+from braintrace._algorithm.batch_size import checked_batch_size
 from braintrace._compile import compile as compile_learner
 from braintrace._errors import CompilationError
 from braintrace._memory.batch_fit import largest_fitting_batch
@@ -48,17 +49,6 @@ __all__ = ["estimate_memory", "learner_memory"]
 
 
 # --- checks of the arguments --------------------------------------------------------------------
-
-def _checked_batch_size(batch_size: Any) -> int | None:
-    if batch_size is None:
-        return None
-    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
-        raise ValueError(
-            f"estimate_memory: batch_size must be a positive int (or None for unbatched inputs), got "
-            f"{batch_size!r}; pass the batch size the run will use, e.g. batch_size=32."
-        )
-    return int(batch_size)
-
 
 def _checked_seq_len(seq_len: Any) -> int:
     if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len < 1:
@@ -276,7 +266,7 @@ def estimate_memory(
     """
     _check_model_and_inputs(model, example_inputs)
     methods = read_methods(algorithms)
-    batch_size = _checked_batch_size(batch_size)
+    batch_size = checked_batch_size(batch_size, "estimate_memory")
     seq_len = _checked_seq_len(seq_len)
     budget = _checked_budget(budget_bytes)
     options = _checked_options(compile_options)

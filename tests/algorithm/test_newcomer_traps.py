@@ -50,6 +50,13 @@ class StateInInit(Leaky):
         pass
 
 
+class ShortTermLeaky(Leaky):
+    """``Leaky`` with its recurrent state declared a ``ShortTermState``, not a ``HiddenState``."""
+
+    def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+        self.h = brainstate.ShortTermState(jnp.zeros((H,) if batch_size is None else (batch_size, H)))
+
+
 X = normal(2, (B, I))
 
 #: ``(id, call, error type, message words)``: each call makes one mistake at compile time.
@@ -62,10 +69,16 @@ COMPILE_TRAPS: list[tuple[str, Callable[[], Any], type, str]] = [
      ValueError, r"init_state\(batch_size\).*created in __init__ is not resized"),
     ("batch-size-disagrees-with-example",
      lambda: braintrace.compile(Leaky(), braintrace.D_RTRL, X, batch_size=8),
-     ValueError, r"batch_size=8, but no example input has the batch on axis 0 \(shapes \(4, 3\)\)"),
+     ValueError, r"batch_size=8, but no example input has the batch on axis 0 \(shapes \(4, 3\)\).*If axis 0 is the batch, pass batch_size=4"),
+    ("negative-batch-size",
+     lambda: braintrace.compile(Leaky(), braintrace.D_RTRL, X, batch_size=-1),
+     ValueError, r"compile: batch_size must be a positive int .*got -1; pass the number of sequences"),
+    ("fractional-batch-size",
+     lambda: braintrace.compile(Leaky(), braintrace.D_RTRL, X, batch_size=4.0),
+     ValueError, r"compile: batch_size must be a positive int .*got 4.0"),
     ("whole-sequence-as-example",
      lambda: braintrace.compile(Leaky(), braintrace.D_RTRL, normal(3, (10, B, I)), batch_size=B),
-     ValueError, r"whole sequence \(time, batch, ...\): pass one step, xs\[0\]"),
+     ValueError, r"whole sequence \(time, batch, ...\), pass one step, xs\[0\]. If axis 0 is the batch, pass batch_size=10"),
     ("vmap-with-an-unbatched-example",
      lambda: braintrace.compile(Leaky(), braintrace.D_RTRL, X[0], batch_size=B, vmap=True),
      ValueError, r"vmap=True maps axis 0 of every example input over the batch"),
@@ -93,6 +106,15 @@ def test_compile_time_traps(call: Callable[[], Any], error: type, words: str) ->
         call()
 
 
+def test_a_recurrent_state_declared_short_term_is_named() -> None:
+    with pytest.warns(UserWarning, match=r"weight \('w',\) reaches no hidden state"), \
+            pytest.raises(braintrace.CompilationError,
+                          match=r"no brainstate.HiddenState.*short-term state \('h',\) is not followed: declare a "
+                                r"recurrent state as brainstate.HiddenState"):
+        braintrace.compile(ShortTermLeaky(), braintrace.D_RTRL, X, batch_size=B)
+    assert braintrace.compile(Leaky(), braintrace.D_RTRL, X, batch_size=B).hidden_states  # declared hidden: learns
+
+
 def _learner() -> tuple[Any, Leaky]:
     model = Leaky()
     return braintrace.compile(model, braintrace.D_RTRL, X, batch_size=B), model
@@ -108,6 +130,22 @@ def test_a_trace_reset_at_another_batch_size_names_the_fix_at_the_next_call() ->
         learner(normal(4, (7, I)))
     learner.reset()  # back to the compiled batch: the learner works again
     assert learner(X).shape == (B, H)
+
+
+@pytest.mark.parametrize("batch_size", [0, True, 2.5])
+def test_a_reset_to_a_batch_size_that_is_not_a_positive_int_is_refused(batch_size: Any) -> None:
+    learner, _ = _learner()
+    with pytest.raises(ValueError, match=rf"D_RTRL.reset: batch_size must be a positive int .*got {batch_size!r}"):
+        learner.reset(batch_size=batch_size)
+    assert learner(X).shape == (B, H)  # nothing was reset half-way
+
+
+def test_a_python_list_input_is_refused_naming_jnp_asarray() -> None:
+    learner, _ = _learner()
+    rows = [[1.0] * I] * B
+    with pytest.raises(ValueError, match=r"compiled for step inputs with shapes.*pass an array, jnp.asarray\(x\)"):
+        learner(rows)
+    assert learner(jnp.asarray(rows)).shape == (B, H)
 
 
 def test_init_all_states_after_compiling_is_refused_at_the_next_call() -> None:
