@@ -8,9 +8,11 @@ estimates, weight the losses by a per-step ``mask`` and reduce. They own no nume
 the learner computes for one call, the driver adds up.
 
 Data are positional sequences (inputs, targets, modulators ...), sliced in lockstep. The host
-class provides five hooks (defaults are those of :class:`~braintrace.ETraceAlgorithm`):
+class provides six hooks (defaults are those of :class:`~braintrace.ETraceAlgorithm`):
 
 * ``_seq_call`` — the callable ``etrace_evolve`` drives when it has no ``step_fn``;
+* ``_seq_call_counter`` — the state every call of the learner writes (its ``running_index``):
+  a ``step_fn`` that leaves it unwritten never called the learner and is refused;
 * ``_seq_param_states`` — the ``path -> ParamState`` mapping differentiated by default;
 * ``_seq_vjp_method`` — ``'single-step'``, ``'multi-step'`` or ``None``; window mode of
   ``etrace_grad`` requires ``'multi-step'``;
@@ -111,6 +113,11 @@ class SequenceDriverMixin:
     def _seq_call(self) -> Any:
         """The callable ``etrace_evolve`` drives when it is given no ``step_fn``."""
         return self
+
+    @property
+    def _seq_call_counter(self) -> brainstate.State:
+        """The state every call of the learner writes (its ``running_index``)."""
+        return getattr(self, "running_index")  # the host class provides it
 
     @property
     def _seq_param_states(self) -> Mapping[Path, Any]:
@@ -261,7 +268,8 @@ class SequenceDriverMixin:
         mask = _check_mask("etrace_grad", mask, drive.length)
         weights = self._seq_weights("etrace_grad", weights)
         guarded = self._seq_checked("etrace_grad", check_finite, sequences, mask)
-        run = _GradRun("etrace_grad", step_fn, weights, drive.window, has_aux, guarded, self._seq_after_gradient)
+        run = _GradRun("etrace_grad", self._seq_stepper("etrace_grad", step_fn), weights, drive.window, has_aux,
+                       guarded, self._seq_after_gradient)
         grads, losses, aux, status = run(sequences, mask, jnp.arange(drive.length))
         if status is not None:
             raise_if_bad("etrace_grad", status)
@@ -331,7 +339,7 @@ class SequenceDriverMixin:
         """
         drive = self._seq_validate("etrace_evolve", sequences, chunk_size, needs_multi_step=False)
         if step_fn is not None:
-            call = step_fn
+            call = self._seq_stepper("etrace_evolve", step_fn)
         elif drive.window is None:
             call = self._seq_call
         else:
@@ -463,7 +471,8 @@ class SequenceDriverMixin:
         span = _check_update_every(update_every, drive)
         optimizer = _registered_optimizer(optimizer, weights)
         guarded = self._seq_checked("etrace_train", check_finite, sequences, mask)
-        run = _GradRun("etrace_train", step_fn, weights, drive.window, has_aux, guarded, self._seq_after_gradient)
+        run = _GradRun("etrace_train", self._seq_stepper("etrace_train", step_fn), weights, drive.window, has_aux,
+                       guarded, self._seq_after_gradient)
         optimizer_states = list(brainstate.graph.states(optimizer).values())
         Span = tuple[tuple[Any, ...], jax.Array, jax.Array]
 
@@ -517,6 +526,34 @@ class SequenceDriverMixin:
         guarded = self._seq_guarded
         refuse_traced(call, *data, [st.value for st in guarded])
         return guarded
+
+    def _seq_stepper(self, call: str, step_fn: StepFn) -> StepFn:
+        """``step_fn`` (refused unless callable), refused at each traced call that does not call this learner.
+
+        A ``step_fn`` that never calls the learner would leave every estimate zero (or fail
+        with a message about states missing from a trace); the learner's call counter is a
+        new value after any call, so an unchanged one is caught while tracing.
+        """
+        if not callable(step_fn):
+            raise TypeError(
+                f"{call}: step_fn must be a function step_fn(*slices) that calls this learner once and "
+                f"returns what the driver needs (the loss), got {step_fn!r} of type {type(step_fn).__name__}; "
+                f"e.g. step_fn=lambda x, y: jnp.mean((learner(x) - y) ** 2)."
+            )
+        counter = self._seq_call_counter
+
+        def stepped(*slices: Any) -> Any:
+            before = counter.value
+            result = step_fn(*slices)
+            if counter.value is before:
+                raise ValueError(
+                    f"{call}: step_fn did not call this learner, so its step never ran. Call the learner "
+                    f"on the step's inputs inside step_fn, once, e.g. "
+                    f"step_fn=lambda x, y: jnp.mean((learner(x) - y) ** 2)."
+                )
+            return result
+
+        return stepped
 
     def _seq_weights(self, call: str, weights: Mapping[Path, Any] | None) -> dict[Path, Any]:
         """The ``path -> ParamState`` mapping to differentiate (default: the learner's parameters)."""

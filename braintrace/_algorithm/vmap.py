@@ -137,6 +137,10 @@ class ETraceVmap(SequenceDriverMixin, brainstate.nn.Vmap):
         return self.module.param_states
 
     @property
+    def _seq_call_counter(self) -> brainstate.State:
+        return self.module.running_index
+
+    @property
     def _seq_vjp_method(self) -> str | None:
         # brainstate.nn.Vmap forwards no attributes: read the learner's, not the wrapper's.
         return getattr(self.module, "vjp_method", None)

@@ -21,6 +21,7 @@ import brainunit as u
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import braintrace
@@ -371,12 +372,18 @@ class Stub(SequenceDriverMixin):
 
     def __init__(self) -> None:
         self.w = brainstate.ParamState(jnp.ones(N_IN))
+        self.calls = brainstate.ShortTermState(jnp.asarray(0))
 
     @property
     def _seq_param_states(self) -> dict[Any, Any]:
         return {("w",): self.w}
 
+    @property
+    def _seq_call_counter(self) -> brainstate.State:
+        return self.calls
+
     def __call__(self, x: Any) -> Any:
+        self.calls.value = self.calls.value + 1
         return (x.data if isinstance(x, braintrace.MultiStepData) else x) * self.w.value
 
 
@@ -889,6 +896,33 @@ def test_step_fn_is_required() -> None:
     learner = make()
     with pytest.raises(TypeError, match="step_fn"):
         learner.etrace_grad(XS)
+
+
+#: ``(driver, call)``: each call drives ``learner`` with a given ``step_fn``.
+DRIVERS: list[tuple[str, Callable[[Any, Any, Any], Any]]] = [
+    ("etrace_grad", lambda learner, xs, fn: learner.etrace_grad(xs, step_fn=fn)),
+    ("etrace_train", lambda learner, xs, fn: learner.etrace_train(xs, step_fn=fn, optimizer=optax.sgd(0.1))),
+    ("etrace_evolve", lambda learner, xs, fn: learner.etrace_evolve(xs, step_fn=fn)),
+]
+
+
+@pytest.mark.parametrize("driver, call", DRIVERS, ids=[d[0] for d in DRIVERS])
+def test_a_step_fn_that_is_not_callable_is_refused(driver: str, call: Callable[[Any, Any, Any], Any]) -> None:
+    with pytest.raises(TypeError, match=rf"{driver}: step_fn must be a function .*got 0.5 of type float"):
+        call(make(), XS, 0.5)
+
+
+@pytest.mark.parametrize("vmapped", [False, True], ids=["learner", "vmapped"])
+@pytest.mark.parametrize("driver, call", DRIVERS, ids=[d[0] for d in DRIVERS])
+def test_a_step_fn_that_never_calls_the_learner_is_refused(driver: str, call: Callable[[Any, Any, Any], Any],
+                                                           vmapped: bool) -> None:
+    learner = make_vmapped(2) if vmapped else make()
+    xs = normal(51, (T, 2, N_IN)) if vmapped else XS
+    before = state_values(learner)
+    with pytest.raises(ValueError, match=rf"{driver}: step_fn did not call this learner.*learner\(x\)"):
+        call(learner, xs, lambda x: jnp.sum(x ** 2))
+    assert_same_states(before, state_values(learner))
+    call(learner, xs, lambda x: jnp.sum(learner(x) ** 2))  # calling it, the same driver runs
 
 
 def test_has_aux_without_a_pair_is_a_type_error() -> None:
