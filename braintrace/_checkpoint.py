@@ -314,6 +314,8 @@ def save_checkpoint(path: PathLike, learner: Any, *, optimizer: Any = None, extr
     ------
     TypeError
         If ``learner`` is not a braintrace learner or ``optimizer`` not a ``braintools.optim`` one.
+    IsADirectoryError
+        If ``path`` is a folder.
     ValueError
         If the learner is not compiled, the optimizer has no registered weights, or a state
         holds a traced value (a call inside ``jit``).
@@ -331,6 +333,7 @@ def save_checkpoint(path: PathLike, learner: Any, *, optimizer: Any = None, extr
     import braintools
 
     call = "save_checkpoint"
+    filename = _file_path(path, call)
     entries = _learner_entries(learner, call)
     if optimizer is not None:
         entries.update(_optimizer_entries(optimizer, {id(e.state) for e in entries.values()}, call))
@@ -343,7 +346,6 @@ def save_checkpoint(path: PathLike, learner: Any, *, optimizer: Any = None, extr
         "entries": {name: _header_entry(_spec(e.leaf)) for name, e in entries.items()},
     }
     payload = {"header": header, "entries": {name: e.leaf for name, e in entries.items()}, "extra": extra}
-    filename = os.fspath(path)
     write_atomically(filename, lambda temp: braintools.file.msgpack_save(temp, payload))
     return filename
 
@@ -382,6 +384,8 @@ def load_checkpoint(path: PathLike, learner: Any, *, optimizer: Any = None, extr
     ------
     FileNotFoundError
         If there is no file at ``path``.
+    IsADirectoryError
+        If ``path`` is a folder.
     ValueError
         If the file is no braintrace checkpoint, or the checkpoint does not fit: another
         learner class, other state names, shapes, dtypes or units, an optimizer or an
@@ -415,7 +419,7 @@ def load_checkpoint(path: PathLike, learner: Any, *, optimizer: Any = None, extr
     """
 
     call = "load_checkpoint"
-    filename = os.fspath(path)
+    filename = _file_path(path, "load_checkpoint")
     raw = _read(filename)
     header = raw["header"]
     expected = _learner_entries(learner, call)
@@ -457,6 +461,17 @@ def load_checkpoint(path: PathLike, learner: Any, *, optimizer: Any = None, extr
         )
     _write(expected, found)
     return restored_extra
+
+
+def _file_path(path: PathLike, call: str) -> str:
+    """``path`` as a string, refused if it names a folder (a checkpoint is one file)."""
+    filename = os.fspath(path)
+    if os.path.isdir(filename):
+        raise IsADirectoryError(
+            f"{call}: {filename!r} is a folder, but a checkpoint is one file; give a file path, e.g. "
+            f"os.path.join({filename!r}, 'run.ckpt')."
+        )
+    return filename
 
 
 def _read(filename: str) -> dict[str, Any]:

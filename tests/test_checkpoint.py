@@ -202,6 +202,10 @@ def test_refuses_bad_paths_and_files(tmp_path: Path) -> None:
         braintrace.save_checkpoint(tmp_path / "x.ckpt", learner.model4compile)
     with pytest.raises(TypeError, match="must be a braintools.optim optimizer"):
         braintrace.save_checkpoint(tmp_path / "x.ckpt", learner, optimizer=object())
+    for call in (braintrace.save_checkpoint, braintrace.load_checkpoint):
+        with pytest.raises(IsADirectoryError, match=r"is a folder, but a checkpoint is one file.*'run.ckpt'"):
+            call(tmp_path, learner)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.msgpack"]  # nothing written by the refusals
 
 
 def test_refuses_states_keyed_by_an_unknown_id(tmp_path: Path) -> None:
