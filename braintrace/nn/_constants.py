@@ -23,20 +23,28 @@ import braintools
 import brainunit as u
 
 from braintrace._op import element_wise
+from braintrace.nn._arguments import check_time_constant, size_tuple
+from braintrace.nn._initial import StatesFromInitState
 
 __all__ = ["ConstantsDynamics"]
 
 
-class ConstantsDynamics(brainstate.nn.Dynamics):
+class ConstantsDynamics(StatesFromInitState, brainstate.nn.Dynamics):
     """A ``brainstate.nn.Dynamics`` whose per-unit constants may be ``ParamState``s.
 
     Subclasses register each constant with :meth:`_constant` in ``__init__`` and read it with
     :meth:`_read` inside ``update``; :meth:`_step_fraction` turns a time constant into the
-    exponential-Euler factor ``1 − e^{−dt/τ}``.
+    exponential-Euler factor ``1 − e^{−dt/τ}``. They name their hidden states in
+    ``state_names``.
+
+    Raises
+    ------
+    ValueError
+        If ``in_size`` is not a positive int or a tuple of them.
     """
 
     def __init__(self, in_size: Any, name: str | None = None) -> None:
-        super().__init__(in_size, name=name)
+        super().__init__(size_tuple(type(self).__name__, "in_size", in_size), name=name)
         self._trainable: tuple[str, ...] = ()
 
     @property
@@ -44,8 +52,12 @@ class ConstantsDynamics(brainstate.nn.Dynamics):
         """The names of the constants given as ``brainstate.ParamState`` (trained online)."""
         return self._trainable
 
-    def _constant(self, arg: str, value: Any, trainable: bool = True) -> Any:
-        """Store ``value`` for the constant ``arg``: a checked ``ParamState`` or a fixed value."""
+    def _constant(self, arg: str, value: Any, trainable: bool = True, time_constant: bool = False) -> Any:
+        """Store ``value`` for the constant ``arg``: a checked ``ParamState`` or a fixed value.
+
+        A ``time_constant`` must be positive everywhere (checked on the stored value, so an
+        initialiser is checked by what it produced).
+        """
         kind = type(self).__name__
         if isinstance(value, brainstate.ParamState) and trainable:
             shape = tuple(u.math.shape(value.value))
@@ -57,14 +69,18 @@ class ConstantsDynamics(brainstate.nn.Dynamics):
                     f"{tuple(self.varshape)}, 10.0 * brainunit.ms))."
                 )
             self._trainable = (*self._trainable, arg)
-            return value
-        if isinstance(value, brainstate.State):
+            stored = value
+        elif isinstance(value, brainstate.State):
             hint = (
                 "give a brainstate.ParamState to train it online, or a number, array or quantity "
                 "to keep it fixed" if trainable else "it is not trainable: give a number, array or quantity"
             )
             raise TypeError(f"{kind}: {arg} is a {type(value).__name__}; {hint}.")
-        return braintools.init.param(value, self.varshape)
+        else:
+            stored = braintools.init.param(value, self.varshape)
+        if time_constant:
+            check_time_constant(kind, arg, stored)
+        return stored
 
     @staticmethod
     def _read(stored: Any) -> Any:

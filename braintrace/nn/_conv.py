@@ -8,6 +8,7 @@ convolution hook so that the kernel and bias reach the model through
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import brainstate
@@ -16,8 +17,21 @@ import jax
 import jax.numpy as jnp
 
 from braintrace._op.conv import conv
+from braintrace.nn._arguments import ArgumentCheck, check_constructor_arguments, positive_int, size_tuple
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d"]
+
+#: The convolutions' sizes, checked before brainstate's constructor runs (which would divide by
+#: a zero kernel, stride or group count, or build an empty kernel).
+_CONV_SIZES: dict[str, ArgumentCheck] = {
+    "in_size": size_tuple,
+    "out_channels": positive_int,
+    "kernel_size": size_tuple,
+    "stride": size_tuple,
+    "lhs_dilation": size_tuple,
+    "rhs_dilation": size_tuple,
+    "groups": positive_int,
+}
 
 #: The names of the spatial axes of one sample, as brainstate's docstrings write them.
 _SPATIAL_AXES = {1: ("L",), 2: ("H", "W"), 3: ("H", "W", "D")}
@@ -37,7 +51,10 @@ def _layout(names: tuple[str, ...]) -> str:
 
 
 class _OnlineConv:
-    """The convolution hook and input check shared by the three layers (a mixin placed before the parent)."""
+    """The argument checks, convolution hook and input check shared by the three layers.
+
+    A mixin placed before the parent, whose constructor the three layers share.
+    """
 
     # attributes provided by brainstate's _Conv
     num_spatial_dims: int
@@ -51,6 +68,10 @@ class _OnlineConv:
     rhs_dilation: tuple[int, ...]
     groups: int
     dimension_numbers: Any
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_constructor_arguments(type(self).__name__, super().__init__, args, kwargs, _CONV_SIZES)
+        super().__init__(*args, **kwargs)
 
     def _check_input_dim(self, x: Any) -> None:
         """``x`` must be one sample ``in_size`` or a batch of them, ``(batch, *in_size)``.
@@ -157,7 +178,9 @@ _PARAMETERS = """
     Raises
     ------
     ValueError
-        At the call, if the input is neither one sample of shape ``in_size`` nor a batch
+        At construction, if ``in_size``, ``out_channels``, ``kernel_size``, ``stride``, a
+        dilation or ``groups`` is not a positive int (or, where a tuple is allowed, a tuple of
+        them); at the call, if the input is neither one sample of shape ``in_size`` nor a batch
         ``(batch, *in_size)``; the message names the expected and the received shapes and the
         fix (a channels-first map fed to a channels-last layer is recognised as such).
 
@@ -226,3 +249,7 @@ class Conv3d(_OnlineConv, brainstate.nn.Conv3d):
     """
     )
     __module__ = "braintrace.nn"
+
+
+# the three layers share brainstate's _Conv constructor, whose signature the check keeps
+setattr(_OnlineConv.__init__, "__signature__", inspect.signature(brainstate.nn.Conv1d.__init__))

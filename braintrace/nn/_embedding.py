@@ -14,8 +14,12 @@ import numpy as np
 
 from braintrace._op import embedding
 from braintrace._op.embedding import _integer_indices
+from braintrace.nn._arguments import ArgumentCheck, check_constructor_arguments, positive_int, size_tuple
 
 __all__ = ["Embedding"]
+
+#: The table's sizes, checked before brainstate's constructor runs.
+_TABLE_SIZES: dict[str, ArgumentCheck] = {"num_embeddings": positive_int, "embedding_size": size_tuple}
 
 #: The options of brainstate.nn.Embedding the online layer supports only at their defaults.
 _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
@@ -63,9 +67,10 @@ class Embedding(brainstate.nn.Embedding):
     Raises
     ------
     ValueError
-        From ``brainstate.nn.Embedding``'s own checks (a negative ``num_embeddings``, an
-        out-of-range ``padding_idx``, a non-positive ``max_norm``), before the check below; at
-        call time, if a concrete index is outside ``[0, num_embeddings)``.
+        If ``num_embeddings`` is not a positive int or ``embedding_size`` not a positive int or
+        a tuple of them; from ``brainstate.nn.Embedding``'s own checks (an out-of-range
+        ``padding_idx``, a non-positive ``max_norm``), before the check below; at call time, if
+        a concrete index is outside ``[0, num_embeddings)``.
     TypeError
         At call time, if the indices are not integers (a float array, a quantity with a unit).
     NotImplementedError
@@ -99,6 +104,7 @@ class Embedding(brainstate.nn.Embedding):
     __module__ = "braintrace.nn"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_constructor_arguments(type(self).__name__, super().__init__, args, kwargs, _TABLE_SIZES)
         super().__init__(*args, **kwargs)
         self._check_options()
 

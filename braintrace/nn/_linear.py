@@ -14,6 +14,7 @@ folded into one batch axis and the result is unfolded afterwards.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import brainstate
@@ -22,10 +23,14 @@ import jax
 import jax.numpy as jnp
 
 from braintrace._op import matmul
+from braintrace.nn._arguments import ArgumentCheck, check_constructor_arguments, size_tuple
 
 __all__ = ["Linear", "SignedWLinear", "ScaledWSLinear"]
 
 Unfold = Callable[[Any], Any]
+
+#: The dense layers' sizes, checked before brainstate's constructor runs.
+_DENSE_SIZES: dict[str, ArgumentCheck] = {"in_size": size_tuple, "out_size": size_tuple}
 
 
 def _identity(y: Any) -> Any:
@@ -104,6 +109,11 @@ class Linear(brainstate.nn.Linear):
     weight : ParamState
         ``{'weight': (in, out), 'bias': (out,)}`` (no ``'bias'`` when ``b_init`` is None).
 
+    Raises
+    ------
+    ValueError
+        If ``in_size`` or ``out_size`` is not a positive int or a tuple of them.
+
     Notes
     -----
     Inputs ``(in,)`` and ``(batch, in)`` bind the primitive directly; ``(..., in)`` inputs are
@@ -123,6 +133,10 @@ class Linear(brainstate.nn.Linear):
     """
 
     __module__ = "braintrace.nn"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_constructor_arguments(type(self).__name__, super().__init__, args, kwargs, _DENSE_SIZES)
+        super().__init__(*args, **kwargs)
 
     def update(self, x: Any) -> Any:
         params = self.weight.value
@@ -155,6 +169,11 @@ class SignedWLinear(brainstate.nn.SignedWLinear):
     weight : ParamState
         The bare ``(in, out)`` weight array (no bias).
 
+    Raises
+    ------
+    ValueError
+        If ``in_size`` or ``out_size`` is not a positive int or a tuple of them.
+
     Examples
     --------
     >>> import jax.numpy as jnp, braintrace
@@ -165,6 +184,10 @@ class SignedWLinear(brainstate.nn.SignedWLinear):
     """
 
     __module__ = "braintrace.nn"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_constructor_arguments(type(self).__name__, super().__init__, args, kwargs, _DENSE_SIZES)
+        super().__init__(*args, **kwargs)
 
     def update(self, x: Any) -> Any:
         sign = None if self.w_sign is None else jnp.asarray(u.get_mantissa(self.w_sign))
@@ -219,6 +242,11 @@ class ScaledWSLinear(brainstate.nn.ScaledWSLinear):
     weight : ParamState
         ``{'weight': (in, out), 'bias': (out,), 'gain': (1, out)}``.
 
+    Raises
+    ------
+    ValueError
+        If ``in_size`` or ``out_size`` is not a positive int or a tuple of them.
+
     Notes
     -----
     Only ``'weight'`` passes through the primitive. ``gain`` and ``bias`` act after it, so they
@@ -234,6 +262,10 @@ class ScaledWSLinear(brainstate.nn.ScaledWSLinear):
     """
 
     __module__ = "braintrace.nn"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_constructor_arguments(type(self).__name__, super().__init__, args, kwargs, _DENSE_SIZES)
+        super().__init__(*args, **kwargs)
 
     def update(self, x: Any) -> Any:
         params = self.weight.value
@@ -252,3 +284,9 @@ class ScaledWSLinear(brainstate.nn.ScaledWSLinear):
         if "bias" in params:
             y = y + params["bias"]
         return unfold(y)
+
+
+# the constructors keep brainstate's signatures (they only check the sizes first)
+setattr(Linear.__init__, "__signature__", inspect.signature(brainstate.nn.Linear.__init__))
+setattr(SignedWLinear.__init__, "__signature__", inspect.signature(brainstate.nn.SignedWLinear.__init__))
+setattr(ScaledWSLinear.__init__, "__signature__", inspect.signature(brainstate.nn.ScaledWSLinear.__init__))

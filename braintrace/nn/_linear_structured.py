@@ -7,6 +7,7 @@ a fixed sparsity pattern (:func:`braintrace.sparse_matmul`), a low-rank product
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import brainstate
@@ -15,9 +16,17 @@ import brainunit as u
 
 from braintrace._op import grouped_matmul, lora_matmul
 from braintrace._op.sparse import sparse_matmul
+from braintrace.nn._arguments import ArgumentCheck, check_constructor_arguments, positive_int
 from braintrace.nn._linear import _fold_leading_axes
 
 __all__ = ["SparseLinear", "LoRA", "GroupedLinear"]
+
+#: The adapter's sizes, checked before brainstate's constructor runs.
+_LORA_SIZES: dict[str, ArgumentCheck] = {
+    "in_features": positive_int,
+    "lora_rank": positive_int,
+    "out_features": positive_int,
+}
 
 
 class SparseLinear(brainstate.nn.SparseLinear):
@@ -101,7 +110,8 @@ class LoRA(brainstate.nn.LoRA):
     Raises
     ------
     ValueError
-        At call time, if ``base_module`` is not callable.
+        If ``in_features``, ``lora_rank`` or ``out_features`` is not a positive int; at call
+        time, if ``base_module`` is not callable.
 
     Examples
     --------
@@ -112,6 +122,10 @@ class LoRA(brainstate.nn.LoRA):
     """
 
     __module__ = "braintrace.nn"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_constructor_arguments(type(self).__name__, super().__init__, args, kwargs, _LORA_SIZES)
+        super().__init__(*args, **kwargs)
 
     def update(self, x: Any) -> Any:
         params = self.weight.value
@@ -132,10 +146,8 @@ class LoRA(brainstate.nn.LoRA):
         return self.update(x)
 
 
-def _positive_int(value: Any, arg: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"GroupedLinear: {arg} must be a positive int, got {value!r}.")
-    return value
+# the constructor keeps brainstate's signature (it only checks the sizes first)
+setattr(LoRA.__init__, "__signature__", inspect.signature(brainstate.nn.LoRA.__init__))
 
 
 class GroupedLinear(brainstate.nn.Module):
@@ -195,9 +207,9 @@ class GroupedLinear(brainstate.nn.Module):
         param_type: type = brainstate.ParamState,
     ) -> None:
         super().__init__(name=name)
-        self.num_groups = _positive_int(num_groups, "num_groups")
-        self.in_features = _positive_int(in_features, "in_features")
-        self.out_features = _positive_int(out_features, "out_features")
+        self.num_groups = positive_int("GroupedLinear", "num_groups", num_groups)
+        self.in_features = positive_int("GroupedLinear", "in_features", in_features)
+        self.out_features = positive_int("GroupedLinear", "out_features", out_features)
         self.in_size = (self.num_groups, self.in_features)
         self.out_size = (self.num_groups, self.out_features)
         params = {

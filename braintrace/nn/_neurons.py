@@ -43,6 +43,8 @@ _NO_INPUT = 0.0 * u.mA
 class _SpikingNeuron(ConstantsDynamics):
     """Spike function, reset mode and the membrane-potential state shared by the neurons."""
 
+    state_names: tuple[str, ...] = ("V",)
+
     def __init__(
         self, in_size: Any, spk_fun: Callable[[Any], Any], spk_reset: str, name: str | None
     ) -> None:
@@ -135,10 +137,11 @@ class IF(_SpikingNeuron):
     Raises
     ------
     ValueError
-        If ``spk_reset`` is not ``'soft'`` or ``'hard'``, or a ``ParamState`` constant does not
-        have shape ``in_size``; at the call, if the input does not broadcast onto ``V`` or is not
-        in ``V``'s unit divided by ``R``'s (e.g. a plain number for the default ``mV`` layer:
-        multiply it by ``brainunit.mA``).
+        If ``in_size`` is not a positive int or a tuple of them, a time constant is not positive
+        everywhere, ``spk_reset`` is not ``'soft'`` or ``'hard'``, or a ``ParamState`` constant
+        does not have shape ``in_size``; at the call, if the input does not broadcast onto ``V``
+        or is not in ``V``'s unit divided by ``R``'s (e.g. a plain number for the default ``mV``
+        layer: multiply it by ``brainunit.mA``).
     TypeError
         If ``spk_fun`` is not callable.
 
@@ -170,7 +173,7 @@ class IF(_SpikingNeuron):
     ) -> None:
         super().__init__(in_size, spk_fun, spk_reset, name)
         self.R = self._constant("R", R, trainable=False)
-        self.tau = self._constant("tau", tau)
+        self.tau = self._constant("tau", tau, time_constant=True)
         self.V_th = self._constant("V_th", V_th)
         self.V_initializer = V_initializer
 
@@ -242,10 +245,11 @@ class LIF(_SpikingNeuron):
     Raises
     ------
     ValueError
-        If ``spk_reset`` is not ``'soft'`` or ``'hard'``, or a ``ParamState`` constant does not
-        have shape ``in_size``; at the call, if the input does not broadcast onto ``V`` or is not
-        in ``V``'s unit divided by ``R``'s (e.g. a plain number for the default ``mV`` layer:
-        multiply it by ``brainunit.mA``).
+        If ``in_size`` is not a positive int or a tuple of them, a time constant is not positive
+        everywhere, ``spk_reset`` is not ``'soft'`` or ``'hard'``, or a ``ParamState`` constant
+        does not have shape ``in_size``; at the call, if the input does not broadcast onto ``V``
+        or is not in ``V``'s unit divided by ``R``'s (e.g. a plain number for the default ``mV``
+        layer: multiply it by ``brainunit.mA``).
     TypeError
         If ``spk_fun`` is not callable.
 
@@ -285,7 +289,7 @@ class LIF(_SpikingNeuron):
     ) -> None:
         super().__init__(in_size, spk_fun, spk_reset, name)
         self.R = self._constant("R", R, trainable=False)
-        self.tau = self._constant("tau", tau)
+        self.tau = self._constant("tau", tau, time_constant=True)
         self.V_th = self._constant("V_th", V_th)
         self.V_rest = self._constant("V_rest", V_rest, trainable=False)
         self.V_reset = self._constant("V_reset", V_reset, trainable=False)
@@ -366,10 +370,11 @@ class ALIF(_SpikingNeuron):
     Raises
     ------
     ValueError
-        If ``spk_reset`` is not ``'soft'`` or ``'hard'``, or a ``ParamState`` constant does not
-        have shape ``in_size``; at the call, if the input does not broadcast onto ``V`` or is not
-        in ``V``'s unit divided by ``R``'s (e.g. a plain number for the default ``mV`` layer:
-        multiply it by ``brainunit.mA``).
+        If ``in_size`` is not a positive int or a tuple of them, a time constant is not positive
+        everywhere, ``spk_reset`` is not ``'soft'`` or ``'hard'``, or a ``ParamState`` constant
+        does not have shape ``in_size``; at the call, if the input does not broadcast onto ``V``
+        or is not in ``V``'s unit divided by ``R``'s (e.g. a plain number for the default ``mV``
+        layer: multiply it by ``brainunit.mA``).
     TypeError
         If ``spk_fun`` is not callable.
 
@@ -386,6 +391,7 @@ class ALIF(_SpikingNeuron):
     """
 
     __module__ = "braintrace.nn"
+    state_names = ("V", "a")
 
     def __init__(
         self,
@@ -405,8 +411,8 @@ class ALIF(_SpikingNeuron):
     ) -> None:
         super().__init__(in_size, spk_fun, spk_reset, name)
         self.R = self._constant("R", R, trainable=False)
-        self.tau = self._constant("tau", tau)
-        self.tau_a = self._constant("tau_a", tau_a)
+        self.tau = self._constant("tau", tau, time_constant=True)
+        self.tau_a = self._constant("tau_a", tau_a, time_constant=True)
         self.V_th = self._constant("V_th", V_th)
         self.V_reset = self._constant("V_reset", V_reset, trainable=False)
         self.V_rest = self._constant("V_rest", V_rest, trainable=False)

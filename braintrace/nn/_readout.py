@@ -14,20 +14,12 @@ import braintools
 import brainunit as u
 
 from braintrace._op import matmul
-from braintrace.nn._initial import initial_state
+from braintrace.nn._arguments import check_time_constant, size_tuple
+from braintrace.nn._initial import StatesFromInitState, initial_state
 from braintrace.nn._input_check import check_step_input
 from braintrace.nn._linear import _fold_leading_axes
 
 __all__ = ["LeakyRateReadout"]
-
-
-def _size(value: Any, arg: str) -> tuple[int, ...]:
-    size = (value,) if isinstance(value, int) else tuple(value)
-    if not size or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in size):
-        raise ValueError(
-            f"LeakyRateReadout: {arg} must be a positive int or a tuple of them, got {value!r}."
-        )
-    return size
 
 
 def _decay(tau: Any) -> Any:
@@ -43,7 +35,7 @@ def _decay(tau: Any) -> Any:
     return u.math.exp(-1.0 / u.maybe_decimal(tau / dt))
 
 
-class LeakyRateReadout(brainstate.nn.Module):
+class LeakyRateReadout(StatesFromInitState, brainstate.nn.Module):
     """Leaky rate readout ``r ← decay · r + x @ W``, ``decay = exp(-dt / tau)``.
 
     Parameters
@@ -51,8 +43,8 @@ class LeakyRateReadout(brainstate.nn.Module):
     in_size, out_size : int or tuple of int
         Input and output sizes; only their first entries size the weight.
     tau : Quantity or array
-        Time constant, broadcast to ``out_size`` (default ``5 ms``); it must have the unit of
-        the environment's ``dt``.
+        Time constant, positive, broadcast to ``out_size`` (default ``5 ms``); it must have the
+        unit of the environment's ``dt``.
     w_init : initializer or array
         Initialiser of the ``(in, out)`` weight (default ``braintools.init.KaimingNormal()``).
     r_init : initializer or array
@@ -73,7 +65,7 @@ class LeakyRateReadout(brainstate.nn.Module):
     KeyError
         If no ``dt`` is set in the brainstate environment at construction.
     ValueError
-        If a size is not a positive int or tuple of them.
+        If a size is not a positive int or tuple of them, or ``tau`` is not positive.
 
     Examples
     --------
@@ -90,6 +82,7 @@ class LeakyRateReadout(brainstate.nn.Module):
     """
 
     __module__ = "braintrace.nn"
+    state_names = ("r",)
 
     def __init__(
         self,
@@ -101,10 +94,11 @@ class LeakyRateReadout(brainstate.nn.Module):
         name: str | None = None,
     ) -> None:
         super().__init__(name=name)
-        self.in_size = _size(in_size, "in_size")
-        self.out_size = _size(out_size, "out_size")
+        self.in_size = size_tuple("LeakyRateReadout", "in_size", in_size)
+        self.out_size = size_tuple("LeakyRateReadout", "out_size", out_size)
         self._r_initializer = r_init
         self.tau = braintools.init.param(tau, self.out_size)
+        check_time_constant("LeakyRateReadout", "tau", self.tau)
         self.decay = _decay(self.tau)
         self.W = brainstate.ParamState(
             braintools.init.param(w_init, (self.in_size[0], self.out_size[0]), allow_none=False)

@@ -17,6 +17,8 @@ import brainunit as u
 import jax.numpy as jnp
 
 from braintrace._op import element_wise
+from braintrace.nn._arguments import positive_int
+from braintrace.nn._initial import StatesFromInitState
 from braintrace.nn._input_check import check_step_input
 from braintrace.nn._linear import Linear
 
@@ -28,10 +30,7 @@ def _glorot(shape: tuple[int, ...]) -> Any:
     return brainstate.random.randn(*shape) / math.sqrt(shape[0])
 
 
-def _check_args(d_model: Any, d_hidden: Any, r_min: float, r_max: float, max_phase: float) -> None:
-    for arg, value in (("d_model", d_model), ("d_hidden", d_hidden)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"LRUCell: {arg} must be a positive int, got {value!r}.")
+def _check_init_ranges(r_min: float, r_max: float, max_phase: float) -> None:
     if not 0.0 <= r_min <= r_max <= 1.0:
         raise ValueError(
             f"LRUCell: the eigenvalue radii must satisfy 0 <= r_min <= r_max <= 1 for a stable "
@@ -41,7 +40,7 @@ def _check_args(d_model: Any, d_hidden: Any, r_min: float, r_max: float, max_pha
         raise ValueError(f"LRUCell: max_phase must be positive, got {max_phase!r}.")
 
 
-class LRUCell(brainstate.nn.Module):
+class LRUCell(StatesFromInitState, brainstate.nn.Module):
     r"""Linear recurrent unit with a diagonal complex recurrence.
 
     .. math::
@@ -93,6 +92,7 @@ class LRUCell(brainstate.nn.Module):
     """
 
     __module__ = "braintrace.nn._rnn"
+    state_names = ("h_re", "h_im")
 
     def __init__(
         self,
@@ -103,7 +103,9 @@ class LRUCell(brainstate.nn.Module):
         max_phase: float = 6.28,
     ) -> None:
         super().__init__()
-        _check_args(d_model, d_hidden, r_min, r_max, max_phase)
+        d_model = positive_int("LRUCell", "d_model", d_model)
+        d_hidden = positive_int("LRUCell", "d_hidden", d_hidden)
+        _check_init_ranges(r_min, r_max, max_phase)
         self.d_model, self.d_hidden = d_model, d_hidden
         self.in_size, self.out_size = d_model, d_hidden
         self.r_min, self.r_max, self.max_phase = r_min, r_max, max_phase

@@ -12,7 +12,8 @@ import brainstate
 import braintools
 import brainunit as u
 
-from braintrace.nn._initial import initial_state
+from braintrace.nn._arguments import size_tuple
+from braintrace.nn._initial import StatesFromInitState, initial_state
 from braintrace.nn._input_check import check_step_input
 
 __all__ = ["CellBase", "resolve_activation", "concat"]
@@ -46,16 +47,12 @@ def resolve_activation(activation: str | Activation, cell: str, arg: str = "acti
     return activation
 
 
-def _size(size: int | tuple[int, ...]) -> tuple[int, ...]:
-    return (size,) if isinstance(size, int) else tuple(size)
-
-
 def concat(*parts: Any) -> Any:
     """Concatenate on the feature (last) axis, keeping units."""
     return u.math.concatenate(parts, axis=-1)
 
 
-class CellBase(brainstate.nn.RNNCell):
+class CellBase(StatesFromInitState, brainstate.nn.RNNCell):
     """A cell with hidden states of shape ``(batch?, *out_size)`` named in ``state_names``.
 
     Parameters
@@ -65,6 +62,11 @@ class CellBase(brainstate.nn.RNNCell):
     state_init : initializer or array
         Initial value of every hidden state (``braintools.init.param`` semantics).
     name : str, optional
+
+    Raises
+    ------
+    ValueError
+        If ``in_size`` or ``out_size`` is not a positive int or a tuple of them.
     """
 
     #: Names of the HiddenState attributes, in creation order.
@@ -78,8 +80,9 @@ class CellBase(brainstate.nn.RNNCell):
         name: str | None,
     ) -> None:
         super().__init__(name=name)
-        self.in_size: tuple[int, ...] = _size(in_size)
-        self.out_size: tuple[int, ...] = _size(out_size)
+        layer = type(self).__name__
+        self.in_size: tuple[int, ...] = size_tuple(layer, "in_size", in_size)
+        self.out_size: tuple[int, ...] = size_tuple(layer, "out_size", out_size)
         self._state_initializer = state_init
 
     @property

@@ -71,9 +71,10 @@ class Expon(ConstantsDynamics):
     Raises
     ------
     ValueError
-        If a ``ParamState`` time constant does not have shape ``in_size``; at the call, if the
-        input does not broadcast onto the state or is not in its unit (``g_initializer``'s,
-        ``mS`` by default: multiply a plain input by ``brainunit.mS``).
+        If ``in_size`` is not a positive int or a tuple of them, the time constant is not
+        positive everywhere, or a ``ParamState`` one does not have shape ``in_size``; at the
+        call, if the input does not broadcast onto the state or is not in its unit
+        (``g_initializer``'s, ``mS`` by default: multiply a plain input by ``brainunit.mS``).
 
     Examples
     --------
@@ -87,6 +88,7 @@ class Expon(ConstantsDynamics):
     """
 
     __module__ = "braintrace.nn"
+    state_names = ("g",)
 
     def __init__(
         self,
@@ -96,7 +98,7 @@ class Expon(ConstantsDynamics):
         g_initializer: Any = braintools.init.Constant(0.0 * u.mS),
     ) -> None:
         super().__init__(in_size, name=name)
-        self.tau = self._constant("tau", tau)
+        self.tau = self._constant("tau", tau, time_constant=True)
         self.g_initializer = g_initializer
 
     def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
@@ -146,9 +148,10 @@ class Alpha(ConstantsDynamics):
     Raises
     ------
     ValueError
-        If a ``ParamState`` time constant does not have shape ``in_size``; at the call, if the
-        input does not broadcast onto the state or is not in its unit (``g_initializer``'s,
-        ``mS`` by default: multiply a plain input by ``brainunit.mS``).
+        If ``in_size`` is not a positive int or a tuple of them, the time constant is not
+        positive everywhere, or a ``ParamState`` one does not have shape ``in_size``; at the
+        call, if the input does not broadcast onto the state or is not in its unit
+        (``g_initializer``'s, ``mS`` by default: multiply a plain input by ``brainunit.mS``).
 
     Examples
     --------
@@ -162,6 +165,7 @@ class Alpha(ConstantsDynamics):
     """
 
     __module__ = "braintrace.nn"
+    state_names = ("g", "h")
 
     def __init__(
         self,
@@ -171,7 +175,7 @@ class Alpha(ConstantsDynamics):
         g_initializer: Any = braintools.init.Constant(0.0 * u.mS),
     ) -> None:
         super().__init__(in_size, name=name)
-        self.tau = self._constant("tau", tau)
+        self.tau = self._constant("tau", tau, time_constant=True)
         self.g_initializer = g_initializer
 
     def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
@@ -230,10 +234,11 @@ class DualExpon(ConstantsDynamics):
     Raises
     ------
     ValueError
-        If ``normalize`` and ``tau_rise == tau_decay`` somewhere (use :class:`Alpha`), or a
-        ``ParamState`` time constant does not have shape ``in_size``; at the call, if the input
-        does not broadcast onto the state or is not in its unit (``g_initializer``'s, ``mS`` by
-        default: multiply a plain input by ``brainunit.mS``).
+        If ``in_size`` is not a positive int or a tuple of them, a time constant is not
+        positive everywhere, ``normalize`` and ``tau_rise == tau_decay`` somewhere (use
+        :class:`Alpha`), or a ``ParamState`` time constant does not have shape ``in_size``; at
+        the call, if the input does not broadcast onto the state or is not in its unit
+        (``g_initializer``'s, ``mS`` by default: multiply a plain input by ``brainunit.mS``).
 
     Examples
     --------
@@ -247,6 +252,7 @@ class DualExpon(ConstantsDynamics):
     """
 
     __module__ = "braintrace.nn"
+    state_names = ("g_rise", "g_decay")
 
     def __init__(
         self,
@@ -259,8 +265,8 @@ class DualExpon(ConstantsDynamics):
         g_initializer: Any = braintools.init.Constant(0.0 * u.mS),
     ) -> None:
         super().__init__(in_size, name=name)
-        self.tau_decay = self._constant("tau_decay", tau_decay)
-        self.tau_rise = self._constant("tau_rise", tau_rise)
+        self.tau_decay = self._constant("tau_decay", tau_decay, time_constant=True)
+        self.tau_rise = self._constant("tau_rise", tau_rise, time_constant=True)
         self.amplitude = self._constant("amplitude", amplitude, trainable=False)
         self.normalize = normalize
         self.g_initializer = g_initializer
