@@ -270,7 +270,7 @@ class SequenceDriverMixin:
         guarded = self._seq_checked("etrace_grad", check_finite, sequences, mask)
         run = _GradRun("etrace_grad", self._seq_stepper("etrace_grad", step_fn), weights, drive.window, has_aux,
                        guarded, self._seq_after_gradient)
-        grads, losses, aux, status = run(sequences, mask, jnp.arange(drive.length))
+        grads, losses, aux, status = self._seq_program(run, sequences, mask, jnp.arange(drive.length))
         if status is not None:
             raise_if_bad("etrace_grad", status)
         denom = jnp.maximum(jnp.sum(mask), 1.0)
@@ -354,7 +354,8 @@ class SequenceDriverMixin:
 
         guarded = self._seq_checked("etrace_evolve", check_finite, sequences)
         if guarded is None:
-            return brainstate.transform.for_loop(body, *_windows(sequences, drive.window))
+            return self._seq_program(lambda windows: brainstate.transform.for_loop(body, *windows),
+                                     _windows(sequences, drive.window))
 
         def checked(status: Status, inputs: tuple[tuple[Any, ...], jax.Array]) -> tuple[Status, Any]:
             slices, step = inputs
@@ -364,8 +365,11 @@ class SequenceDriverMixin:
             guard.keep_if(status.fine)
             return status, out
 
+        def loop(windows: Any, starts: jax.Array) -> tuple[Status, Any]:
+            return brainstate.transform.scan(checked, Status.fresh(), (windows, starts))
+
         starts = jnp.arange(0, drive.length, drive.window or 1)
-        status, outs = brainstate.transform.scan(checked, Status.fresh(), (_windows(sequences, drive.window), starts))
+        status, outs = self._seq_program(loop, _windows(sequences, drive.window), starts)
         raise_if_bad("etrace_evolve", status)
         return outs
 
@@ -491,21 +495,25 @@ class SequenceDriverMixin:
             return status, (jnp.reshape(losses, (-1,)), aux)
 
         full, rest = divmod(drive.length, span)
-        steps = jnp.arange(drive.length)
-        status = None if guarded is None else Status.fresh()
-        parts = []
-        if full == 1:
-            status, part = train_span(status, (_steps(sequences, 0, span), mask[:span], steps[:span]))
-            parts.append(part)
-        elif full > 1:
-            spans = jax.tree.map(lambda a: jnp.reshape(a[: full * span], (full, span, *np.shape(a)[1:])),
-                                 (sequences, mask, steps))
-            status, (losses, aux) = brainstate.transform.scan(train_span, status, spans)
-            parts.append((jnp.reshape(losses, (-1,)), jax.tree.map(_merge_leading, aux)))
-        if rest:
-            tail = (_steps(sequences, full * span, drive.length), mask[full * span:], steps[full * span:])
-            status, part = train_span(status, tail)
-            parts.append(part)
+
+        def train(sequences: tuple[Any, ...], mask: jax.Array, steps: jax.Array) -> tuple[Status | None, list[Any]]:
+            status = None if guarded is None else Status.fresh()
+            parts = []
+            if full == 1:
+                status, part = train_span(status, (_steps(sequences, 0, span), mask[:span], steps[:span]))
+                parts.append(part)
+            elif full > 1:
+                spans = jax.tree.map(lambda a: jnp.reshape(a[: full * span], (full, span, *np.shape(a)[1:])),
+                                     (sequences, mask, steps))
+                status, (losses, aux) = brainstate.transform.scan(train_span, status, spans)
+                parts.append((jnp.reshape(losses, (-1,)), jax.tree.map(_merge_leading, aux)))
+            if rest:
+                tail = (_steps(sequences, full * span, drive.length), mask[full * span:], steps[full * span:])
+                status, part = train_span(status, tail)
+                parts.append(part)
+            return status, parts
+
+        status, parts = self._seq_program(train, sequences, mask, jnp.arange(drive.length))
         if status is not None:
             raise_if_bad("etrace_train", status)
         losses = jnp.concatenate([p[0] for p in parts])
@@ -526,6 +534,19 @@ class SequenceDriverMixin:
         guarded = self._seq_guarded
         refuse_traced(call, *data, [st.value for st in guarded])
         return guarded
+
+    def _seq_program(self, loop: Callable[..., Any], *args: Any) -> Any:
+        """``loop(*args)``: inside a trace, part of the caller's program; called eagerly, compiled
+        as one program of its own, released with it.
+
+        JAX's eager dispatch would compile the loop too, but keeps every program it compiles for
+        the process's lifetime, keyed by a jaxpr that is new at every call: a few hundred eager
+        driver calls would then exhaust the process's memory mappings (each call still traces
+        and compiles its loop once, as before).
+        """
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((args, self._seq_call_counter.value))):
+            return loop(*args)
+        return brainstate.transform.jit(loop)(*args)
 
     def _seq_stepper(self, call: str, step_fn: StepFn) -> StepFn:
         """``step_fn`` (refused unless callable), refused at each traced call that does not call this learner.

@@ -107,7 +107,10 @@ def test_one_update_at_the_end_is_etrace_grad_then_one_step(reduction: str) -> N
     adam.register_trainable_weights(reference.param_states)
     adam.update(grads)
     np.testing.assert_array_equal(result.losses, losses)
-    assert_same(values(driven), values(reference))
+    # etrace_train compiles the mean's division and Adam's arithmetic into its own program, where
+    # XLA may fuse them differently: float32 agrees to an ulp or two (measured 2.4e-7), not bitwise
+    for p, value in values(reference).items():
+        np.testing.assert_allclose(values(driven)[p], value, rtol=1e-6, atol=0)
 
 
 def _span_by_span(learner: Any, spans: list[tuple[int, int]], windows: int | None = None) -> tuple[Any, np.ndarray]:

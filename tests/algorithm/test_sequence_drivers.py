@@ -12,6 +12,7 @@ drivers and references under one ``brainstate.transform.jit`` where it can, so i
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from typing import Any, Callable
@@ -1057,3 +1058,40 @@ def test_an_exact_trace_gives_bptt(x64: None, vjp: str, chunk_size: int | None) 
     assert grads[("w",)].dtype == jnp.float64
     bptt = bptt_grads(Leaky(), xs, loss=lambda t, out: sq(out, ys[t]))
     assert max_rel_err(bptt, _to_numpy(grads)) < EXACT
+
+
+# --- 6. eager calls ---------------------------------------------------------------------------------
+
+
+def _memory_mappings() -> int:
+    with open("/proc/self/maps") as maps:
+        return sum(1 for _ in maps)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="counts the process's memory mappings (Linux)")
+def test_eager_calls_release_their_compiled_loops() -> None:
+    """Each eager driver call compiles its loop; the program must go with the call. JAX's eager
+    dispatch of the same loop keeps every program (negative control), and a long eager training
+    loop then ends in 'LLVM compilation error: Cannot allocate memory' and a crash."""
+    learner = make()
+    xs, ys = data(4)
+    step_fn = plain_fn(learner)
+    calls = (lambda: learner.etrace_grad(xs, ys, step_fn=step_fn),
+             lambda: learner.etrace_train(xs, ys, step_fn=step_fn, optimizer=optax.sgd(0.1)),
+             lambda: learner.etrace_evolve(xs))
+    for call in calls:  # the programs every call shares (pre- and post-processing) compiled once
+        call()
+    before = _memory_mappings()
+    for _ in range(4):
+        for call in calls:
+            call()
+    assert _memory_mappings() - before < 20
+
+    def eager_scan() -> None:  # a fresh loop body each call, dispatched eagerly as the drivers once were
+        brainstate.transform.scan(lambda c, x: (c + sq(learner(x), 0.0), None), jnp.zeros(()), xs)
+
+    eager_scan()
+    before = _memory_mappings()
+    for _ in range(12):
+        eager_scan()
+    assert _memory_mappings() - before >= 20
