@@ -25,11 +25,13 @@ label, an internal error, a NaN BPTT does not have, a driving weight without a l
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import time
 from collections import Counter
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
@@ -46,6 +48,10 @@ _SETTINGS = dict(deadline=None, database=None, suppress_health_check=list(Health
 def _check(case: FuzzCase, config: pytest.Config) -> Outcome:
     with watchdog.deadline(repr(case), before_report=watchdog.release_capture(config)):
         outcome = run_case(case)
+    # Every case compiles new programs that no later case reuses; JAX keeps them (and their memory
+    # mappings) until its caches are cleared, and a long run would exhaust the process's mappings.
+    jax.clear_caches()
+    gc.collect()
     assert not outcome.problems, f"{case!r}\n{outcome.problems}\n{outcome.labels}\n{outcome.detail}"
     return outcome
 
