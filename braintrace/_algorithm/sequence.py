@@ -92,8 +92,13 @@ class SequenceDriverMixin:
     """``etrace_grad``, ``etrace_evolve`` and ``etrace_train``: drive a learner over whole sequences.
 
     Every learner (:class:`~braintrace.ETraceAlgorithm`) and the vmapped learner
-    (:class:`~braintrace.ETraceVmap`) has both methods. See :meth:`etrace_grad` for the contract
+    (:class:`~braintrace.ETraceVmap`) has these methods. See :meth:`etrace_grad` for the contract
     of ``step_fn``: it must call **this** learner exactly once per step (or window).
+
+    Called eagerly, a driver traces ``step_fn`` and compiles its loop at every call, as a program
+    of its own that is freed with the call; inside ``jit`` the loop becomes part of the caller's
+    program. A training loop of many calls runs fastest as one ``brainstate.transform.jit`` step,
+    compiled once.
 
     Examples
     --------
