@@ -127,6 +127,8 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
         #: The batch size the model's states were initialised with (set by braintrace.compile).
         self.batch_size: int | None = None
         self.is_compiled = False
+        #: Calls of :meth:`update` so far, traced or run (the sequence drivers check ``step_fn`` calls it).
+        self.calls_traced = 0
         self._split_cache: tuple[dict[Path, Any], dict[Path, Any], dict[Path, Any]] | None = None
         self._trace_shapes: Any = None
         # id(operand var) -> how a relation's trainable operand is computed from parameters.
@@ -603,6 +605,7 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         ``args`` are the model's inputs; ``options`` are the learner's own keyword options
         (``modulator=`` of ``learning_signal='modulatory'``), never passed to the model.
         """
+        self.calls_traced += 1
         self._assert_compiled()
         aux = self._get_update_aux(args, **options)
         self._check_traces_and_states()

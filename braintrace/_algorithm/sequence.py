@@ -11,8 +11,8 @@ Data are positional sequences (inputs, targets, modulators ...), sliced in locks
 class provides six hooks (defaults are those of :class:`~braintrace.ETraceAlgorithm`):
 
 * ``_seq_call`` — the callable ``etrace_evolve`` drives when it has no ``step_fn``;
-* ``_seq_call_counter`` — the state every call of the learner writes (its ``running_index``):
-  a ``step_fn`` that leaves it unwritten never called the learner and is refused;
+* ``_seq_calls`` — how many calls of the learner have been traced or run so far: a ``step_fn``
+  that leaves it unchanged never called the learner and is refused;
 * ``_seq_param_states`` — the ``path -> ParamState`` mapping differentiated by default;
 * ``_seq_vjp_method`` — ``'single-step'``, ``'multi-step'`` or ``None``; window mode of
   ``etrace_grad`` requires ``'multi-step'``;
@@ -120,9 +120,9 @@ class SequenceDriverMixin:
         return self
 
     @property
-    def _seq_call_counter(self) -> brainstate.State:
-        """The state every call of the learner writes (its ``running_index``)."""
-        return getattr(self, "running_index")  # the host class provides it
+    def _seq_calls(self) -> int:
+        """How many calls of the learner have been traced or run so far."""
+        return int(getattr(self, "calls_traced"))  # the host class provides it
 
     @property
     def _seq_param_states(self) -> Mapping[Path, Any]:
@@ -541,15 +541,16 @@ class SequenceDriverMixin:
         return guarded
 
     def _seq_program(self, loop: Callable[..., Any], *args: Any) -> Any:
-        """``loop(*args)``: inside a trace, part of the caller's program; called eagerly, compiled
-        as one program of its own, released with it.
+        """``loop(*args)``: on traced data, part of the caller's program; on concrete data,
+        compiled as one program of its own, released with it (inside a ``jit`` that closes over
+        concrete data, a nested one, which XLA inlines).
 
         JAX's eager dispatch would compile the loop too, but keeps every program it compiles for
         the process's lifetime, keyed by a jaxpr that is new at every call: a few hundred eager
         driver calls would then exhaust the process's memory mappings (each call still traces
         and compiles its loop once, as before).
         """
-        if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((args, self._seq_call_counter.value))):
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(args)):
             return loop(*args)
         return brainstate.transform.jit(loop)(*args)
 
@@ -557,8 +558,9 @@ class SequenceDriverMixin:
         """``step_fn`` (refused unless callable), refused at each traced call that does not call this learner.
 
         A ``step_fn`` that never calls the learner would leave every estimate zero (or fail
-        with a message about states missing from a trace); the learner's call counter is a
-        new value after any call, so an unchanged one is caught while tracing.
+        with a message about states missing from a trace); the learner counts its calls as they
+        are traced, so a ``step_fn`` that made none is caught while tracing, without reading any
+        state (a read would change the traced program).
         """
         if not callable(step_fn):
             raise TypeError(
@@ -566,12 +568,10 @@ class SequenceDriverMixin:
                 f"returns what the driver needs (the loss), got {step_fn!r} of type {type(step_fn).__name__}; "
                 f"e.g. step_fn=lambda x, y: jnp.mean((learner(x) - y) ** 2)."
             )
-        counter = self._seq_call_counter
-
         def stepped(*slices: Any) -> Any:
-            before = counter.value
+            before = self._seq_calls
             result = step_fn(*slices)
-            if counter.value is before:
+            if self._seq_calls == before:
                 raise ValueError(
                     f"{call}: step_fn did not call this learner, so its step never ran. Call the learner "
                     f"on the step's inputs inside step_fn, once, e.g. "

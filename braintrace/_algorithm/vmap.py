@@ -137,8 +137,8 @@ class ETraceVmap(SequenceDriverMixin, brainstate.nn.Vmap):
         return self.module.param_states
 
     @property
-    def _seq_call_counter(self) -> brainstate.State:
-        return self.module.running_index
+    def _seq_calls(self) -> int:
+        return int(self.module.calls_traced)
 
     @property
     def _seq_vjp_method(self) -> str | None:

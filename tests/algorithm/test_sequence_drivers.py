@@ -373,18 +373,14 @@ class Stub(SequenceDriverMixin):
 
     def __init__(self) -> None:
         self.w = brainstate.ParamState(jnp.ones(N_IN))
-        self.calls = brainstate.ShortTermState(jnp.asarray(0))
+        self.calls_traced = 0
 
     @property
     def _seq_param_states(self) -> dict[Any, Any]:
         return {("w",): self.w}
 
-    @property
-    def _seq_call_counter(self) -> brainstate.State:
-        return self.calls
-
     def __call__(self, x: Any) -> Any:
-        self.calls.value = self.calls.value + 1
+        self.calls_traced += 1
         return (x.data if isinstance(x, braintrace.MultiStepData) else x) * self.w.value
 
 
