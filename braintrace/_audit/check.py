@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import brainstate
 import brainunit as u
+import jax
 import numpy as np
 
 from braintrace._algorithm import ETraceAlgorithm, ETraceVjpAlgorithm, ETraceVmap
@@ -214,18 +215,19 @@ def bptt_gradients(learner: Any, sequences: tuple[Any, ...], request: GradientRe
     scorer = _GradRun("check_gradients", request.step_fn, weights, drive.window, request.has_aux)
     mask_rows = mask if drive.window is None else mask.reshape((-1, drive.window))
 
-    def objective() -> tuple[Any, Any]:
+    def objective(windows: Any, mask_rows: jax.Array) -> tuple[Any, Any]:
         def call(_: None, inputs: tuple[tuple[Any, ...], Any]) -> tuple[None, Any]:
             slices, w = inputs
             loss, _aux = scorer._loss(request.step_fn(*slices))
             return None, u.math.sum(w * loss)
 
-        _, per_call = brainstate.transform.scan(call, None, (_windows(sequences, drive.window), mask_rows))
+        _, per_call = brainstate.transform.scan(call, None, (windows, mask_rows))
         total = u.math.sum(per_call)
         return total, total
 
     with calls_run_the_bare_model(learner):
-        grads, total = brainstate.transform.grad(objective, weights, has_aux=True)()
+        grads, total = learner._seq_program(brainstate.transform.grad(objective, weights, has_aux=True),
+                                            _windows(sequences, drive.window), mask_rows)
     return BPTTReference(dict(grads), float(u.get_mantissa(total)))
 
 
