@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test test-oldest test-exhaustive test-long test-optimized fuzz typecheck demo bench docs clean
+.PHONY: test test-oldest test-exhaustive test-long test-optimized test-device device-wheels fuzz typecheck demo bench docs clean
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,29 @@ $(OLDEST)/.test: $(OLDEST)/.base pyproject.toml requirements-oldest.txt
 
 test-oldest: $(OLDEST)/.test
 	$(OLDEST_PY) -m pytest -n 2 -q -p no:cacheprovider -m "not slow and not exhaustive and not long" $(SMOKE_TESTS)
+
+# The wheels an accelerator machine without a package index lacks: every runtime dependency but
+# JAX and what the machine's JAX brings (jaxlib, numpy, scipy, ml_dtypes, opt_einsum), for
+# Python 3.11 on x86-64 Linux. scripts/on_device.sh installs them there (benchmarks/README.md).
+DEVICE_WHEELS := .device-wheels
+DEVICE_PLATFORMS := $(foreach p,manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014,--platform $(p)_x86_64)
+device-wheels:
+	rm -rf $(DEVICE_WHEELS)
+	$(PYTHON) -m pip download --quiet --dest $(DEVICE_WHEELS) --only-binary=:all: --python-version 3.11 \
+		--implementation cp $(DEVICE_PLATFORMS) --platform any -r requirements.txt optax msgpack
+	rm -f $(DEVICE_WHEELS)/jax-* $(DEVICE_WHEELS)/jaxlib-* $(DEVICE_WHEELS)/numpy-* $(DEVICE_WHEELS)/scipy-* \
+		$(DEVICE_WHEELS)/ml_dtypes-* $(DEVICE_WHEELS)/opt_einsum-*
+	du -sh $(DEVICE_WHEELS)
+
+# The part of the suite that says whether the library works on an accelerator, in one process (one
+# program at a time holds a TPU): every learner against BPTT at the highest matmul precision, the
+# drivers, checkpoints and the audit. Runs on whatever platform JAX finds, the CPU included, with
+# .venv's Python where there is one; on an accelerator machine with JAX only, as
+# `scripts/on_device.sh make test-device` (benchmarks/README.md).
+DEVICE_TESTS := tests/device tests/algorithm/test_sequence_drivers.py tests/algorithm/test_etrace_train.py \
+	tests/test_checkpoint.py tests/test_audit.py
+test-device:
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m pytest -q -p no:cacheprovider --durations=15 -m "not exhaustive and not long" $(DEVICE_TESTS)
 
 typecheck: $(VENV)/.test
 	$(PY) -m mypy

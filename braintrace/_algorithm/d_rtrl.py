@@ -82,7 +82,7 @@ from braintrace._algorithm.input_data import get_single_step_data
 from braintrace._algorithm.learning_signal import SignalPair, draw_feedback, feedback_signals
 from braintrace._algorithm.modulator import ModulatorSlot, modulator_signals, without_etp_gradients
 from braintrace._algorithm.snn_helpers import FixedRandomFeedback
-from braintrace._algorithm.trace_storage import computed_once, math_dtype, storage_dtype, store, upcast
+from braintrace._algorithm.trace_storage import computed_once, fresh_zeros, math_dtype, storage_dtype, store, upcast
 from braintrace._compiler import DEFAULT_MAX_JACOBIAN_ELEMENTS, ControlFlowPolicy
 from braintrace._compiler.snap_pattern import gather_signal
 from braintrace._errors import internal_error
@@ -458,11 +458,11 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         for key, st in self.etrace_bwg.items():
             def zeros(v: jax.Array, resize: bool = batched.get(key, False)) -> jax.Array:
                 shape = (batch_size, *v.shape[1:]) if (batch_size is not None and resize) else v.shape
-                return jnp.zeros(shape, v.dtype)
+                return fresh_zeros(shape, v.dtype)
 
             st.value = jax.tree.map(zeros, st.value)
         for key, st in self._trace_filters.items():
-            st.value = jax.tree.map(jnp.zeros_like, self.etrace_bwg[key].value)
+            st.value = jax.tree.map(lambda v: fresh_zeros(v.shape, v.dtype), self.etrace_bwg[key].value)
 
     def get_etrace_of(self, weight: Any) -> dict[Any, Trace]:
         """The traces of every relation that has ``weight`` (a ``ParamState`` or its path) as a key.

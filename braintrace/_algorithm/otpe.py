@@ -46,6 +46,7 @@ import jax.numpy as jnp
 
 from braintrace._algorithm.ottt import DenseLeakRule, outer_sum
 from braintrace._algorithm.graph_executor import df_key
+from braintrace._algorithm.trace_storage import fresh_zeros
 from braintrace._compiler import ControlFlowPolicy
 from braintrace._op import _registries as reg
 from braintrace._op._rule_helpers import drtrl_dtype, shape_of, sum_rows
@@ -159,7 +160,7 @@ class OTPE(DenseLeakRule):
             resize = batch_size is not None and reg.is_batched_primitive(rel.primitive)
             for st in self._stores[id(rel.y_var)].values():
                 shape = (batch_size, *st.value.shape[1:]) if resize else st.value.shape
-                st.value = jnp.zeros(shape, st.value.dtype)
+                st.value = fresh_zeros(shape, st.value.dtype)
 
     def _relation_etrace(self, rel: Any, group: Any) -> Store:
         return {n: st.value for n, st in self._stores[id(rel.y_var)].items()}

@@ -74,7 +74,7 @@ from braintrace._algorithm.graph_executor import df_key
 from braintrace._algorithm.learning_signal import SignalPair, draw_feedback, feedback_signals
 from braintrace._algorithm.modulator import ModulatorSlot, modulator_signals, without_etp_gradients
 from braintrace._algorithm.snn_helpers import FixedRandomFeedback
-from braintrace._algorithm.trace_storage import math_dtype, storage_dtype
+from braintrace._algorithm.trace_storage import fresh_zeros, math_dtype, storage_dtype
 from braintrace._compiler import ControlFlowPolicy
 from braintrace._op import _registries as reg
 from braintrace._op._rule_helpers import mix_states, shape_of, sum_states
@@ -639,7 +639,7 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
 
 def _zeros(value: jax.Array, batch_size: int | None) -> jax.Array:
     shape = value.shape if batch_size is None else (batch_size, *value.shape[1:])
-    return jnp.zeros(shape, value.dtype)
+    return fresh_zeros(shape, value.dtype)
 
 
 class pp_prop(IODimVjpAlgorithm):

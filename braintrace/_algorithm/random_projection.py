@@ -65,6 +65,7 @@ import numpy as np
 from braintrace._algorithm.base import EligibilityTrace, ETraceVjpAlgorithm
 from braintrace._algorithm.config import ETraceConfig, engine_config
 from braintrace._algorithm.graph_executor import TailPoint, TransitionPoint, df_key
+from braintrace._algorithm.trace_storage import fresh_zeros
 from braintrace._compiler import ControlFlowPolicy
 from braintrace._compiler.jaxpr_graph import contains_eqn
 from braintrace._op import _registries as reg
@@ -284,9 +285,9 @@ class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm):
         resize = batch_size is not None and self.batch_size is not None
         for st in self.s_tilde.values():
             shape = (batch_size, *st.value.shape[1:]) if resize else st.value.shape
-            st.value = jnp.zeros(shape, st.value.dtype)
+            st.value = fresh_zeros(shape, st.value.dtype)
         for st in self.theta_tilde.values():
-            st.value = jax.tree.map(jnp.zeros_like, st.value)
+            st.value = jax.tree.map(lambda v: fresh_zeros(v.shape, v.dtype), st.value)
 
     def get_etrace_of(self, weight: Any) -> dict[FactorKey, Any]:
         """The parameter factors ``θ̃`` of ``weight`` (a ``ParamState`` or its path), one per group.

@@ -44,7 +44,7 @@ import numpy as np
 
 from braintrace._op._rule_helpers import materialised
 
-__all__ = ["storage_dtype", "upcast", "store", "rounded", "math_dtype", "computed_once"]
+__all__ = ["storage_dtype", "upcast", "store", "rounded", "math_dtype", "computed_once", "fresh_zeros"]
 
 Trace = dict[str, jax.Array]
 
@@ -166,3 +166,24 @@ def computed_once(factor: jax.Array, trace: Trace) -> jax.Array:
     if all(jnp.dtype(v.dtype).itemsize >= 4 for v in trace.values()):
         return factor
     return materialised(factor)
+
+
+def fresh_zeros(shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """Zeros of ``shape`` for a reset trace, written as a buffer of their own off the CPU.
+
+    A reset inside ``jit`` followed by a time loop hands XLA a loop whose carry starts as a
+    constant. On a TPU, XLA then moves the constant into the loop's first step and leaves the
+    carry's entry buffer unwritten, and that buffer gets the layout its shape has by default: for
+    a trace with a trailing state axis of one, tiles padded 128-fold along that axis (measured on
+    a TPU v5e: a GRU-256 D_RTRL step with 1.1 GiB of temporary memory for 17 MiB of traces, and
+    two copies of it per time step). An ``optimization_barrier`` keeps the zeros a computed
+    buffer, whose layout XLA chooses from the loop's uses. On CPU the zeros are returned as they
+    are.
+
+    Examples
+    --------
+    >>> fresh_zeros((2, 3, 1), jnp.float32).shape
+    (2, 3, 1)
+    """
+    zeros = jnp.zeros(shape, dtype)
+    return jax.lax.platform_dependent(zeros, cpu=lambda z: z, default=jax.lax.optimization_barrier)

@@ -95,7 +95,9 @@ def check_gradients(
     the same starting states with respect to the same weights, and
     reports per parameter leaf the cosine, the relative error ``‖g − g_BPTT‖ / ‖g_BPTT‖`` and the
     norm ratio ``‖g‖ / ‖g_BPTT‖``. Every state of the learner (hidden states, traces, counters,
-    parameters) is left exactly as it was, also when ``step_fn`` raises.
+    parameters) is left exactly as it was, also when ``step_fn`` raises. Both runs use
+    ``jax.default_matmul_precision('highest')``: on an accelerator, float32 products in full
+    rather than in bfloat16 passes, so that the audit measures the rule, not the hardware's rounding.
 
     The reference is always the gradient of the loss: for a learner driven by something else
     than ``∂L/∂h`` (a modulator, a synthetic gradient, a target projection) the audit measures
@@ -184,20 +186,24 @@ def audit_learner(
     """The audit of a checked ``learner``; ``reference`` is computed by :func:`bptt_gradients` if not given.
 
     Both runs start from the learner's states as they are (after ``learner.reset()`` with
-    ``reset``); every state is restored afterwards.
+    ``reset``); every state is restored afterwards. Both run at the highest matrix-product
+    precision: an accelerator's default multiplies float32 in bfloat16 passes (about three
+    digits on a TPU), which would measure the hardware's rounding rather than the rule. On CPU
+    that is the default.
     """
     restore_caller = snapshot(learner)
     try:
-        if reset:
-            learner.reset()
-        restore_start = snapshot(learner)
-        online = learner.etrace_grad(
-            *sequences, step_fn=request.step_fn, mask=request.mask, chunk_size=request.chunk_size,
-            weights=request.weights, reduction="sum", has_aux=request.has_aux)
-        online = online[0] if request.has_aux else online
-        restore_start()
-        if reference is None:
-            reference = bptt_gradients(learner, sequences, request)
+        with jax.default_matmul_precision("highest"):
+            if reset:
+                learner.reset()
+            restore_start = snapshot(learner)
+            online = learner.etrace_grad(
+                *sequences, step_fn=request.step_fn, mask=request.mask, chunk_size=request.chunk_size,
+                weights=request.weights, reduction="sum", has_aux=request.has_aux)
+            online = online[0] if request.has_aux else online
+            restore_start()
+            if reference is None:
+                reference = bptt_gradients(learner, sequences, request)
     finally:
         restore_caller()
     return GradientAudit.from_gradients(label, online, reference.grads, rtol, reference.objective)

@@ -187,14 +187,18 @@ def _numba_kernels(mat: Any) -> bool:
     return jax.default_backend() == "cpu" and _kernel_backend(mat) == "numba"
 
 
-def _pure_jax_kernels(mat: Any) -> bool:
-    """Whether brainevent runs its pure-JAX kernels for ``mat``.
+def _by_coordinates(mat: Any) -> bool:
+    """Whether the product runs as a gather and scatter-add over the host coordinates.
 
-    They find each stored entry's row with a cumulative sum over the structure's index arrays,
-    which XLA folds at compile time where the structure is a constant of the program: tens of
-    seconds per product at three million entries.
+    Where brainevent would run its pure-JAX kernels: they find each stored entry's row with a
+    cumulative sum over the structure's index arrays, which XLA folds at compile time where the
+    structure is a constant of the program (tens of seconds per product at three million entries).
+    Off the CPU also where no backend is named (on the matrix or in ``brainevent.config``):
+    brainevent's default kernels there are those pure-JAX ones (the connectome benchmark did not
+    compile in 150 s on a TPU v5e). A backend the user names is respected.
     """
-    return _kernel_backend(mat) == _PURE_JAX_BACKEND
+    backend = _kernel_backend(mat)
+    return backend == _PURE_JAX_BACKEND or (backend is None and jax.default_backend() != "cpu")
 
 
 def _product(x: Array, values: Array, mat: Any, coordinates: tuple[np.ndarray, np.ndarray] | None) -> Array:
@@ -203,14 +207,14 @@ def _product(x: Array, values: Array, mat: Any, coordinates: tuple[np.ndarray, n
     Without coordinates, brainevent's own differentiation rules apply. A batch of inputs goes
     through brainevent's numba kernels one row at a time (see :func:`_numba_kernels`). Where
     brainevent would run its pure-JAX kernels, the product is the same gather and scatter-add
-    over the host coordinates, which leaves XLA nothing to fold (see :func:`_pure_jax_kernels`).
+    over the host coordinates, which leaves XLA nothing to fold (see :func:`_by_coordinates`).
     """
     if coordinates is None:
         return x @ mat.with_data(values)
     rows, cols = coordinates
     n_out = mat.shape[1]
     one_row_at_a_time = x.ndim == 2 and _numba_kernels(mat)
-    by_coordinates = _pure_jax_kernels(mat)
+    by_coordinates = _by_coordinates(mat)
 
     # Rematerialised: reverse mode keeps ``x`` for the backward pass, not ``x[..., rows]``
     # (one value per stored entry, which through a time loop is one such array per step).

@@ -169,5 +169,17 @@ def test_pure_jax_kernels_leave_xla_no_structure_to_fold(structure: Any) -> None
 
 
 def test_brainevents_pure_jax_kernels_sum_over_the_structure(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sp, "_pure_jax_kernels", lambda mat: False)
+    monkeypatch.setattr(sp, "_by_coordinates", lambda mat: False)
     assert _cumulative_sums(CSR) > 0
+
+
+def test_off_the_cpu_products_go_over_the_coordinates_unless_a_backend_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """brainevent's default kernels on an accelerator are its pure-JAX ones, whose structure XLA
+    folds: an unnamed backend there takes the coordinates; a named one is respected."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert sp._by_coordinates(CSR)
+    named = type(CSR)((CSR.data, CSR.indices, CSR.indptr), shape=CSR.shape, backend="pallas")
+    assert not sp._by_coordinates(named)
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    monkeypatch.setattr(sp, "_NUMBA_AVAILABLE", True)
+    assert not sp._by_coordinates(CSR)  # numba's kernels on CPU

@@ -1,0 +1,139 @@
+"""Every exact learner against BPTT in float32, on whatever platform JAX runs (``make test-device``).
+
+The float64 tests (``tests/algorithm``) pin the rules to ``1e-10``; an accelerator has no float64
+and multiplies float32 in bfloat16 passes by default. Here each learner runs in float32 under
+``jax.default_matmul_precision('highest')`` (full float32 products on a TPU; the default on CPU)
+on a batch of four, and the sum of its online gradients over ``T`` steps must equal BPTT's
+element-wise: ``max |g − g_BPTT| ≤ RTOL · max |g_BPTT|`` per parameter, ``RTOL = 2e-5`` (float32
+rounding over a few steps; the rules measure 1e-7 to 1e-6 on CPU). Each case is one the float64
+suite pins exact, on a model in the learner's exact regime: element-wise recurrences (a leaky
+layer and a LIF layer with a learnable leak, a convolutional leaky map) for the per-position
+learners, a GRU for SnAp saturated on it. The negative control: D_RTRL on the GRU, outside its
+exact regime, measures far above ``RTOL``, so the comparison can fail.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import brainstate
+import jax
+import jax.numpy as jnp
+import pytest
+
+import braintrace
+from tests.algorithm.bptt import bptt_grads, max_rel_err, normal, single_step_grads, window_grads
+from tests.compiler.models import spike
+
+T, B, I, H = 6, 4, 3, 5
+RTOL = 2e-5
+
+
+class Leaky(brainstate.nn.Module):
+    """``h = σ(τ) ⊙ h + matmul(x, W) + b``, read out through ``tanh``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tau = brainstate.ParamState(normal(1, (H,)))
+        self.w = brainstate.ParamState(normal(2, (I, H), 0.6))
+        self.b = brainstate.ParamState(normal(3, (H,), 0.1))
+
+    def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros((batch_size or B, H)))
+
+    def update(self, x: jax.Array) -> jax.Array:
+        leak = braintrace.element_wise(self.tau.value, weight_fn=jax.nn.sigmoid)
+        self.h.value = leak * self.h.value + braintrace.matmul(x, self.w.value, self.b.value)
+        return jnp.tanh(self.h.value)
+
+
+class LIF(brainstate.nn.Module):
+    """``v = σ(τ) ⊙ v ⊙ (1 − s) + matmul(x, W)`` with a surrogate spike ``s``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tau = brainstate.ParamState(normal(4, (H,)))
+        self.w = brainstate.ParamState(normal(5, (I, H), 1.5))
+
+    def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+        self.v = brainstate.HiddenState(jnp.zeros((batch_size or B, H)))
+
+    def update(self, x: jax.Array) -> jax.Array:
+        leak = braintrace.element_wise(self.tau.value, weight_fn=jax.nn.sigmoid)
+        s = spike(self.v.value - 1.0)
+        self.v.value = leak * self.v.value * (1 - s) + braintrace.matmul(x, self.w.value)
+        return spike(self.v.value - 1.0) + jnp.tanh(self.v.value)
+
+
+class ConvLeaky(brainstate.nn.Module):
+    """``h = 0.7 h + conv(x, K) + b`` on a 4×4 map with two channels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernel = brainstate.ParamState(normal(6, (3, 3, 1, 2), 0.5))
+        self.bias = brainstate.ParamState(normal(7, (2,), 0.1))
+
+    def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros((batch_size or B, 4, 4, 2)))
+
+    def update(self, x: jax.Array) -> jax.Array:
+        x_map = x[..., :1].repeat(16, axis=-1).reshape(*x.shape[:-1], 4, 4, 1) * jnp.linspace(0.5, 1.5, 16).reshape(4, 4, 1)
+        drive = braintrace.conv(x_map, self.kernel.value, self.bias.value, strides=(1, 1),
+                                dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        self.h.value = 0.7 * self.h.value + drive
+        return jnp.tanh(self.h.value)
+
+
+def gru() -> brainstate.nn.Module:
+    brainstate.random.seed(0)
+    return braintrace.nn.GRUCell(I, H)
+
+
+MODELS: dict[str, Callable[[], brainstate.nn.Module]] = {"leaky": Leaky, "lif": LIF, "conv": ConvLeaky, "gru": gru}
+
+#: ``(model, algorithm, options, windows)``: ``windows`` None runs one call per step.
+CASES = [
+    ("leaky", "d_rtrl", {}, None),
+    ("leaky", "d_rtrl", {"vjp_method": "multi-step"}, (2, 3, 1)),
+    ("leaky", "ostl_recurrent", {}, None),
+    ("leaky", "eprop", {}, None),
+    ("lif", "d_rtrl", {}, None),
+    ("lif", "d_rtrl", {"vjp_method": "multi-step"}, (3, 3)),
+    ("conv", "d_rtrl", {}, None),
+    ("gru", "snap", {"n": H}, None),
+]
+
+
+def _online(model: str, algorithm: str, options: dict[str, Any], windows: Any) -> tuple[Any, Any]:
+    """BPTT's gradient and the learner's, each on a fresh copy of ``model`` (the same parameters)."""
+    xs = normal(11, (T, B, I))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        learner = braintrace.compile(MODELS[model](), algorithm, xs[0], batch_size=B, **options)
+    with jax.default_matmul_precision("highest"):
+        got = single_step_grads(learner, xs) if windows is None else window_grads(learner, xs, windows)
+        ref = bptt_grads(MODELS[model](), xs, batch_size=B)
+    return ref, got
+
+
+@pytest.mark.parametrize("model, algorithm, options, windows", CASES,
+                         ids=[f"{m}-{a}{'-multi' if w else ''}" for m, a, _, w in CASES])
+def test_exact_learner_matches_bptt_in_float32(model: str, algorithm: str, options: dict[str, Any], windows: Any) -> None:
+    ref, got = _online(model, algorithm, options, windows)
+    err = max_rel_err(ref, got)
+    assert err <= RTOL, f"{algorithm} on {model} ({jax.default_backend()}): max rel. err {err:.2e} > {RTOL:.0e}"
+
+
+def test_the_comparison_catches_an_approximate_rule() -> None:
+    ref, got = _online("gru", "d_rtrl", {}, None)
+    assert max_rel_err(ref, got) > 100 * RTOL
+
+
+def test_check_gradients_reads_exact_at_float32_rounding() -> None:
+    xs = normal(11, (T, B, I))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        learner = braintrace.compile(Leaky(), "d_rtrl", xs[0], batch_size=B)
+    audit = braintrace.check_gradients(learner, xs, step_fn=lambda x: jnp.sum(learner(x) ** 2), rtol=RTOL)
+    assert audit.exact, audit
