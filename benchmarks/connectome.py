@@ -174,9 +174,9 @@ class ConnectomeLIF(brainstate.nn.Module):
 
 
 def kernel_backend() -> str:
-    """The kernels brainevent runs for CSR products here, as ``braintrace.sparse_matmul`` picks them."""
+    """The kernels that run the CSR products here, as ``braintrace.sparse_matmul`` picks them."""
     if jax.default_backend() != "cpu":
-        return f"brainevent default for {jax.default_backend()}"
+        return "gather and scatter-add over the host coordinates (XLA)"
     if importlib.util.find_spec("numba") is not None:
         return "numba"
     return "jax_raw (pure JAX; numba not installed)"

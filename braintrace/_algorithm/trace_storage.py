@@ -172,13 +172,11 @@ def fresh_zeros(shape: tuple[int, ...], dtype: Any) -> jax.Array:
     """Zeros of ``shape`` for a reset trace, written as a buffer of their own off the CPU.
 
     A reset inside ``jit`` followed by a time loop hands XLA a loop whose carry starts as a
-    constant. On a TPU, XLA then moves the constant into the loop's first step and leaves the
-    carry's entry buffer unwritten, and that buffer gets the layout its shape has by default: for
-    a trace with a trailing state axis of one, tiles padded 128-fold along that axis (measured on
-    a TPU v5e: a GRU-256 D_RTRL step with 1.1 GiB of temporary memory for 17 MiB of traces, and
-    two copies of it per time step). An ``optimization_barrier`` keeps the zeros a computed
-    buffer, whose layout XLA chooses from the loop's uses. On CPU the zeros are returned as they
-    are.
+    constant. On a TPU, XLA then moves the constant into the loop's first step, and the carry
+    gets a layout of XLA's choosing rather than one its uses ask for. An ``optimization_barrier``
+    keeps the zeros a computed buffer: on a TPU v5e (batch 32, T = 100) the LIF-1024 D_RTRL
+    training step took 60 ms with it and 100 ms without, and 130 MiB less temporary memory. On
+    CPU the zeros are returned as they are.
 
     Examples
     --------

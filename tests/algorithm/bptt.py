@@ -35,7 +35,13 @@ StepLoss = Callable[[Any, Any], jax.Array]
 
 @pytest.fixture
 def x64() -> Iterator[None]:
-    """Run one test in float64 (exactness is then checked at ``rel. err < 1e-10``)."""
+    """Run one test in float64 (exactness is then checked at ``rel. err < 1e-10``).
+
+    Skipped on a TPU, which has no float64 arithmetic; ``tests/device`` checks every exact
+    learner there in float32.
+    """
+    if jax.default_backend() == "tpu":
+        pytest.skip("float64 test: a TPU has no float64 arithmetic (tests/device checks exactness in float32)")
     previous = bool(jax.config.jax_enable_x64)
     jax.config.update("jax_enable_x64", True)
     try:

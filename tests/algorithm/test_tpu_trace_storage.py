@@ -1,0 +1,80 @@
+"""The TPU storage of single-state traces, exercised on CPU by compiling as if on a TPU.
+
+On a TPU, ``ParamDimVjpAlgorithm`` stores the trace of a group of one state without its trailing
+state axis (see ``ParamDimVjpAlgorithm._stored``). Compiled with ``jax.default_backend()``
+reading ``'tpu'``, a learner here stores its traces that way; it must then compute what the
+learner with the axis computes (single step, windows, the EProp filter, a convolution), show the
+axis through ``get_etrace_of``, and reset and resize its stored traces.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import braintrace
+from tests.algorithm.bptt import max_rel_err, normal, single_step_grads, window_grads
+from tests.device.test_exactness_on_device import MODELS, B, I, T
+
+#: ``(model, algorithm, options, windows)``.
+CASES = [
+    ("leaky", "d_rtrl", {}, None),
+    ("leaky", "d_rtrl", {"vjp_method": "multi-step"}, (2, 3, 1)),
+    ("leaky", "eprop", {"kappa_filter_decay": 0.5}, None),
+    ("leaky", "eprop", {"kappa_filter_decay": 0.5, "vjp_method": "multi-step"}, (3, 3)),
+    ("lif", "d_rtrl", {"trace_dtype": jnp.bfloat16}, None),
+    ("conv", "d_rtrl", {}, None),
+    ("gru", "ostl_recurrent", {}, None),
+]
+
+
+def _compile(model: str, algorithm: str, as_on_tpu: bool, monkeypatch: pytest.MonkeyPatch, **options: Any) -> Any:
+    x0 = normal(11, (T, B, I))[0]
+    with monkeypatch.context() as patch, warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        if as_on_tpu:
+            patch.setattr(jax, "default_backend", lambda: "tpu")
+        return braintrace.compile(MODELS[model](), algorithm, x0, batch_size=B, **options)
+
+
+def _grads(learner: Any, windows: Any) -> Any:
+    xs = normal(11, (T, B, I))
+    return single_step_grads(learner, xs) if windows is None else window_grads(learner, xs, windows)
+
+
+@pytest.mark.parametrize("model, algorithm, options, windows", CASES,
+                         ids=[f"{m}-{a}{'-multi' if w else ''}{'-' + '-'.join(o) if o else ''}" for m, a, o, w in CASES])
+def test_stored_without_the_state_axis_the_learner_computes_the_same(
+    model: str, algorithm: str, options: dict[str, Any], windows: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    plain = _compile(model, algorithm, False, monkeypatch, **options)
+    squeezed = _compile(model, algorithm, True, monkeypatch, **options)
+    assert squeezed._squeezed and not plain._squeezed
+    # Traces are keyed by the compiled variables: the two learners list them in the same order.
+    for stored, full in zip(squeezed.etrace_bwg.values(), plain.etrace_bwg.values(), strict=True):
+        assert {k: v.shape for k, v in stored.value.items()} == {k: v.shape[:-1] for k, v in full.value.items()}
+    assert max_rel_err(_grads(plain, windows), _grads(squeezed, windows)) < 1e-6
+    relation = squeezed.graph.hidden_param_op_relations[0]
+    weight = next(iter(relation.trainable_paths.values()))
+    seen, want = squeezed.get_etrace_of(weight), plain.get_etrace_of(weight)
+    for got, ref in zip(seen.values(), want.values(), strict=True):
+        for name in ref:
+            assert got[name].shape == ref[name].shape
+            np.testing.assert_allclose(np.asarray(got[name], np.float32), np.asarray(ref[name], np.float32),
+                                       rtol=1e-5, atol=1e-7)
+
+
+def test_reset_zeroes_and_resizes_the_stored_traces(monkeypatch: pytest.MonkeyPatch) -> None:
+    learner = _compile("leaky", "eprop", True, monkeypatch, kappa_filter_decay=0.5)
+    _grads(learner, None)
+    learner.reset_state(batch_size=2 * B)
+    for st in [*learner.etrace_bwg.values(), *learner._trace_filters.values()]:
+        for leaf in st.value.values():
+            assert leaf.shape[0] == 2 * B and leaf.shape[-1] != 1 and not np.any(np.asarray(leaf))
+    (trace,) = learner.get_etrace_of(("w",)).values()
+    assert trace["weight"].shape == (2 * B, I, 5, 1)
