@@ -3,8 +3,9 @@
 On a TPU, ``ParamDimVjpAlgorithm`` stores the trace of a group of one state without its trailing
 state axis (see ``ParamDimVjpAlgorithm._stored``). Compiled with ``jax.default_backend()``
 reading ``'tpu'``, a learner here stores its traces that way; it must then compute what the
-learner with the axis computes (single step, windows, the EProp filter, a convolution), show the
-axis through ``get_etrace_of``, and reset and resize its stored traces.
+learner with the axis computes (single step, windows, the EProp filter, a convolution, a vmapped
+learner), show the axis through ``get_etrace_of``, reset and resize its stored traces, and resume
+them from a checkpoint.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import brainstate
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,3 +80,39 @@ def test_reset_zeroes_and_resizes_the_stored_traces(monkeypatch: pytest.MonkeyPa
             assert leaf.shape[0] == 2 * B and leaf.shape[-1] != 1 and not np.any(np.asarray(leaf))
     (trace,) = learner.get_etrace_of(("w",)).values()
     assert trace["weight"].shape == (2 * B, I, 5, 1)
+
+
+def test_a_checkpoint_of_stored_traces_resumes_them(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    learner = _compile("leaky", "eprop", True, monkeypatch, kappa_filter_decay=0.5)
+    _grads(learner, None)
+    saved = jax.tree.map(np.asarray, learner._get_etrace_data())
+    path = braintrace.save_checkpoint(tmp_path / "run.ckpt", learner)
+    learner.reset()
+    braintrace.load_checkpoint(path, learner)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, learner._get_etrace_data()), saved)
+
+
+def test_a_vmapped_learner_stores_its_traces_without_the_axis(monkeypatch: pytest.MonkeyPatch) -> None:
+    xs = normal(11, (T, B, I))
+
+    def compile_cell() -> Any:
+        brainstate.random.seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return braintrace.compile(braintrace.nn.ValinaRNNCell(I, 5), "d_rtrl", xs[0], batch_size=B, vmap=True)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(jax, "default_backend", lambda: "tpu")
+        squeezed = compile_cell()
+    plain = compile_cell()
+    ranks = [[leaf.ndim for leaf in jax.tree.leaves(st.value)]
+             for st in (*squeezed.states(braintrace.EligibilityTrace).values(),
+                        *plain.states(braintrace.EligibilityTrace).values())]
+    half = len(ranks) // 2
+    assert half and all(r + 1 == q for a, b in zip(ranks[:half], ranks[half:]) for r, q in zip(a, b))
+
+    def run(learner: Any) -> Any:
+        return learner.etrace_grad(xs, step_fn=lambda x: jnp.sum(learner(x) ** 2))
+
+    got, want = run(squeezed), run(plain)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), got, want)
