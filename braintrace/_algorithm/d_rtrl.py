@@ -343,7 +343,7 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
     def init_etrace_state(self, *args: Any, **kwargs: Any) -> None:
         """Allocate a zero trace per (relation, hidden group), its filter (``κ > 0``) and the
         random feedback matrices (``learning_signal='random_feedback'``)."""
-        traces: dict[Any, EligibilityTrace] = {}
+        traces: dict[Any, Trace] = {}
         squeezed: set[Any] = set()
         squeeze = jax.default_backend() == "tpu"  # see _stored
         for rel in self.graph.hidden_param_op_relations:
@@ -363,9 +363,9 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
                     value = {k: v.astype(self.trace_dtype) for k, v in value.items()}
                 if squeeze and group.trace_state_width == 1 and all(v.ndim and v.shape[-1] == 1 for v in value.values()):
                     squeezed.add(key)
-                traces[key] = EligibilityTrace(value)
+                traces[key] = value
         self._squeezed = frozenset(squeezed)
-        self.etrace_bwg = {k: EligibilityTrace(self._stored(k, st.value)) for k, st in traces.items()}
+        self.etrace_bwg = {k: EligibilityTrace(self._stored(k, v)) for k, v in traces.items()}
         self._warn_unused_trace_dtype()
         self._allocate_final_shapes(*args)
         self._trace_filters = {
