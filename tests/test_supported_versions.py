@@ -57,6 +57,15 @@ def test_jax_and_the_brain_packages_have_a_tested_ceiling() -> None:
         assert any(s.operator == "<" for s in spec), f"{name} {spec} has no upper bound"
 
 
+def test_the_platform_extras_bring_jax_in_the_declared_range() -> None:
+    """``braintrace[tpu]`` (cuda12, cuda13, cpu) is JAX's build for the platform, in the same range."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for platform in ("cpu", "tpu", "cuda12", "cuda13"):
+        (requirement,) = [Requirement(r) for r in extras[platform]]
+        assert requirement.name == "jax" and requirement.extras == {platform}, requirement
+        assert requirement.specifier == _declared()["jax"], (platform, requirement.specifier)
+
+
 def test_requirements_txt_repeats_the_declared_range() -> None:
     listed = [line.strip() for line in (ROOT / "requirements.txt").read_text().splitlines()
               if line.strip() and not line.startswith("#")]
