@@ -69,7 +69,10 @@ class Entry(NamedTuple):
 
     state: brainstate.State
     position: int  # of the leaf among the state's leaves (a Quantity is one leaf)
-    leaf: Any  # its current value
+    leaf: Any  # its value as the checkpoint holds it
+    #: The state holds the leaf without the trailing state axis of one that the checkpoint keeps
+    #: (a trace stored on a TPU; see ``ParamDimVjpAlgorithm._stored``).
+    without_state_axis: bool = False
 
 
 class LeafSpec(NamedTuple):
@@ -147,7 +150,9 @@ def _is_quantity(x: Any) -> bool:
     return isinstance(x, u.Quantity)
 
 
-def _add_state(entries: dict[str, Entry], name: str, state: brainstate.State, call: str) -> None:
+def _add_state(
+    entries: dict[str, Entry], name: str, state: brainstate.State, call: str, without_state_axis: bool = False,
+) -> None:
     flat, _ = jax.tree_util.tree_flatten_with_path(state.value, is_leaf=_is_quantity)
     for position, (keys, leaf) in enumerate(flat):
         full = name + jax.tree_util.keystr(keys)
@@ -161,7 +166,9 @@ def _add_state(entries: dict[str, Entry], name: str, state: brainstate.State, ca
                 f"{call}: the state {full!r} holds a traced value; call it outside jit / for_loop, "
                 f"between steps."
             )
-        entries[full] = Entry(state, position, leaf)
+        if without_state_axis:
+            leaf = leaf[..., None]
+        entries[full] = Entry(state, position, leaf, without_state_axis)
 
 
 def _learner_entries(learner: Any, call: str) -> dict[str, Entry]:
@@ -175,10 +182,19 @@ def _learner_entries(learner: Any, call: str) -> dict[str, Entry]:
     for path, state in brainstate.graph.states(algo.model4compile).items():
         in_model.add(id(state))
         _add_state(entries, _name("model", path, ids, call), state, call)
+    compact = _traces_without_state_axis(algo)
     for path, state in brainstate.graph.states(learner).items():
         if id(state) not in in_model:
-            _add_state(entries, _name("learner", path, ids, call), state, call)
+            _add_state(entries, _name("learner", path, ids, call), state, call, id(state) in compact)
     return entries
+
+
+def _traces_without_state_axis(algo: Any) -> set[int]:
+    """The ``id`` of every trace state (and filter) ``algo`` holds without its trailing state axis
+    of one: a checkpoint keeps the axis, so that it restores on every platform."""
+    squeezed: frozenset[Any] = getattr(algo, "_squeezed", frozenset())
+    states = [*getattr(algo, "etrace_bwg", {}).items(), *getattr(algo, "_trace_filters", {}).items()]
+    return {id(st) for key, st in states if key in squeezed}
 
 
 def _optimizer_entries(optimizer: Any, skip: set[int], call: str) -> dict[str, Entry]:
@@ -553,7 +569,8 @@ def _write(expected: dict[str, Entry], found: dict[str, Any]) -> None:
     per_state: dict[int, tuple[brainstate.State, dict[int, Any]]] = {}
     for name, entry in expected.items():
         _, new = per_state.setdefault(id(entry.state), (entry.state, {}))
-        new[entry.position] = _restored(entry.leaf, found[name])
+        value = _restored(entry.leaf, found[name])
+        new[entry.position] = value[..., 0] if entry.without_state_axis else value
     for state, new in per_state.values():
         old, treedef = jax.tree.flatten(state.value, is_leaf=_is_quantity)
         state.value = jax.tree.unflatten(treedef, [new.get(i, v) for i, v in enumerate(old)])

@@ -455,8 +455,8 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         T = 100, a TPU v5e) moved 1.1 GiB per time step for 17 MiB of traces and ran 240× BPTT's
         time; without it, 2.3×. Elsewhere every trace keeps the axis: on CPU, XLA computes a new
         trace twice, once per shape, where the gradient reads it reshaped
-        (``tests/algorithm/test_trace_traffic.py``). The rules and :meth:`get_etrace_of` see the
-        axis on every platform.
+        (``tests/algorithm/test_trace_traffic.py``). The rules, :meth:`get_etrace_of` and
+        checkpoints see the axis on every platform.
         """
         if key not in self._squeezed:
             return dict(view)

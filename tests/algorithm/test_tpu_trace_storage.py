@@ -116,3 +116,21 @@ def test_a_vmapped_learner_stores_its_traces_without_the_axis(monkeypatch: pytes
 
     got, want = run(squeezed), run(plain)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), got, want)
+
+
+@pytest.mark.parametrize("saved_on_tpu", [True, False], ids=["tpu-to-cpu", "cpu-to-tpu"])
+def test_a_checkpoint_restores_across_the_two_storages(saved_on_tpu: bool, monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path: Any) -> None:
+    """A checkpoint keeps the state axis, so that one saved on a TPU restores elsewhere and back."""
+    source = _compile("leaky", "eprop", saved_on_tpu, monkeypatch, kappa_filter_decay=0.5)
+    target = _compile("leaky", "eprop", not saved_on_tpu, monkeypatch, kappa_filter_decay=0.5)
+    _grads(source, None)
+    braintrace.load_checkpoint(braintrace.save_checkpoint(tmp_path / "run.ckpt", source), target)
+    def in_order(learner: Any) -> list[Any]:  # traces keyed by compiled variables: compile order
+        data = learner._get_etrace_data()
+        return [leaf for part in ("eps", "filt") for trace in data[part].values() for leaf in trace.values()]
+
+    got, want = in_order(target), in_order(source)
+    assert len(got) == len(want) and any(np.any(np.asarray(w)) for w in want)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
