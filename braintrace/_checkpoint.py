@@ -182,19 +182,11 @@ def _learner_entries(learner: Any, call: str) -> dict[str, Entry]:
     for path, state in brainstate.graph.states(algo.model4compile).items():
         in_model.add(id(state))
         _add_state(entries, _name("model", path, ids, call), state, call)
-    compact = _traces_without_state_axis(algo)
+    compact = {id(st) for st in algo._states_without_state_axis()}
     for path, state in brainstate.graph.states(learner).items():
         if id(state) not in in_model:
             _add_state(entries, _name("learner", path, ids, call), state, call, id(state) in compact)
     return entries
-
-
-def _traces_without_state_axis(algo: Any) -> set[int]:
-    """The ``id`` of every trace state (and filter) ``algo`` holds without its trailing state axis
-    of one: a checkpoint keeps the axis, so that it restores on every platform."""
-    squeezed: frozenset[Any] = getattr(algo, "_squeezed", frozenset())
-    states = [*getattr(algo, "etrace_bwg", {}).items(), *getattr(algo, "_trace_filters", {}).items()]
-    return {id(st) for key, st in states if key in squeezed}
 
 
 def _optimizer_entries(optimizer: Any, skip: set[int], call: str) -> dict[str, Entry]:

@@ -465,6 +465,11 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
     def get_etrace_of(self, weight: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must implement get_etrace_of().")
 
+    def _states_without_state_axis(self) -> list[brainstate.State]:
+        """The trace states held without the trailing state axis of one their rules see (none here;
+        see ``ParamDimVjpAlgorithm._stored``). Checkpoints store them with the axis."""
+        return []
+
     def named_etraces(self) -> dict[tuple[Path, int], Any]:
         """Every trace, keyed by ``(parameter path, hidden group index)`` instead of object ids.
 

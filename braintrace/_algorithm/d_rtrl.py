@@ -462,6 +462,10 @@ class ParamDimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
             return dict(view)
         return {k: v[..., 0] for k, v in view.items()}
 
+    def _states_without_state_axis(self) -> list[brainstate.State]:
+        states = [*self.etrace_bwg.items(), *self._trace_filters.items()]
+        return [st for key, st in states if key in self._squeezed]
+
     def _trace_views(self) -> dict[Any, Trace]:
         return {k: self._view(k, st.value) for k, st in self.etrace_bwg.items()}
 
