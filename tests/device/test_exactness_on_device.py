@@ -78,7 +78,7 @@ class ConvLeaky(brainstate.nn.Module):
         self.h = brainstate.HiddenState(jnp.zeros((batch_size or B, 4, 4, 2)))
 
     def update(self, x: jax.Array) -> jax.Array:
-        x_map = x[..., :1].repeat(16, axis=-1).reshape(*x.shape[:-1], 4, 4, 1) * jnp.linspace(0.5, 1.5, 16).reshape(4, 4, 1)
+        x_map = x[..., :1, None, None] * jnp.linspace(0.5, 1.5, 16).reshape(4, 4, 1)  # (B, 4, 4, 1)
         drive = braintrace.conv(x_map, self.kernel.value, self.bias.value, strides=(1, 1),
                                 dimension_numbers=("NHWC", "HWIO", "NHWC"))
         self.h.value = 0.7 * self.h.value + drive
