@@ -24,11 +24,12 @@ $(VENV)/.docs: $(VENV)/.base pyproject.toml requirements.txt
 	$(PY) -m pip install --quiet -e ".[docs]"
 	touch $@
 
+# Every test the project ships, the whole grids and the long streams included (CI runs this).
 test: $(VENV)/.test
-	$(PY) -m pytest -n 2 -q --durations=20 -m "not exhaustive and not long"
+	$(PY) -m pytest -n 2 -q --durations=20
 	$(MAKE) typecheck
 
-# The whole of the test grids whose representative cases run in `make test`.
+# Only the rest of the test grids beyond their representative cases (`make test` runs them too).
 test-exhaustive: $(VENV)/.test
 	$(PY) -m pytest -n 2 -q -m exhaustive
 
@@ -40,7 +41,7 @@ FUZZ_SECONDS ?= 600
 fuzz: $(VENV)/.test
 	FUZZ_SECONDS=$(FUZZ_SECONDS) $(PY) -m pytest -q -s -p no:cacheprovider tests/fuzz/test_fuzz.py -k for_the_given_time
 
-# Streams of 10^6 steps through etrace_train (minutes; make test runs 10^5).
+# Only the streams of 10^6 steps through etrace_train (`make test` runs them too).
 test-long: $(VENV)/.test
 	$(PY) -m pytest -q -m long
 

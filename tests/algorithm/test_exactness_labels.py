@@ -9,7 +9,7 @@ every approximate label measures above ``1e-6``, except the listed conservative 
 The zoo: an element-wise leaky RNN, a dense ``ValinaRNNCell``, a ``GRUCell``, a LIF layer with a
 trainable element-wise leak, two stacked leaky layers (group 2 reads group 1), a leaky RNN whose
 drive is rolled, a dense RNN whose input drive is rolled, and SnAp's sparse ring (saturated at
-``n = 6``). The heavier half of the grid is marked ``exhaustive`` (``make test-exhaustive``).
+``n = 6``). The heavier half of the grid is marked ``exhaustive`` (``make test`` runs it too).
 """
 
 from __future__ import annotations
@@ -213,8 +213,7 @@ EXACT_LEARNERS: dict[str, dict[str, set[str]]] = {
 #: (on ``h2`` only, element-wise) never crosses.
 CONSERVATIVE = {("stacked", "ostl", "w2")}
 
-#: The cases of ``make test``: each label rule once, measured; the rest of the grid runs in
-#: ``make test-exhaustive`` (marker ``exhaustive``).
+#: Each label rule once, measured; the rest of the grid is marked ``exhaustive``.
 FAST = {
     ("leaky", learner) for learner in LEARNERS
 } | {

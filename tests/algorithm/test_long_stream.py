@@ -19,8 +19,8 @@ traces by 4e-6; after 10^6 steps by 2.2e-3 and 1.1e-4: the weights' round-off ac
 like a random walk over the updates, the traces forget theirs at the recurrence's decay. The
 float32 window gradient matches the float64 BPTT reference to 1.3e-6 relative after 10^5
 steps (and within the asserted 1e-4 after 10^6). Asserted drift bounds: 1e-4 after 10^5 steps,
-1e-2 after 10^6. The default suite runs 10^5 steps; ``make test-long`` (marker ``long``) the
-full 10^6 (about a minute of CPU).
+1e-2 after 10^6. The suite runs 10^5 steps and the full 10^6 (marker ``long``, about a minute of
+CPU; ``make test-long`` runs only that).
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ import run_notebooks  # noqa: E402
 
 NOTEBOOKS = run_notebooks.notebooks()
 IDS = [str(p.relative_to(DOCS)) for p in NOTEBOOKS]
-#: The tutorials that take longest to run (15 s to a minute each on two cores): executed by
-#: make test-exhaustive, while make test checks that their saved outputs are one clean run.
+#: The tutorials that take longest to run (15 s to a minute each on two cores): their execution is
+#: marked exhaustive (make test runs it; make test-exhaustive runs only the marked tests).
 LONG_RUNNING = {"choosing_a_learner.ipynb", "learning_rules.ipynb", "rnn_online_learning.ipynb",
                 "limitations.ipynb", "customizing_primitive_transforms.ipynb", "batching.ipynb",
                 "control_flow.ipynb", "hidden_states.ipynb", "graph_visualization.ipynb",
