@@ -622,7 +622,7 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         self._entering_reads = frozenset()  # recorded again where this call's gradient is traced
         out, new_hidden, new_other, new_etrace = self._true_update_fun(
             args, weight_vals, hidden_vals, other_vals, self._get_etrace_data(),
-            self.running_index.value, aux,
+            self.running_index.value, aux, self._take_roll_sink(),
         )
         for p, v in new_hidden.items():
             hidden[p].value = v
@@ -637,7 +637,7 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
 
     def _update_fn(
         self, args: Any, weight_vals: Any, hidden_vals: Any, other_vals: Any, etrace_vals: Any,
-        running_index: Any, aux: Any = None,
+        running_index: Any, aux: Any = None, roll_sink: Any = None,
     ) -> tuple[Any, Any, Any, Any]:
         ex = self.vjp_executor
         multi = has_multistep_data(*args)
@@ -659,7 +659,7 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
 
     def _update_fn_fwd(
         self, args: Any, weight_vals: Any, hidden_vals: Any, other_vals: Any, etrace_vals: Any,
-        running_index: Any, aux: Any = None,
+        running_index: Any, aux: Any = None, roll_sink: Any = None,
     ) -> tuple[Any, Any]:
         ex = self.vjp_executor
         multi = has_multistep_data(*args)
@@ -680,6 +680,8 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
             primal, vjp_fn, jac = jax.vjp(step, args, weight_vals, hidden_vals, other_vals, perturb0, has_aux=True)
             new_etrace = self._update_etrace_data(running_index, etrace_vals, jac[0], jac[1], weight_vals, False)
             trace_for_bwd = self._trace_for_backward(etrace_vals, new_etrace, jac, single_step=True)
+            if roll_sink is not None:  # the driver takes the rolled traces from the backward pass
+                trace_for_bwd, new_etrace = self._roll_in_backward(etrace_vals, new_etrace, trace_for_bwd, jac)
             self._entering_reads = _entering_leaves_read(etrace_vals, new_etrace, trace_for_bwd)
         else:
             stepper = self._make_etrace_stepper(weight_vals) if multi else None
@@ -726,11 +728,12 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
             ]
         signal = self._compute_learning_signal(signal, (*args, aux))
         dg_weights = self._solve_weight_gradients(running_index, trace_for_bwd, signal, weight_vals, {}, dg_weights)
+        dg_weights, rolled = self._solve_rolled(trace_for_bwd, signal, weight_vals, dg_weights)
         if exit_cotangent is not None:
             injected = call_pullback(vjp_fn, _injection_cotangents(d_out, d_hid, d_oth, exit_cotangent))
             dg_args, dg_weights, dg_hidden, dg_other = self._with_exit_pass(
                 (dg_args, dg_weights, dg_hidden, dg_other), injected)
-        return dg_args, dg_weights, dg_hidden, dg_other, None, None, None
+        return dg_args, dg_weights, dg_hidden, dg_other, None, None, None, rolled
 
     def _with_exit_pass(self, first: tuple[Any, Any, Any, Any], second: tuple[Any, Any, Any, Any]) -> tuple[Any, ...]:
         """Route the second linear pass (the exit cotangent pushed through the window).
@@ -777,6 +780,22 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
 
     def _get_etrace_data(self) -> Any:
         raise NotImplementedError
+
+    # --- traces rolled in the backward pass (``braintrace._algorithm.backward_roll``) --------
+
+    def _take_roll_sink(self) -> Any:
+        """The sink a driver gave this call for traces rolled in the backward pass (``None``:
+        this learner rolls every trace in its forward pass)."""
+        return None
+
+    def _roll_in_backward(self, entering: Any, new: Any, residual: Any, jac: Any) -> tuple[Any, Any]:
+        raise internal_error(f"{type(self).__name__} took a roll sink but rolls no trace in its backward pass")
+
+    def _solve_rolled(
+        self, residual: Any, signals: Sequence[Any], weight_vals: dict[Path, Any], grads: dict[Path, Any]
+    ) -> tuple[dict[Path, Any], Any]:
+        """``grads`` and the cotangent of the call's roll sink (``None``: it had none)."""
+        return grads, None
 
     def _assign_etrace_data(self, etrace_vals: Any) -> None:
         raise NotImplementedError

@@ -8,7 +8,7 @@ estimates, weight the losses by a per-step ``mask`` and reduce. They own no nume
 the learner computes for one call, the driver adds up.
 
 Data are positional sequences (inputs, targets, modulators ...), sliced in lockstep. The host
-class provides six hooks (defaults are those of :class:`~braintrace.ETraceAlgorithm`):
+class provides these hooks (defaults are those of :class:`~braintrace.ETraceAlgorithm`):
 
 * ``_seq_call`` — the callable ``etrace_evolve`` drives when it has no ``step_fn``;
 * ``_seq_calls`` — how many calls of the learner have been traced or run so far: a ``step_fn``
@@ -19,6 +19,10 @@ class provides six hooks (defaults are those of :class:`~braintrace.ETraceAlgori
 * ``_seq_is_vmapped`` (class flag) — a vmapped learner refuses window mode;
 * ``_seq_after_gradient`` — called with each call's gradient inside the traced step (a learner
   orders its trace writes after the gradient there; default: nothing).
+* ``_seq_roll_sink``, ``_seq_rolling_into``, ``_seq_write_rolled`` — a learner that rolls some
+  traces in the backward pass of a step whose gradient the driver takes gives zeros shaped like
+  them (the sink), is told which step's call receives it, and has the sink's cotangent, the
+  rolled traces, written back (:mod:`braintrace._algorithm.backward_roll`; default: no sink).
 
 ``etrace_train`` runs the same loop and applies an optimizer every ``update_every`` steps while
 the stream runs, without resetting anything: online learning in the strict sense.
@@ -38,7 +42,8 @@ freezes every state update from that step on (:mod:`braintrace._algorithm.finite
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Mapping, NamedTuple
+import contextlib
+from typing import Any, Callable, ClassVar, Iterator, Mapping, NamedTuple
 
 import brainstate
 import brainunit as u
@@ -141,6 +146,18 @@ class SequenceDriverMixin:
 
     def _seq_after_gradient(self, grads: Grads) -> None:
         """Called with the gradient of each call, inside the traced step (default: nothing)."""
+
+    def _seq_roll_sink(self) -> Any:
+        """Zeros shaped like the traces the next call rolls in its backward pass (default: ``None``, none)."""
+        return None
+
+    @contextlib.contextmanager
+    def _seq_rolling_into(self, sink: Any) -> Iterator[None]:
+        """Within this block, the learner's call rolls those traces into ``sink``'s cotangent."""
+        yield
+
+    def _seq_write_rolled(self, rolled: Any) -> None:
+        """Write the traces rolled in the backward pass (``rolled``: the sink's cotangent)."""
 
     # --- the drivers ------------------------------------------------------------------------
 
@@ -274,7 +291,7 @@ class SequenceDriverMixin:
         weights = self._seq_weights("etrace_grad", weights)
         guarded = self._seq_checked("etrace_grad", check_finite, sequences, mask)
         run = _GradRun("etrace_grad", self._seq_stepper("etrace_grad", step_fn), weights, drive.window, has_aux,
-                       guarded, self._seq_after_gradient)
+                       self, guarded)
         grads, losses, aux, status = self._seq_program(run, sequences, mask, jnp.arange(drive.length))
         if status is not None:
             raise_if_bad("etrace_grad", status)
@@ -481,7 +498,7 @@ class SequenceDriverMixin:
         optimizer = _registered_optimizer(optimizer, weights)
         guarded = self._seq_checked("etrace_train", check_finite, sequences, mask)
         run = _GradRun("etrace_train", self._seq_stepper("etrace_train", step_fn), weights, drive.window, has_aux,
-                       guarded, self._seq_after_gradient)
+                       self, guarded)
         optimizer_states = list(brainstate.graph.states(optimizer).values())
         Span = tuple[tuple[Any, ...], jax.Array, jax.Array]
 
@@ -555,7 +572,8 @@ class SequenceDriverMixin:
         return brainstate.transform.jit(loop)(*args)
 
     def _seq_stepper(self, call: str, step_fn: StepFn) -> StepFn:
-        """``step_fn`` (refused unless callable), refused at each traced call that does not call this learner.
+        """``step_fn`` (refused unless callable), refused at each traced call that does not call this
+        learner exactly once.
 
         A ``step_fn`` that never calls the learner would leave every estimate zero (or fail
         with a message about states missing from a trace); the learner counts its calls as they
@@ -571,11 +589,19 @@ class SequenceDriverMixin:
         def stepped(*slices: Any) -> Any:
             before = self._seq_calls
             result = step_fn(*slices)
-            if self._seq_calls == before:
+            calls = self._seq_calls - before
+            if calls == 0:
                 raise ValueError(
                     f"{call}: step_fn did not call this learner, so its step never ran. Call the learner "
                     f"on the step's inputs inside step_fn, once, e.g. "
                     f"step_fn=lambda x, y: jnp.mean((learner(x) - y) ** 2)."
+                )
+            if calls > 1:
+                raise ValueError(
+                    f"{call}: step_fn called this learner {calls} times in one step. Each call advances the "
+                    f"hidden states and traces by a step, so the driver's per-step gradient would be wrong. "
+                    f"Call the learner once per step and reuse its output, e.g. "
+                    f"out = learner(x); loss = loss_a(out, y) + loss_b(out)."
                 )
             return result
 
@@ -637,15 +663,15 @@ class _GradRun:
 
     def __init__(
         self, call: str, step_fn: StepFn, weights: dict[Path, Any], window: int | None, has_aux: bool,
-        guarded: list[Any] | None = None, after_gradient: Callable[[Grads], None] | None = None,
+        host: SequenceDriverMixin, guarded: list[Any] | None = None,
     ) -> None:
         self.call = call
         self.step_fn = step_fn
         self.weights = weights
         self.window = window
         self.has_aux = has_aux
+        self.host = host
         self.guarded = guarded  # check_finite: the states frozen after a non-finite step
-        self.after_gradient = after_gradient
 
     def __call__(
         self, sequences: tuple[Any, ...], mask: jax.Array, steps: jax.Array, status: Status | None = None
@@ -663,14 +689,20 @@ class _GradRun:
         return grads, losses, aux, status
 
     def _grad(self, slices: tuple[Any, ...], w: jax.Array) -> tuple[Grads, tuple[Any, Any]]:
-        def objective() -> tuple[Any, tuple[Any, Any]]:
-            loss, aux = self._loss(self.step_fn(*slices))
+        def objective(*sink: Any) -> tuple[Any, tuple[Any, Any]]:
+            with self.host._seq_rolling_into(sink[0] if sink else None):
+                loss, aux = self._loss(self.step_fn(*slices))
             return u.math.sum(w * loss), (loss, aux)
 
-        grads: tuple[Grads, tuple[Any, Any]] = brainstate.transform.grad(objective, self.weights, has_aux=True)()
-        if self.after_gradient is not None:
-            self.after_gradient(grads[0])
-        return grads
+        sink = None if self.window is not None else self.host._seq_roll_sink()
+        if sink is None:
+            grads, loss_aux = brainstate.transform.grad(objective, self.weights, has_aux=True)()
+        else:
+            (grads, (rolled,)), loss_aux = brainstate.transform.grad(
+                objective, self.weights, argnums=(0,), has_aux=True)(sink)
+            self.host._seq_write_rolled(rolled)
+        self.host._seq_after_gradient(grads)
+        return grads, loss_aux
 
     def _body(self, acc: Grads, inputs: tuple[tuple[Any, ...], jax.Array]) -> tuple[Grads, Any]:
         g, loss_aux = self._grad(*inputs)

@@ -60,6 +60,7 @@ class ETraceVmap(SequenceDriverMixin, brainstate.nn.Vmap):
     def __init__(self, module: Any, *, vmap_states: Any = None, **kwargs: Any) -> None:
         super().__init__(module, vmap_states=vmap_states, **kwargs)
         self._lane_states = vmap_states
+        self._calls_traced = 0  # the wrapper's own calls (the vmap may trace the learner's more than once)
 
     #: Where the states live on a device mesh (set by ``braintrace.compile(..., sharding=...)``).
     sharding_plan: ShardingPlan | None = None
@@ -79,6 +80,7 @@ class ETraceVmap(SequenceDriverMixin, brainstate.nn.Vmap):
         ValueError
             For an option leaf without the lanes on axis 0.
         """
+        self._calls_traced += 1
         if not options:
             return super().update(*args)
         lanes = self._lane_count()
@@ -138,7 +140,7 @@ class ETraceVmap(SequenceDriverMixin, brainstate.nn.Vmap):
 
     @property
     def _seq_calls(self) -> int:
-        return int(self.module.calls_traced)
+        return self._calls_traced
 
     @property
     def _seq_vjp_method(self) -> str | None:

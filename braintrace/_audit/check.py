@@ -218,7 +218,7 @@ def bptt_gradients(learner: Any, sequences: tuple[Any, ...], request: GradientRe
     drive = learner._seq_validate("check_gradients", sequences, request.chunk_size, needs_multi_step=False)
     mask = _check_mask("check_gradients", request.mask, drive.length)
     weights = learner._seq_weights("check_gradients", request.weights)
-    scorer = _GradRun("check_gradients", request.step_fn, weights, drive.window, request.has_aux)
+    scorer = _GradRun("check_gradients", request.step_fn, weights, drive.window, request.has_aux, learner)
     mask_rows = mask if drive.window is None else mask.reshape((-1, drive.window))
 
     def objective(windows: Any, mask_rows: jax.Array) -> tuple[Any, Any]:
@@ -253,7 +253,7 @@ class _BareModelStep:
         self.learner = learner
 
     def __call__(self, args: Any, weight_vals: Any, hidden_vals: Any, other_vals: Any, etrace_vals: Any,
-                 running_index: Any, aux: Any = None) -> tuple[Any, Any, Any, Any]:
+                 running_index: Any, aux: Any = None, roll_sink: Any = None) -> tuple[Any, Any, Any, Any]:
         model = self.learner.model4compile
         single, multi, treedef = split_input_data_types(*args)
         if multi:

@@ -100,6 +100,12 @@ class FastPathRules(NamedTuple):
         ``solve_instant(signal, x, df, has_bias, *, fold_batch=False) -> dict``: what ``solve``
         gives on the ``instant`` term, contracted from its factors without forming the
         trace-shaped product. ``None``: ``solve(signal, instant(x, df, has_bias))``.
+    roll_and_solve : callable or None
+        ``roll_and_solve(old, diag, x, df, signal, has_bias) -> (new, grads)``: for a batched
+        primitive's trace of a one-state group stored without its state axis, the roll
+        ``diag ⊙ old + instant`` and the contraction ``Σ_b signal ⊙ old`` in one pass over
+        ``old`` (``diag``, ``df``, ``signal``: ``(B, *y)``). ``None``: the engine rolls and
+        contracts apart.
     """
 
     instant: Rule
@@ -108,6 +114,7 @@ class FastPathRules(NamedTuple):
     applicable: Callable[[Params], bool]
     chunk: Rule | None = None
     solve_instant: Rule | None = None
+    roll_and_solve: Rule | None = None
 
 
 #: Every primitive created by :func:`braintrace.register_primitive`.

@@ -47,6 +47,7 @@ from braintrace._op._operands import (
 )
 from braintrace._op._primitive import register_primitive
 from braintrace._op._registries import FastPathRules, register_batched_counterpart, snap_anchored
+from braintrace._op.fused_roll import roll_and_contract
 from braintrace._op._rule_helpers import (
     apply_hook,
     bias_trainable_invars,
@@ -259,6 +260,19 @@ def _dense_fast_chunk(
     return out
 
 
+def _dense_fast_roll_and_solve(
+    old: dict[str, Array], diag: Array, x: Array, df: Array, signal: Array, has_bias: bool
+) -> tuple[dict[str, Array], dict[str, Array]]:
+    """``old``: ``weight (B, I, O)`` (and ``bias (B, O)``); ``diag``, ``df``, ``signal``:
+    ``(B, O)``; ``x``: ``(B, I)``. The weight's trace in one pass (:mod:`~braintrace._op.fused_roll`)."""
+    weight, grad = roll_and_contract(old["weight"], diag, x, df, signal)
+    new, grads = {"weight": weight}, {"weight": grad}
+    if "bias" in old:
+        new["bias"] = diag * old["bias"] + (df if has_bias else 0.0)
+        grads["bias"] = jnp.sum(signal * old["bias"], axis=0)
+    return new, grads
+
+
 _DENSE_FAST_PATH = FastPathRules(
     instant=_dense_fast_instant,
     recurrent=_dense_fast_recurrent,
@@ -266,6 +280,7 @@ _DENSE_FAST_PATH = FastPathRules(
     applicable=no_hooks,
     chunk=_dense_fast_chunk,
     solve_instant=_dense_fast_solve_instant,
+    roll_and_solve=_dense_fast_roll_and_solve,
 )
 
 def _dense_snap_adjacency(

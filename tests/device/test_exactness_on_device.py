@@ -20,10 +20,13 @@ from typing import Any, Callable
 import brainstate
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import braintrace
-from tests.algorithm.bptt import bptt_grads, max_rel_err, normal, single_step_grads, window_grads
+from braintrace._algorithm import backward_roll
+from braintrace._op import fused_roll
+from tests.algorithm.bptt import _to_numpy, bptt_grads, max_rel_err, normal, single_step_grads, target_loss, window_grads
 from tests.compiler.models import spike
 
 T, B, I, H = 6, 4, 3, 5
@@ -137,3 +140,34 @@ def test_check_gradients_reads_exact_at_float32_rounding() -> None:
         learner = braintrace.compile(Leaky(), "d_rtrl", xs[0], batch_size=B)
     audit = braintrace.check_gradients(learner, xs, step_fn=lambda x: jnp.sum(learner(x) ** 2), rtol=RTOL)
     assert audit.exact, audit
+
+
+@pytest.mark.parametrize("model", ["leaky", "lif"])
+def test_traces_rolled_in_the_backward_pass_match_bptt(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a TPU the drivers roll large dense traces in the backward pass with a Pallas kernel
+    (``braintrace._algorithm.backward_roll``); with its size threshold at zero these small models
+    take that path there. Elsewhere the traces roll in the forward pass, checked the same way."""
+    monkeypatch.setattr(backward_roll, "ROLL_MIN_BYTES", 0)
+    xs = normal(11, (T, B, I))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        learner = braintrace.compile(MODELS[model](), "d_rtrl", xs[0], batch_size=B)
+    with jax.default_matmul_precision("highest"):
+        got = learner.etrace_grad(xs, jnp.arange(T), step_fn=lambda x, t: target_loss(t, learner(x)), reduction="sum")
+        ref = bptt_grads(MODELS[model](), xs, batch_size=B)
+    assert bool(learner._rolled_now) == (jax.default_backend() == "tpu")
+    err = max_rel_err(ref, _to_numpy(got))
+    assert err <= RTOL, f"D_RTRL rolled in the backward pass on {model}: max rel. err {err:.2e} > {RTOL:.0e}"
+
+
+def test_the_roll_kernel_agrees_with_its_xla_reference() -> None:
+    """:func:`roll_and_contract` (the Pallas kernel on a TPU) against its XLA reference, on a
+    trace of several blocks along both axes."""
+    keys = jax.random.split(jax.random.PRNGKey(0), 5)
+    trace = jax.random.normal(keys[0], (8, 272, 1024))
+    x = jax.random.normal(keys[1], (8, 272))
+    diag, df, signal = (jax.random.normal(k, (8, 1024)) for k in keys[2:])
+    want_new, want_grad = fused_roll.roll_and_contract_xla(trace, diag, x, df, signal)
+    new, grad = jax.jit(fused_roll.roll_and_contract)(trace, diag, x, df, signal)
+    np.testing.assert_allclose(new, want_new, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-5)
