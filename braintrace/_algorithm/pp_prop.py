@@ -70,7 +70,7 @@ from braintrace._algorithm.config import (
     require_feedback_key,
     require_single_step_modulator,
 )
-from braintrace._algorithm.graph_executor import df_key
+from braintrace._algorithm.graph_executor import detached_df_key, df_key
 from braintrace._algorithm.learning_signal import SignalPair, draw_feedback, feedback_signals
 from braintrace._algorithm.modulator import ModulatorSlot, modulator_signals, without_etp_gradients
 from braintrace._algorithm.snn_helpers import FixedRandomFeedback
@@ -582,11 +582,15 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
                 eps_f = etrace["dfs"][key]
                 c = self._correction(etrace["steps"], jnp.result_type(eps_f, signal))
                 per_key = self._pull_back(rel, group, x_trace, (eps_f / c) * signal, weights)
-                # The same-step term is subtracted where the one-step VJP holds it too.
+                # The same-step term is subtracted where the one-step VJP holds it too: not the
+                # part of df that crosses a while_loop, which the perturbed step detaches.
                 covered = local_keys.get(index, frozenset())
                 if instant is not None and set(per_key) - covered:
                     x_t = None if rel.x_var is None else instant[0][id(rel.x_var)]
-                    same = self._pull_back(rel, group, x_t, instant[1][key] * autodiff, weights)
+                    df = instant[1][key]
+                    if detached_df_key(rel, group) in instant[1]:
+                        df = df - instant[1][detached_df_key(rel, group)]
+                    same = self._pull_back(rel, group, x_t, df * autodiff, weights)
                     per_key = {k: v if k in covered else v - same[k] for k, v in per_key.items()}
                 for k, dw in per_key.items():
                     grads = self._add_operand_gradient(grads, rel, k, dw, weight_vals)

@@ -20,9 +20,11 @@ from typing import Any, Iterable, Sequence
 
 from jax.extend.core import Jaxpr, JaxprEqn, Literal, Var
 
+from braintrace._compatible_imports import source_line
 from braintrace._compiler.control_flow_policy import DEFAULT_CONTROL_FLOW_POLICY, ControlFlowPolicy
 from braintrace._compiler.diagnostics import DiagnosticKind, DiagnosticLevel, emit
 from braintrace._compiler.jaxpr_graph import is_jit
+from braintrace._errors import NotSupportedError
 
 __all__ = [
     "JaxprEvaluation",
@@ -96,9 +98,11 @@ def check_unsupported_op(self: Any, eqn: JaxprEqn, op_name: str) -> None:
 
     Raises
     ------
+    NotSupportedError
+        When a weight is consumed by a ``while`` (naming its source line).
     NotImplementedError
-        When a weight is consumed by the equation, or it computes a hidden state and the policy
-        (or a ``jit``) does not allow it.
+        When a weight is consumed by another equation, or it computes a hidden state and the
+        policy (or a ``jit``) does not allow it.
     ValueError
         For an invalid ``while_hidden`` policy value.
     """
@@ -130,15 +134,16 @@ def check_unsupported_op(self: Any, eqn: JaxprEqn, op_name: str) -> None:
 
 def _reject_weight(eqn: JaxprEqn, op_name: str) -> None:
     if op_name == "while":
+        line = source_line(eqn.source_info)
         message = (
-            "A trainable weight is used inside a while_loop. Online learning cannot trace a "
-            "weight through a loop of data-dependent length: apply the weight outside the loop "
-            "so that the loop consumes only its result (parameters whose only same-step path "
-            "crosses the loop then get no same-step learning signal), or use a fixed-length "
-            "scan / for_loop, which the compiler unrolls or descends."
+            f"A trainable weight is used inside a while_loop{f' at {line}' if line else ''}. Online "
+            f"learning cannot trace a weight through a loop of data-dependent length: apply the weight "
+            f"outside the loop so that the loop consumes only its result, or write the loop with a "
+            f"fixed trip count (lax.fori_loop with static bounds, or lax.scan), which the compiler "
+            f"unrolls or descends."
         )
         emit(DiagnosticKind.WEIGHT_IN_WHILE, DiagnosticLevel.ERROR, message, also_warn=False)
-        raise NotImplementedError(message)
+        raise NotSupportedError(message)
     message = (
         f"Currently, we do not support the weight states are used within a {op_name} function. "
         f"Apply the weight outside the {op_name}, or let the compiler flatten it "

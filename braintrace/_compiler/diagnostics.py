@@ -89,6 +89,8 @@ class DiagnosticKind(str, Enum):
     STATE_MISMATCH = "state_mismatch"
     WEIGHT_IN_CONTROL_FLOW = "weight_in_control_flow"
     WEIGHT_DRIVES_HIDDEN_UNTRACED = "weight_drives_hidden_untraced"
+    #: An output of the step reads a hidden group other than through its new value (INFO).
+    OUTPUT_READS_PAST_UPDATE = "output_reads_past_update"
     #: SnAp-n could not read a group's adjacency and follows every position (WARNING).
     SNAP_PATTERN_CONSERVATIVE = "snap_pattern_conservative"
     #: SnAp-n at n >= 2 finds no neighbour to widen onto (K = 1).

@@ -37,7 +37,11 @@ from braintrace._compiler.diagnostics import CompilationRecord, DiagnosticKind, 
 from braintrace._compiler.hid_param_op import HiddenParamOpRelation, find_hidden_param_op_relations_from_minfo
 from braintrace._compiler.hidden_group import HiddenGroup
 from braintrace._compiler.hidden_group_discovery import find_hidden_groups_from_minfo
-from braintrace._compiler.hidden_pertubation import HiddenPerturbation, add_hidden_perturbation_from_minfo
+from braintrace._compiler.hidden_pertubation import (
+    HiddenPerturbation,
+    add_hidden_perturbation_from_minfo,
+    report_reads_past_update,
+)
 from braintrace._compiler.module_info import ModuleInfo, Path, extract_module_info
 from braintrace._compiler.position_dependence import warn_relabelling_tails
 from braintrace._compiler.scan_descent import ScanDescentBundle, apply_scan_descent
@@ -308,6 +312,8 @@ def compile_etrace_graph(
         warn_untraced_weights(minfo, relations)
         minfo = minfo.add_jaxpr_outs(_hoisted_vars(minfo, groups, relations, bundles))
         perturb = add_hidden_perturbation_from_minfo(minfo, descended) if include_hidden_perturb else None
+        if perturb is not None:
+            report_reads_past_update(perturb, groups, minfo)
     return ETraceGraph(
         module_info=minfo,
         hidden_groups=groups,

@@ -177,6 +177,16 @@ class JaxprEvalForHiddenPerturbation(JaxprEvaluation):
         }
         self.pending = dict.fromkeys(hidden_outvar_to_invar)
         self.eqns: list[JaxprEqn] = []
+        # The whiles between a weight or hidden state and a hidden update: reverse mode, which
+        # cannot enter a while, would otherwise reach them from the perturbation.
+        jaxpr = closed_jaxpr.jaxpr
+        feeds_hidden = _vars_feeding(jaxpr, set(hidden_outvar_to_invar))
+        from_state = _vars_reached(jaxpr, {*weight_invars, *hidden_outvar_to_invar.values()})
+        self.detached_whiles = {
+            id(eqn) for eqn in jaxpr.eqns if eqn.primitive.name == "while"
+            and any(v in feeds_hidden for v in eqn.outvars)
+            and any(not isinstance(v, Literal) and v in from_state for v in eqn.invars)
+        }
 
     def compile(self) -> HiddenPerturbation:
         jaxpr = self.closed_jaxpr.jaxpr
@@ -213,12 +223,12 @@ class JaxprEvalForHiddenPerturbation(JaxprEvaluation):
             self._eval_eqn(eqn)
 
     def _eval_eqn(self, eqn: JaxprEqn) -> None:
+        if id(eqn) in self.detached_whiles:
+            eqn = self._detach_inputs(eqn)
         hits = [v for v in eqn.outvars if isinstance(v, Var) and v in self.pending]
         if not hits:
             self.eqns.append(eqn)
             return
-        if eqn.primitive.name == "while":
-            eqn = self._detach_inputs(eqn)
         renamed = {h: fresh_var(h) for h in hits}
         self.eqns.append(eqn.replace(outvars=[renamed.get(v, v) for v in eqn.outvars]))
         for h, fresh in renamed.items():
@@ -226,7 +236,8 @@ class JaxprEvalForHiddenPerturbation(JaxprEvaluation):
             del self.pending[h]
 
     def _detach_inputs(self, eqn: JaxprEqn) -> JaxprEqn:
-        """Feed a hidden-producing while through ``stop_gradient``: reverse mode cannot enter it."""
+        """Feed a while that a hidden update reads through ``stop_gradient``: reverse mode cannot
+        enter it (the learners take what crosses it in forward mode, see ``detached_df_key``)."""
         invars: list[Any] = []
         n_detached = 0
         for a in eqn.invars:
@@ -243,6 +254,24 @@ class JaxprEvalForHiddenPerturbation(JaxprEvaluation):
              "same-step learning signal.",
              context={"site": "perturbation", "n_detached": n_detached})
         return eqn.replace(invars=invars)
+
+
+def _vars_feeding(jaxpr: Jaxpr, targets: set[Var]) -> set[Var]:
+    """``targets`` and every variable of ``jaxpr`` some target is computed from."""
+    feeding = set(targets)
+    for eqn in reversed(jaxpr.eqns):
+        if any(isinstance(v, Var) and v in feeding for v in eqn.outvars):
+            feeding.update(v for v in eqn.invars if isinstance(v, Var) and not isinstance(v, Literal))
+    return feeding
+
+
+def _vars_reached(jaxpr: Jaxpr, sources: set[Var]) -> set[Var]:
+    """``sources`` and every variable of ``jaxpr`` computed from one of them."""
+    reached = set(sources)
+    for eqn in jaxpr.eqns:
+        if any(isinstance(v, Var) and not isinstance(v, Literal) and v in reached for v in eqn.invars):
+            reached.update(eqn.outvars)
+    return reached
 
 
 def _update_paths(perturbation: HiddenPerturbation) -> dict[int, Path]:
@@ -319,6 +348,24 @@ class LocalRelationWeights(NamedTuple):
     paths: frozenset[Path]
     keys: dict[int, frozenset[str]]
 
+
+
+def report_reads_past_update(
+    perturbation: HiddenPerturbation, hidden_groups: Sequence[HiddenGroup], minfo: ModuleInfo
+) -> None:
+    """Record, per group an output reads past its update (:func:`groups_read_past_update`), how a
+    single-step learner takes that group's history instead."""
+    for index in sorted(groups_read_past_update(perturbation, hidden_groups, minfo)):
+        group = hidden_groups[index]
+        emit(
+            DiagnosticKind.OUTPUT_READS_PAST_UPDATE, DiagnosticLevel.INFO,
+            f"An output of the step reads hidden group {index} ({list(group.hidden_paths)}) other than through "
+            f"its new value (a value computed before the update, such as a spike of the pre-reset potential, "
+            f"or the old value fed to another group). Single-step learners meet that group's entering trace "
+            f"with dL/dh^(t-1) through every path of the step, taken by the step's VJP, instead of "
+            f"D^T dL/dh^t; the outputs' direct paths are in the one-step gradient.",
+            hidden_paths=tuple(group.hidden_paths), context={"group": index},
+        )
 
 def local_relation_weights(
     perturbation: HiddenPerturbation,

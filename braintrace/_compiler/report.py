@@ -107,6 +107,13 @@ class CompilationReport:
                 out.append((path, self._exclusion_reason(path)))
         return out
 
+    @property
+    def read_past_update(self) -> list[tuple[int, list[Path]]]:
+        """The hidden groups an output of the step reads other than through their new values (a
+        pre-reset spike, an old value fed to another group), with their paths."""
+        return [(int(r.context["group"]), list(r.hidden_paths)) for r in self.graph.diagnostics
+                if r.kind is DiagnosticKind.OUTPUT_READS_PAST_UPDATE and r.context is not None]
+
     def _exclusion_reason(self, path: Path) -> str | None:
         for record in self.graph.diagnostics:
             if record.weight_path == path and record.kind in _EXCLUSION_KINDS:
@@ -167,6 +174,11 @@ class CompilationReport:
             for i, (label, rel) in enumerate(zip(self._labels, relations)):
                 lines.append(f"   Relation {i}: {label.weight_path} -> hidden {_groups_of(rel)} "
                              f"{list(label.hidden_paths)}: {label.describe()}")
+            sections.append("\n".join(lines))
+        if self.read_past_update:
+            lines = ["Outputs read these hidden groups other than through their new values; single-step "
+                     "learners meet their entering traces with dL/dh^(t-1) through every path of the step:"]
+            lines += [f"   Group {i}: {paths}" for i, paths in self.read_past_update]
             sections.append("\n".join(lines))
         if self.excluded_weights:
             lines = ["The non-etrace weight parameters are:"]

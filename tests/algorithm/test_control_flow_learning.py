@@ -165,6 +165,48 @@ def test_while_settle_single_step_equals_twin(coupled: bool, x64: None) -> None:
     assert max_rel_err(twin, online) < EXACT
 
 
+@pytest.mark.parametrize("coupled", [False, True], ids=["settle", "settle_coupled"])
+def test_while_settle_pp_prop_equals_its_twin(coupled: bool, x64: None) -> None:
+    xs = inputs()
+    learners = []
+    for flat in (True, False):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            learners.append(braintrace.compile(cf.SettleModel(flat=flat, coupled=coupled), "pp_prop", xs[0],
+                                               decay_or_rank=0.8))
+    twin, online = (single_step_grads(learner, xs) for learner in learners)
+    assert max_rel_err(twin, online) < EXACT
+
+
+def _halvings(xs: Any) -> list[int]:
+    """How many times :class:`HalvedDriveModel`'s loop halves the drive at each step."""
+    model = cf.HalvedDriveModel()
+    counts = []
+    for x in xs:
+        z = jnp.max(jnp.abs(jnp.tanh(x @ model.w.value)))
+        counts.append(next((k for k in range(3) if z / 2 ** k <= model.limit), 3))
+    return counts
+
+
+@pytest.mark.parametrize("algorithm, options", [("d_rtrl", {}), ("pp_prop", {"decay_or_rank": 0.7})])
+def test_a_while_between_the_weight_product_and_the_hidden_state_is_learned_through(
+    algorithm: str, options: dict[str, Any], x64: None,
+) -> None:
+    """The loop is detached in the perturbed step and its part of ``df`` taken in forward mode:
+    the learner equals itself on the loop-free twin, and D_RTRL equals BPTT."""
+    xs = inputs()
+    assert len(set(_halvings(xs))) > 1  # the trip count depends on the data
+    learners = []
+    for flat in (True, False):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            learners.append(braintrace.compile(cf.HalvedDriveModel(flat=flat), algorithm, xs[0], **options))
+    twin, online = (single_step_grads(learner, xs) for learner in learners)
+    assert max_rel_err(twin, online) < EXACT
+    if algorithm == "d_rtrl":
+        assert max_rel_err(bptt_grads(cf.HalvedDriveModel(flat=True), xs), online) < EXACT
+
+
 def test_executor_stacks_descended_jacobians_over_substeps() -> None:
     model = cf.SubstepModel(length=20)
     executor = braintrace.ETraceGraphExecutor(model)

@@ -107,6 +107,19 @@ def test_reading_the_new_value_is_not_marked(x64: None) -> None:
     assert max_rel_err(bptt_grads(Leaky("new"), xs, batch_size=B), single_step_grads(learner, xs)) < EXACT
 
 
+@pytest.mark.parametrize("mode", ["new", "scaled", "old", "spike"])
+def test_the_report_says_which_groups_outputs_read_past_their_update(mode: str) -> None:
+    report = _learner(Leaky(mode), jnp.zeros((B, I))).report
+    if mode == "new":
+        assert report.read_past_update == []
+        assert "other than through their new values" not in report.to_str()
+        return
+    assert report.read_past_update == [(0, [("h",)])]
+    (record,) = [r for r in report.diagnostics if r.kind is braintrace.DiagnosticKind.OUTPUT_READS_PAST_UPDATE]
+    assert record.level is braintrace.DiagnosticLevel.INFO and "dL/dh^(t-1) through every path" in record.message
+    assert "Group 0: [('h',)]" in report.to_str().split("other than through their new values")[1]
+
+
 def test_analysis_marks_only_the_group_read_past_its_update() -> None:
     class TwoLayers(brainstate.nn.Module):
         def __init__(self) -> None:

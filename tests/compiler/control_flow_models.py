@@ -189,6 +189,31 @@ class TwoStateModel(_Model):
         return self.readout()
 
 
+class HalvedDriveModel(_Model):
+    """``h = 0.7 h + z``, with ``z = tanh(x @ W)`` halved by a weight-free ``while_loop`` while it
+    is large (at most three times): the loop sits between the weight product and the hidden state,
+    its trip count depends on the data. The twin halves with ``jnp.where`` in a Python loop.
+    """
+
+    #: The drive is halved while its largest magnitude exceeds this.
+    limit = 0.4
+
+    def __init__(self, n_in: int = 3, n_hid: int = 4, flat: bool = False) -> None:
+        self.w = _w(13, (n_in, n_hid))
+        super().__init__(n_in, n_hid, flat)
+
+    def update(self, x: Any) -> Any:
+        z = jnp.tanh(braintrace.matmul(x, self.w.value))
+        if self.flat:
+            for _ in range(3):
+                z = jnp.where(jnp.max(jnp.abs(z)) > self.limit, 0.5 * z, z)
+        else:
+            z, _ = jax.lax.while_loop(lambda c: (c[1] < 3) & (jnp.max(jnp.abs(c[0])) > self.limit),
+                                      lambda c: (0.5 * c[0], c[1] + 1), (z, 0))
+        self.h.value = 0.7 * self.h.value + z
+        return self.readout()
+
+
 class MixingModel(_Model):
     """``length`` substeps ``h = 0.9 h + 0.1 tanh(x @ W + h @ U)`` (the body mixes ``h`` through an ETP matmul)."""
 
