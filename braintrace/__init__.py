@@ -6,6 +6,10 @@ Mark the weights that should learn online with an ETP operator (``braintrace.mat
 
 import typing as _std_typing
 
+from braintrace._float64 import float64_asked as _float64_asked
+
+_FLOAT64_ASKED = _float64_asked()  # before brainstate loads and resets jax_enable_x64
+
 from braintrace._algorithm import (
     D_RTRL,
     DNI,
@@ -94,6 +98,10 @@ if _std_typing.TYPE_CHECKING:
         NonTempParam,
         SpMatMulOp,
     )
+
+from braintrace._float64 import warn_if_float64_dropped as _warn_if_float64_dropped
+
+_warn_if_float64_dropped(_FLOAT64_ASKED)
 
 # This project's own version: its API is upstream braintrace 0.2.4's plus the later additions
 # listed in docs/compatibility.md; the number does not track upstream's releases.

@@ -21,9 +21,11 @@ In a name such an ``id`` becomes the index of its relation in
 (its trainable operand ``'weight'``). The other path elements are kept.
 
 The file is a ``braintools.file`` msgpack file holding a header (format and version, the learner
-and optimizer classes, and the shape, dtype and unit of every entry), the entries, and ``extra``.
-Arrays are stored as raw bytes, so values come back bit for bit; ``brainunit`` quantities keep
-their unit, and a unit that differs from the target state's is refused.
+and optimizer classes, the shape, dtype and unit of every entry, and a SHA-256 checksum of the
+entries and ``extra``), the entries, and ``extra``. Arrays are stored as raw bytes, so values come
+back bit for bit; ``brainunit`` quantities keep their unit, and a unit that differs from the target
+state's is refused. A file whose payload does not match its checksum (a flipped bit, a truncated
+write) is refused before anything is restored.
 
 Not saved: the global random state (``brainstate.random``); save ``brainstate.random.get_key()``
 in ``extra`` and set it back with ``brainstate.random.set_key`` if the run draws from it.
@@ -31,6 +33,7 @@ in ``extra`` and set it back with ``brainstate.random.set_key`` if the run draws
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any, Hashable, NamedTuple
 
@@ -48,8 +51,10 @@ __all__ = ["save_checkpoint", "load_checkpoint"]
 
 #: The ``format`` field of a checkpoint's header.
 FORMAT = "braintrace.checkpoint"
-#: The version of the checkpoint layout this module writes and reads.
-VERSION = 1
+#: The version of the checkpoint layout this module writes (2: with a checksum).
+VERSION = 2
+#: The versions it reads (1: the same layout without a checksum).
+READABLE_VERSIONS = (1, 2)
 
 #: A state's path as brainstate lists it: attribute names, dict keys, list indices.
 StatePath = tuple[Hashable, ...]
@@ -324,6 +329,8 @@ def save_checkpoint(path: PathLike, learner: Any, *, optimizer: Any = None, extr
         If ``learner`` is not a braintrace learner or ``optimizer`` not a ``braintools.optim`` one.
     IsADirectoryError
         If ``path`` is a folder.
+    NotADirectoryError
+        If ``path`` lies under a file.
     ValueError
         If the learner is not compiled, the optimizer has no registered weights, or a state
         holds a traced value (a call inside ``jit``).
@@ -353,8 +360,9 @@ def save_checkpoint(path: PathLike, learner: Any, *, optimizer: Any = None, extr
         "has_extra": extra is not None,
         "entries": {name: _header_entry(_spec(e.leaf)) for name, e in entries.items()},
     }
-    payload = {"header": header, "entries": {name: e.leaf for name, e in entries.items()}, "extra": extra}
-    write_atomically(filename, lambda temp: braintools.file.msgpack_save(temp, payload))
+    body = {"entries": {name: e.leaf for name, e in entries.items()}, "extra": extra}
+    header["checksum"] = _checksum(braintools.file.msgpack_to_state_dict(body))
+    write_atomically(filename, lambda temp: braintools.file.msgpack_save(temp, {"header": header, **body}))
     return filename
 
 
@@ -395,7 +403,8 @@ def load_checkpoint(path: PathLike, learner: Any, *, optimizer: Any = None, extr
     IsADirectoryError
         If ``path`` is a folder.
     ValueError
-        If the file is no braintrace checkpoint, or the checkpoint does not fit: another
+        If the file is truncated, corrupted (its entries do not match its checksum) or no
+        braintrace checkpoint, or the checkpoint does not fit: another
         learner class, other state names, shapes, dtypes or units, an optimizer or an
         ``extra`` template given for a checkpoint saved without one (or missing for one saved
         with one). The message lists every mismatching entry.
@@ -472,14 +481,51 @@ def load_checkpoint(path: PathLike, learner: Any, *, optimizer: Any = None, extr
 
 
 def _file_path(path: PathLike, call: str) -> str:
-    """``path`` as a string, refused if it names a folder (a checkpoint is one file)."""
+    """``path`` as a string, refused if it names a folder (a checkpoint is one file) or lies
+    under a file."""
     filename = os.fspath(path)
     if os.path.isdir(filename):
         raise IsADirectoryError(
             f"{call}: {filename!r} is a folder, but a checkpoint is one file; give a file path, e.g. "
             f"os.path.join({filename!r}, 'run.ckpt')."
         )
+    folder = os.path.dirname(os.path.abspath(filename))
+    while not os.path.exists(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise NotADirectoryError(
+            f"{call}: {filename!r} lies under {folder!r}, which is a file, not a folder; give a path in "
+            f"a folder (or remove or rename that file)."
+        )
     return filename
+
+
+def _checksum(body: Any) -> str:
+    """``'sha256:<hex>'`` of a checkpoint's entries and ``extra`` as ``braintools.file`` stores
+    them (nested dicts of arrays, numbers and strings), in a canonical order."""
+    digest = hashlib.sha256()
+    _feed(digest, body)
+    return f"sha256:{digest.hexdigest()}"
+
+
+def _feed(digest: Any, value: Any) -> None:
+    if isinstance(value, dict):
+        digest.update(b"{")
+        for key in sorted(value, key=str):
+            digest.update(repr(str(key)).encode())
+            _feed(digest, value[key])
+        digest.update(b"}")
+    elif isinstance(value, (list, tuple)):
+        digest.update(b"[")
+        for item in value:
+            _feed(digest, item)
+        digest.update(b"]")
+    elif value is None or isinstance(value, (str, bytes)):
+        digest.update(repr(value).encode())
+    else:
+        array = np.ascontiguousarray(np.asarray(value))
+        digest.update(f"{array.dtype.str}{array.shape}".encode())
+        digest.update(array.tobytes())
 
 
 def _read(filename: str) -> dict[str, Any]:
@@ -492,19 +538,30 @@ def _read(filename: str) -> dict[str, Any]:
         )
     try:
         raw = braintools.file.msgpack_load(filename, parallel=False)
-    except braintools.file.InvalidCheckpointPath as err:
-        raise ValueError(f"load_checkpoint: {filename!r} cannot be read as a checkpoint ({err}).") from err
+    except Exception as err:  # msgpack's errors for a truncated or garbled file have no common base
+        raise ValueError(
+            f"load_checkpoint: {filename!r} cannot be read as a checkpoint: it is truncated, corrupted or "
+            f"not a checkpoint ({type(err).__name__}: {err}); nothing was restored. Load an intact copy."
+        ) from err
     header = raw.get("header") if isinstance(raw, dict) else None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise ValueError(
             f"load_checkpoint: {filename!r} is not a braintrace checkpoint (no {FORMAT!r} header); "
             f"write checkpoints with braintrace.save_checkpoint."
         )
-    if header.get("version") != VERSION:
+    if header.get("version") not in READABLE_VERSIONS:
         raise ValueError(
             f"load_checkpoint: {filename!r} has checkpoint format version {header.get('version')!r}; "
-            f"this braintrace reads version {VERSION}. Load it with the braintrace that wrote it."
+            f"this braintrace reads versions {list(READABLE_VERSIONS)}. Load it with the braintrace that wrote it."
         )
+    if header.get("version", 1) >= 2:
+        found = _checksum({"entries": raw.get("entries"), "extra": raw.get("extra")})
+        if found != header.get("checksum"):
+            raise ValueError(
+                f"load_checkpoint: {filename!r} is corrupted: its entries do not match the checksum in its "
+                f"header ({header.get('checksum')!r}, computed {found!r}); nothing was restored. Load an "
+                f"intact copy (save_checkpoint replaces a file only once the new one is whole)."
+            )
     entries = raw.get("entries")
     result: dict[str, Any] = {**raw, "entries": {} if entries is None else entries}
     return result

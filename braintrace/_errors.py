@@ -81,10 +81,13 @@ class NonFiniteError(FloatingPointError, ValueError):
         The index of the first step (along the sequences' time axis) whose value was not
         finite; in window mode, the first step of that window.
     what : str
-        Which value: ``'input'`` (a floating leaf of the step's slices), ``'loss'``,
-        ``'gradient'`` (of the step's loss, for a weight), ``'trace'`` (a hidden state,
-        eligibility trace or other state the learner wrote in that step) or ``'update'`` (an
-        optimizer update of ``etrace_train``, reported at the last step before it).
+        Which value, the first in this order: ``'input'`` (a floating leaf of the step's slice
+        of the first sequence), ``'target'`` (of the other sequences' slices; ``etrace_evolve``
+        names every sequence ``'input'``), ``'mask'`` (the step's mask entry), ``'weight'`` (a
+        differentiated weight entering the step), ``'loss'``, ``'gradient'`` (of the step's
+        loss, for a weight), ``'trace'`` (a hidden state, eligibility trace or other state the
+        learner wrote in that step) or ``'update'`` (an optimizer update of ``etrace_train``,
+        reported at the last step before it).
 
     Examples
     --------
@@ -113,6 +116,10 @@ class NonFiniteError(FloatingPointError, ValueError):
 
 _NON_FINITE_ADVICE = {
     "input": ". Clean the data (e.g. jnp.nan_to_num) or mask it out before driving the learner.",
+    "target": ". Clean the targets (e.g. jnp.nan_to_num), or give that step a mask entry of 0 and a finite target.",
+    "mask": ". The mask weighs each step's loss: give finite values (0 leaves a step out).",
+    "weight": (". A weight held a NaN or infinity before the step ran (set so, or left by an earlier "
+               "update): restore the weights (load_checkpoint) and lower the learning rate or clip updates."),
     "loss": ". Check the loss for log(0), division by zero or overflow at that step.",
     "gradient": ". Lower the learning rate, clip gradients, or check the loss's derivative there.",
     "trace": (". Either the dynamics diverged (lower the learning rate or make the recurrence "

@@ -209,6 +209,63 @@ def test_refuses_bad_paths_and_files(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other.msgpack"]  # nothing written by the refusals
 
 
+def _saved_and_trained(tmp_path: Path) -> tuple[Any, str, bytes, dict[str, np.ndarray]]:
+    """A learner trained a little, its checkpoint (path, bytes), and its states after more training."""
+    learner = build("d_rtrl")
+    xs = data()[0]
+    learner(xs[0])
+    path = braintrace.save_checkpoint(tmp_path / "run.ckpt", learner)
+    learner(xs[1])
+    return learner, path, Path(path).read_bytes(), snapshot(learner)
+
+
+def test_a_flipped_bit_in_the_weights_is_refused_and_nothing_is_restored(tmp_path: Path) -> None:
+    learner, path, content, after = _saved_and_trained(tmp_path)
+    saved = braintools.file.msgpack_load(path, parallel=False)["entries"]
+    weight = np.asarray(saved[next(n for n in saved if n.startswith("model/W"))])
+    at = content.index(weight.tobytes()) + weight.nbytes // 2
+    corrupted = bytearray(content)
+    corrupted[at] ^= 0x04
+    Path(path).write_bytes(bytes(corrupted))
+    with pytest.raises(ValueError, match=r"run.ckpt' is corrupted: its entries do not match the checksum.*nothing was restored"):
+        braintrace.load_checkpoint(path, learner)
+    assert all(np.array_equal(v, after[k]) for k, v in snapshot(learner).items())
+
+
+@pytest.mark.parametrize("cut", [0.5, 0.97])
+def test_a_truncated_checkpoint_is_refused_and_nothing_is_restored(tmp_path: Path, cut: float) -> None:
+    learner, path, content, after = _saved_and_trained(tmp_path)
+    Path(path).write_bytes(content[: int(cut * len(content))])
+    with pytest.raises(ValueError, match=r"run.ckpt' (cannot be read as a checkpoint: it is truncated|is corrupted)"):
+        braintrace.load_checkpoint(path, learner)
+    assert all(np.array_equal(v, after[k]) for k, v in snapshot(learner).items())
+
+
+def test_a_foreign_file_is_refused(tmp_path: Path) -> None:
+    learner = build("d_rtrl")
+    text = tmp_path / "notes.ckpt"
+    text.write_text("not a checkpoint at all")
+    with pytest.raises(ValueError, match=r"notes.ckpt' cannot be read as a checkpoint"):
+        braintrace.load_checkpoint(text, learner)
+
+
+def test_a_version_1_checkpoint_without_a_checksum_still_loads(tmp_path: Path) -> None:
+    learner, path, _, _ = _saved_and_trained(tmp_path)
+    raw = braintools.file.msgpack_load(path, parallel=False)
+    header = {k: v for k, v in raw["header"].items() if k != "checksum"}
+    old = braintools.file.msgpack_save(tmp_path / "old.ckpt", {**raw, "header": {**header, "version": 1}})
+    braintrace.load_checkpoint(old, learner)
+    for name, value in snapshot(learner).items():
+        np.testing.assert_array_equal(value, np.asarray(u.get_mantissa(raw["entries"][name])))
+
+
+def test_a_path_under_a_file_is_refused_naming_it(tmp_path: Path) -> None:
+    learner = build("d_rtrl")
+    (tmp_path / "taken").write_text("a file")
+    with pytest.raises(NotADirectoryError, match=r"lies under .*taken', which is a file, not a folder"):
+        braintrace.save_checkpoint(tmp_path / "taken" / "sub" / "run.ckpt", learner)
+
+
 def test_refuses_states_keyed_by_an_unknown_id(tmp_path: Path) -> None:
     learner = build("d_rtrl")
     key = id(object())

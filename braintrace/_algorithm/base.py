@@ -33,6 +33,7 @@ from braintrace._algorithm.batch_size import checked_batch_size
 from braintrace._algorithm.config import ETraceConfig
 from braintrace._algorithm.graph_executor import ETraceGraphExecutor, ETraceVjpGraphExecutor, refuse_while_in_windows
 from braintrace._algorithm.input_data import has_multistep_data
+from braintrace._algorithm.call_lock import serialised
 from braintrace._algorithm.sequence import SequenceDriverMixin
 from braintrace._algorithm.sharding import ShardingPlan, rows_follow_sharding, sharded_call
 from braintrace._compiler import (
@@ -348,6 +349,7 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
             grads[path] = add_to_leaf(grads[path], leaf, dg)
         return grads
 
+    @serialised
     def reset(self, batch_size: int | None = None) -> None:
         """Start a new sequence: the model's states as initialised, the traces and counters zero.
 
@@ -368,7 +370,8 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
         ------
         ValueError
             If ``batch_size`` is not a positive int, or a reset hidden state does not have the
-            shape the learner was compiled for.
+            shape the learner was compiled for (another batch size); the states are then left
+            as they were.
 
         Examples
         --------
@@ -386,17 +389,24 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
             batch_size = checked_batch_size(batch_size, f"{type(self).__name__}.reset")
         model = self.model4compile
         compiled = self.graph.module_info.retrieved_model_states
-        brainstate.nn.reset_all_states(model, batch_size=batch_size)
-        brainstate.nn.init_all_states(model, batch_size=batch_size)
-        now = model.states()
-        for path, state in compiled.items():
-            fresh = now.get(path)
-            if fresh is None or fresh is state:
-                continue
-            if not isinstance(state, brainstate.ParamState):
-                state.value = fresh.value
-            _put_at(model, path, state)
-        self._check_hidden_shapes({p: st.value for p, st in self.hidden_states.items()})
+        saved = {path: state.value for path, state in compiled.items()}
+        try:
+            brainstate.nn.reset_all_states(model, batch_size=batch_size)
+            brainstate.nn.init_all_states(model, batch_size=batch_size)
+            now = model.states()
+            for path, state in compiled.items():
+                fresh = now.get(path)
+                if fresh is None or fresh is state:
+                    continue
+                if not isinstance(state, brainstate.ParamState):
+                    state.value = fresh.value
+                _put_at(model, path, state)
+            self._check_hidden_shapes({p: st.value for p, st in self.hidden_states.items()})
+        except BaseException:  # a failed reset leaves the model's states as they were
+            for path, state in compiled.items():
+                state.value = saved[path]
+                _put_at(model, path, state)
+            raise
         self.reset_state(batch_size=batch_size)
         if self.sharding_plan is not None:
             self.sharding_plan.place()
@@ -419,6 +429,7 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
     def show_graph(self, verbose: bool = True, return_msg: bool = False) -> str | None:
         return self.graph_executor.show_graph(verbose=verbose, return_msg=return_msg)
 
+    @serialised
     def __call__(self, *args: Any, **options: Any) -> Any:
         """:meth:`update`: model inputs positionally, the learner's own options (``modulator=``) by keyword.
 

@@ -21,9 +21,11 @@ from braintrace._errors import NonFiniteError, internal_error
 
 __all__ = ["WHAT", "Status", "StateGuard", "all_finite", "advance", "refuse_traced", "raise_if_bad"]
 
-#: What a step checks, in the order of precedence of a report (codes 1, 2, ...). ``'update'``
-#: is an optimizer update of ``etrace_train`` that made a weight or an optimizer state non-finite.
-WHAT = ("input", "loss", "gradient", "trace", "update")
+#: What a step checks, in the order of precedence of a report (codes 1, 2, ...): the step's
+#: input (the first sequence), its targets (the other sequences), its mask entry, the weights
+#: entering it, its loss, its gradient and the states it wrote. ``'update'`` is an optimizer
+#: update of ``etrace_train`` that made a weight or an optimizer state non-finite.
+WHAT = ("input", "target", "mask", "weight", "loss", "gradient", "trace", "update")
 
 
 class Status(NamedTuple):

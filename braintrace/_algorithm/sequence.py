@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from braintrace._algorithm.call_lock import serialised
 from braintrace._algorithm.finite import Status, StateGuard, advance, all_finite, raise_if_bad, refuse_traced
 from braintrace._algorithm.input_data import ETraceInputData, MultiStepData
 from braintrace._errors import internal_error
@@ -161,6 +162,7 @@ class SequenceDriverMixin:
 
     # --- the drivers ------------------------------------------------------------------------
 
+    @serialised
     def etrace_grad(
         self,
         *sequences: Any,
@@ -308,6 +310,7 @@ class SequenceDriverMixin:
         out = (*out, aux) if has_aux else out
         return out[0] if len(out) == 1 else out
 
+    @serialised
     def etrace_evolve(
         self,
         *sequences: Any,
@@ -396,6 +399,7 @@ class SequenceDriverMixin:
         return outs
 
 
+    @serialised
     def etrace_train(
         self,
         *sequences: Any,
@@ -714,8 +718,11 @@ class _GradRun:
         """:meth:`_body`, with every update discarded from the first non-finite step on."""
         (acc, status), (slices, w, step) = carry, inputs
         guard = StateGuard(self.guarded or ())
+        entering = [st.value for st in self.weights.values()]
         g, (loss, aux) = self._grad(slices, w)
-        checks = {"input": all_finite(slices), "loss": all_finite(loss), "gradient": all_finite(g),
+        # The first sequence is the input; the others (targets, modulators) are named targets.
+        checks = {"input": all_finite(slices[:1]), "target": all_finite(slices[1:]), "mask": all_finite(w),
+                  "weight": all_finite(entering), "loss": all_finite(loss), "gradient": all_finite(g),
                   "trace": all_finite(guard.written())}
         status = advance(status, step, checks)
         guard.keep_if(status.fine)

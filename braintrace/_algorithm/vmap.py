@@ -13,6 +13,7 @@ import brainstate
 import jax
 import jax.numpy as jnp
 
+from braintrace._algorithm.call_lock import serialised
 from braintrace._algorithm.sequence import Path, SequenceDriverMixin
 from braintrace._algorithm.sharding import ShardingPlan, sharded_call
 
@@ -65,6 +66,7 @@ class ETraceVmap(SequenceDriverMixin, brainstate.nn.Vmap):
     #: Where the states live on a device mesh (set by ``braintrace.compile(..., sharding=...)``).
     sharding_plan: ShardingPlan | None = None
 
+    @serialised
     def __call__(self, *args: Any, **options: Any) -> Any:
         """:meth:`update`, its inputs and written states constrained to a sharding's placement (if any)."""
         return sharded_call(self.sharding_plan, self.update, args, options)
@@ -106,6 +108,7 @@ class ETraceVmap(SequenceDriverMixin, brainstate.nn.Vmap):
         sizes = {int(jnp.shape(leaf)[0]) for leaf in leaves if jnp.ndim(leaf)}
         return sizes.pop() if len(sizes) == 1 else None
 
+    @serialised
     def reset(self) -> None:
         """Start new sequences in every lane: :meth:`ETraceAlgorithm.reset` of each sample.
 

@@ -109,6 +109,32 @@ def test_etrace_grad_stops_at_the_first_bad_value(what: str) -> None:
     assert not all(np.isfinite(leaf).all() for leaf in jax.tree.leaves((grads, losses)))
 
 
+@pytest.mark.parametrize("driver", ["etrace_grad", "etrace_train"])
+@pytest.mark.parametrize("what", ["target", "mask", "weight"])
+def test_the_first_non_finite_quantity_is_named(what: str, driver: str) -> None:
+    """A NaN target, mask entry or weight is named as such (each also makes the loss and the
+    gradient non-finite, which must not be what is reported)."""
+    xs, ys, ones = data()
+    c = d = ones
+    mask = jnp.ones((T,), jnp.float32)
+    if what == "target":
+        ys = ys.at[BAD, 0].set(jnp.nan)
+    elif what == "mask":
+        mask = mask.at[BAD].set(jnp.nan)
+    learner = build()
+    bad_step = BAD
+    if what == "weight":
+        learner.param_states[("w",)].value = learner.param_states[("w",)].value.at[0, 0].set(jnp.inf)
+        bad_step = 0
+    call = getattr(learner, driver)
+    options = {"optimizer": optax.sgd(1e-3)} if driver == "etrace_train" else {}
+    with pytest.raises(braintrace.NonFiniteError) as info:
+        call(xs, ys, c, d, step_fn=loss_fn(learner), mask=mask, check_finite=True, **options)
+    assert (info.value.step, info.value.what) == (bad_step, what)
+    assert f"the {what} at step {bad_step} is not finite" in str(info.value)
+    assert int(learner.running_index.value) == bad_step
+
+
 def test_a_trace_that_overflows_is_reported_as_trace() -> None:
     xs = poisoned("trace")[0]
     learner = build()

@@ -74,8 +74,13 @@ def test_reset_keeps_the_parameters() -> None:
 
 def test_reset_to_another_batch_size_is_refused_with_the_fix() -> None:
     learner, _ = _compiled()
+    learner(normal(1, (B, I)))
+    before = _snapshot(learner)
     with pytest.raises(ValueError, match="learner.reset"):
         learner.reset(batch_size=5)
+    after = _snapshot(learner)  # the refused reset changed nothing, and the learner still runs
+    assert before.keys() == after.keys() and all(np.array_equal(before[k], after[k]) for k in before)
+    learner(normal(2, (B, I)))
 
 
 def test_a_vmapped_learner_resets_every_lane_in_place() -> None:
