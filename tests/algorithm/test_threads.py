@@ -23,7 +23,7 @@ import braintrace
 from tests.algorithm.bptt import normal
 
 T, B, I, H = 5, 2, 3, 4
-THREADS, CALLS = 3, 4
+THREADS, CALLS = 3, 2
 
 
 def _learner() -> Any:
