@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test test-oldest test-exhaustive test-long test-optimized test-device device-wheels fuzz typecheck demo bench docs clean
+.PHONY: test test-oldest test-jax test-exhaustive test-long test-optimized test-device device-wheels fuzz typecheck demo bench docs clean
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -50,11 +50,12 @@ test-optimized: $(VENV)/.test
 	$(PY) -O -m pytest -n 2 -q -m "not exhaustive and not long"
 
 # The oldest releases of the supported range (requirements-oldest.txt, the lower bounds in
-# pyproject.toml) in their own environment, and a smoke subset of the suite on them: ops, the
-# compiler, every learner family, the drivers, checkpoints and nn. `make test` covers the newest.
+# pyproject.toml: JAX 0.8.0) in their own environment, exactly those releases, and a smoke subset
+# of the suite on them: ops, the compiler's JAX adapter, every learner family, the drivers,
+# checkpoints and nn. `make test` covers the newest; `make test-jax JAX=0.9.0` one JAX in between.
 OLDEST := .venv-oldest
 OLDEST_PY := $(OLDEST)/bin/python
-SMOKE_TESTS := tests/test_supported_versions.py \
+SMOKE_TESTS := tests/test_supported_versions.py tests/test_jax_compat.py tests/test_tested_versions.py \
 	tests/op/test_primitive.py tests/op/test_dense.py tests/op/test_sparse.py \
 	tests/compiler/test_jaxpr_graph.py tests/compiler/test_relations.py \
 	tests/algorithm/test_config.py tests/algorithm/test_api_0_2_5.py tests/algorithm/test_dni.py \
@@ -70,8 +71,24 @@ $(OLDEST)/.test: $(OLDEST)/.base pyproject.toml requirements-oldest.txt
 	$(OLDEST_PY) -m pip install --quiet -c requirements-oldest.txt -e . pytest pytest-xdist hypothesis
 	touch $@
 
+# BRAINTRACE_OLDEST_PINS: tests/test_supported_versions.py checks that the installed releases are
+# exactly requirements-oldest.txt's.
 test-oldest: $(OLDEST)/.test
-	$(OLDEST_PY) -m pytest -n 2 -q -p no:cacheprovider -m "not slow and not exhaustive and not long" $(SMOKE_TESTS)
+	BRAINTRACE_OLDEST_PINS=1 $(OLDEST_PY) -m pytest -n 2 -q -p no:cacheprovider \
+		-m "not slow and not exhaustive and not long" $(SMOKE_TESTS)
+
+# The smoke subset on one JAX release (jax and jaxlib), the other dependencies at their oldest:
+# `make test-jax JAX=0.9.0`. CI runs the two ends (make test, make test-oldest), not this.
+JAX ?= 0.9.0
+JAX_VENV = .venv-jax-$(JAX)
+test-jax:
+	$(PYTHON) -m venv $(JAX_VENV)
+	$(JAX_VENV)/bin/python -m pip install --quiet --upgrade pip
+	grep -v '^jax' requirements-oldest.txt > $(JAX_VENV)/constraints.txt
+	$(JAX_VENV)/bin/python -m pip install --quiet -c $(JAX_VENV)/constraints.txt -e . "jax==$(JAX)" "jaxlib==$(JAX)" \
+		pytest pytest-xdist hypothesis
+	$(JAX_VENV)/bin/python -m pytest -n 2 -q -p no:cacheprovider -m "not slow and not exhaustive and not long" \
+		$(SMOKE_TESTS)
 
 # The wheels an accelerator machine without a package index lacks: every runtime dependency but
 # JAX and what the machine's JAX brings (jaxlib, numpy, scipy, ml_dtypes, opt_einsum), for
@@ -112,4 +129,4 @@ docs: $(VENV)/.docs
 	$(PY) -m sphinx -W --keep-going -b html docs docs/_build/html
 
 clean:
-	rm -rf $(VENV) $(OLDEST) .pytest_cache .mypy_cache
+	rm -rf $(VENV) $(OLDEST) .venv-jax-* .pytest_cache .mypy_cache

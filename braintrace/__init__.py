@@ -10,7 +10,13 @@ from braintrace._float64 import float64_asked as _float64_asked
 
 _FLOAT64_ASKED = _float64_asked()  # before brainstate loads and resets jax_enable_x64
 
+from braintrace._tested_versions import warn_untested_releases as _warn_untested_releases
+
+# Before the imports below, which may fail on a release newer than tested: the warning names it.
+_warn_untested_releases()
+
 from braintrace._algorithm import (
+    BPTT,
     D_RTRL,
     DNI,
     ES_D_RTRL,
@@ -68,7 +74,7 @@ from braintrace._compiler import (
     find_hidden_param_op_relations_from_minfo,
     find_hidden_param_op_relations_from_module,
 )
-from braintrace._errors import CompilationError, NonFiniteError, NotSupportedError
+from braintrace._errors import CompilationError, EagerCallWarning, NonFiniteError, NonFiniteWarning, NotSupportedError
 from braintrace._grad_exponential import GradExpon
 from braintrace._op import (
     ETPPrimitive,
@@ -84,7 +90,7 @@ from braintrace._op import (
 )
 
 if _std_typing.TYPE_CHECKING:
-    from braintrace import nn
+    from braintrace import nn, trainer
     from braintrace._legacy import (
         ConvOp,
         ElemWiseOp,
@@ -112,6 +118,7 @@ __all__ = [
     "__version__",
     "__version_info__",
     "ETraceAlgorithm",
+    "BPTT",
     "SequenceDriverMixin",
     "ETraceVmap",
     "EligibilityTrace",
@@ -167,7 +174,10 @@ __all__ = [
     "NotSupportedError",
     "CompilationError",
     "NonFiniteError",
+    "NonFiniteWarning",
+    "EagerCallWarning",
     "nn",
+    "trainer",
     "save_checkpoint",
     "load_checkpoint",
     "RandomProjectionVjpAlgorithm",
@@ -207,11 +217,11 @@ _LEGACY_NAMES = (
 
 
 def __getattr__(name: str) -> _std_typing.Any:
-    if name == "nn":
-        # Imported on first use: its layers' defaults pull in braintools (about a second).
+    if name in ("nn", "trainer"):
+        # Imported on first use: they pull in braintools' layers and trainer (about a second).
         import importlib
 
-        return importlib.import_module("braintrace.nn")
+        return importlib.import_module(f"braintrace.{name}")
     if name in _LEGACY_NAMES:
         from braintrace._legacy._deprecation import legacy_attribute
 

@@ -25,7 +25,9 @@ and optimizer classes, the shape, dtype and unit of every entry, and a SHA-256 c
 entries and ``extra``), the entries, and ``extra``. Arrays are stored as raw bytes, so values come
 back bit for bit; ``brainunit`` quantities keep their unit, and a unit that differs from the target
 state's is refused. A file whose payload does not match its checksum (a flipped bit, a truncated
-write) is refused before anything is restored.
+write) is refused before anything is restored. ``extra`` may also hold typed PRNG keys, NumPy
+generators and Python ints of any size (:mod:`braintrace._checkpoint_extra`); a value no
+checkpoint stores is refused before anything is written.
 
 Not saved: the global random state (``brainstate.random``); save ``brainstate.random.get_key()``
 in ``extra`` and set it back with ``brainstate.random.set_key`` if the run draws from it.
@@ -45,16 +47,18 @@ import numpy as np
 
 from braintrace._algorithm import ETraceAlgorithm, ETraceVmap
 from braintrace._atomic_file import write_atomically
+from braintrace._compatible_imports import Tracer
+from braintrace._checkpoint_extra import StateWrites, decode_raw, encode, restore_like, without_states
 from braintrace._errors import NotSupportedError
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
 #: The ``format`` field of a checkpoint's header.
 FORMAT = "braintrace.checkpoint"
-#: The version of the checkpoint layout this module writes (2: with a checksum).
-VERSION = 2
-#: The versions it reads (1: the same layout without a checksum).
-READABLE_VERSIONS = (1, 2)
+#: The version of the checkpoint layout this module writes (3: ``extra`` may hold tagged values).
+VERSION = 3
+#: The versions it reads (1: without a checksum; 2: with one, ``extra`` as ``braintools`` stores it).
+READABLE_VERSIONS = (1, 2, 3)
 
 #: A state's path as brainstate lists it: attribute names, dict keys, list indices.
 StatePath = tuple[Hashable, ...]
@@ -166,7 +170,7 @@ def _add_state(
                 f"{call}: two states get the checkpoint name {full!r}; give them keys that differ "
                 f"in more than their type (such as 1 and '1')."
             )
-        if isinstance(leaf, jax.core.Tracer):
+        if isinstance(leaf, Tracer):
             raise ValueError(
                 f"{call}: the state {full!r} holds a traced value; call it outside jit / for_loop, "
                 f"between steps."
@@ -315,8 +319,12 @@ def save_checkpoint(path: PathLike, learner: Any, *, optimizer: Any = None, extr
     optimizer : braintools.optim.Optimizer, optional
         An optimizer registered on ``learner.param_states`` (a ``braintools.optim.Adam``, ...).
     extra : pytree, optional
-        Anything else to keep with the run: dicts, lists, tuples, named tuples, numbers,
-        strings, NumPy or JAX arrays, ``brainunit`` quantities (``braintools.file`` stores it).
+        Anything else to keep with the run: dicts, lists, tuples, named tuples, ``None``,
+        bools, numbers (Python ints of any size), strings, bytes, NumPy or JAX arrays,
+        ``brainunit`` quantities, PRNG keys (typed, from ``jax.random.key`` or
+        ``brainstate.random.get_key()``, and raw ``uint32`` ones from ``jax.random.PRNGKey``),
+        ``np.random.Generator`` objects (their bit generator's state) and ``brainstate``
+        states (their value). Anything else is refused.
 
     Returns
     -------
@@ -326,7 +334,9 @@ def save_checkpoint(path: PathLike, learner: Any, *, optimizer: Any = None, extr
     Raises
     ------
     TypeError
-        If ``learner`` is not a braintrace learner or ``optimizer`` not a ``braintools.optim`` one.
+        If ``learner`` is not a braintrace learner or ``optimizer`` not a ``braintools.optim`` one,
+        or ``extra`` holds a value no checkpoint stores (the message names its key path, such as
+        ``extra['logger']``); nothing is written, and a checkpoint already at ``path`` is kept.
     IsADirectoryError
         If ``path`` is a folder.
     NotADirectoryError
@@ -344,11 +354,22 @@ def save_checkpoint(path: PathLike, learner: Any, *, optimizer: Any = None, extr
     >>> path = os.path.join(tempfile.mkdtemp(), 'run.ckpt')
     >>> braintrace.save_checkpoint(path, learner, extra={'epoch': 3}) == path
     True
+
+    Random states travel in ``extra``; what cannot be stored is refused by its key path:
+
+    >>> import brainstate, jax, numpy as np
+    >>> extra = {'key': brainstate.random.get_key(), 'rng': np.random.default_rng(0), 'seen': 2**80}
+    >>> _ = braintrace.save_checkpoint(path, learner, extra=extra)
+    >>> braintrace.save_checkpoint(path, learner, extra={'log': open})
+    Traceback (most recent call last):
+    ...
+    TypeError: save_checkpoint: extra['log'] is a builtins.builtin_function_or_method, which a checkpoint cannot store. ...
     """
     import braintools
 
     call = "save_checkpoint"
     filename = _file_path(path, call)
+    stored_extra = encode(extra, call)
     entries = _learner_entries(learner, call)
     if optimizer is not None:
         entries.update(_optimizer_entries(optimizer, {id(e.state) for e in entries.values()}, call))
@@ -360,7 +381,7 @@ def save_checkpoint(path: PathLike, learner: Any, *, optimizer: Any = None, extr
         "has_extra": extra is not None,
         "entries": {name: _header_entry(_spec(e.leaf)) for name, e in entries.items()},
     }
-    body = {"entries": {name: e.leaf for name, e in entries.items()}, "extra": extra}
+    body = {"entries": {name: e.leaf for name, e in entries.items()}, "extra": stored_extra}
     header["checksum"] = _checksum(braintools.file.msgpack_to_state_dict(body))
     write_atomically(filename, lambda temp: braintools.file.msgpack_save(temp, {"header": header, **body}))
     return filename
@@ -386,10 +407,12 @@ def load_checkpoint(path: PathLike, learner: Any, *, optimizer: Any = None, extr
         registered on ``learner.param_states``.
     extra : pytree, optional
         A template of the saved ``extra``: the result has its structure and key types, its
-        array leaves are JAX or NumPy arrays like the template's (``State`` leaves of the
-        template are restored in place). Without it, the stored ``extra`` comes back raw:
-        dict keys as strings, tuples and lists as ``{'0': ..., '1': ...}``, arrays as NumPy
-        arrays.
+        array leaves are JAX or NumPy arrays like the template's, typed PRNG keys, NumPy
+        generators and Python ints where the template has them (a new generator: the
+        template's is not changed), and the template's ``State`` leaves are given their
+        saved values in place, once everything fits. Without it, the stored ``extra`` comes
+        back raw: dict keys as strings, tuples and lists as ``{'0': ..., '1': ...}``, arrays as
+        NumPy arrays (a raw PRNG key too), typed PRNG keys, generators and ints as such.
 
     Returns
     -------
@@ -466,7 +489,7 @@ def load_checkpoint(path: PathLike, learner: Any, *, optimizer: Any = None, extr
     if optimizer is None or saved_optimizer is None:
         found = {name: v for name, v in found.items() if not name.startswith("optimizer/")}
     problems += _entry_problems(expected, found, header.get("entries") or {})
-    restored_extra = _restore_extra(raw, extra, problems)
+    restored_extra, extra_writes = _restore_extra(raw, extra, problems)
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         raise ValueError(
@@ -477,6 +500,8 @@ def load_checkpoint(path: PathLike, learner: Any, *, optimizer: Any = None, extr
             f"registered on learner.param_states and the same extra template, then load again."
         )
     _write(expected, found)
+    for state, value in extra_writes:
+        state.value = value
     return restored_extra
 
 
@@ -594,24 +619,25 @@ def _entry_problems(expected: dict[str, Entry], found: dict[str, Any], saved: di
     return problems
 
 
-def _restore_extra(raw: dict[str, Any], template: Any, problems: list[str]) -> Any:
+def _restore_extra(raw: dict[str, Any], template: Any, problems: list[str]) -> tuple[Any, StateWrites]:
+    """The restored ``extra`` and the values for the template's ``State`` leaves (written by the
+    caller once nothing is amiss)."""
     import braintools
 
     stored = raw.get("extra")
+    writes: StateWrites = []
     if template is None:
-        return jax.tree.map(lambda x: np.array(x) if isinstance(x, np.ndarray) else x, stored)
+        return decode_raw(stored), writes
     if not raw["header"].get("has_extra"):
         problems.append("extra: a template was given, but the checkpoint holds no extra (saved without extra=)")
-        return None
+        return None, writes
     try:
-        restored = braintools.file.msgpack_from_state_dict(template, stored, mismatch="error")
-    except (ValueError, TypeError, KeyError) as err:
+        # braintools checks the structure and shapes; States would be written in place, so it gets their values.
+        restored = braintools.file.msgpack_from_state_dict(without_states(template), stored, mismatch="error")
+        return restore_like(template, restored, _restored, writes), writes
+    except (ValueError, TypeError, KeyError, AttributeError) as err:  # ExtraMismatch is a ValueError
         problems.append(f"extra: the saved extra does not fit the template: {err}")
-        return None
-    try:
-        return jax.tree.map(_restored, template, restored, is_leaf=_is_quantity)
-    except (ValueError, TypeError):
-        return restored  # the template holds States or odd leaves: as braintools restored it
+        return None, []
 
 
 def _write(expected: dict[str, Entry], found: dict[str, Any]) -> None:

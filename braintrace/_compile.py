@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from braintrace._algorithm import (
+    BPTT,
     D_RTRL,
     DNI,
     OSTTP,
@@ -69,6 +70,7 @@ ALGORITHM_NAMES: dict[str, type[ETraceAlgorithm]] = {
     "snap": SnAp,
     "three_factor": ThreeFactor,
     "dni": DNI,
+    "bptt": BPTT,
 }
 
 #: The engine of each ``trace_factorization`` (an :class:`ETraceConfig` given to :func:`compile`).
@@ -203,7 +205,8 @@ def compile(
         The learning rule, its case-insensitive name (see :data:`~braintrace._compile.ALGORITHM_NAMES`),
         or its coordinate: a :class:`~braintrace.ETraceConfig` runs on the engine of its
         ``trace_factorization`` (``ParamDimVjpAlgorithm``, ``IODimVjpAlgorithm``,
-        ``RandomProjectionVjpAlgorithm``), which receives it as ``config``.
+        ``RandomProjectionVjpAlgorithm``), which receives it as ``config``. ``'bptt'``
+        (:class:`~braintrace.BPTT`) is backpropagation through time behind the same interface.
     *example_inputs
         Inputs of one step (with the batch on axis 0 when batched): arrays, or
         ``jax.ShapeDtypeStruct`` shapes.
@@ -244,7 +247,8 @@ def compile(
         compiled without ``batch_size``), a ``sharding`` that is not a :class:`~braintrace.Sharding`,
         or a batch size or hidden unit count that its mesh axis's device count does not divide.
     CompilationError
-        When no weight of the model is routed through an ETP operation to a hidden state.
+        When no weight of the model is routed through an ETP operation to a hidden state (an
+        online learner; BPTT needs none).
 
     Examples
     --------
@@ -303,7 +307,9 @@ def compile(
         learner.batch_size = batch_size
         _compile_graph(learner, example_inputs, batch_size)
         result = learner
-    if len(learner.graph.hidden_param_op_relations) == 0:
+    if verbose:  # before the refusal below, whose message points at this report
+        learner.report.show(level=verbose)
+    if len(learner.graph.hidden_param_op_relations) == 0 and not isinstance(learner, BPTT):
         raise CompilationError(
             "No trainable weights are routed through ETP ops to a hidden state, so nothing can learn "
             f"online.{_no_hidden_state_hint(learner)} Use braintrace.matmul / element_wise / conv ... for "
@@ -312,6 +318,4 @@ def compile(
     if sharding is not None:
         result.sharding_plan = plan_sharding(result, learner, sharding, batch_size, vmapped=vmap)
         result.sharding_plan.place()
-    if verbose:
-        learner.report.show(level=verbose)
     return result

@@ -15,6 +15,7 @@ __all__ = [
     "NotSupportedError",
     "CompilationError",
     "NonFiniteError",
+    "EagerCallWarning",
     "internal_error",
 ]
 
@@ -129,6 +130,50 @@ _NON_FINITE_ADVICE = {
 }
 
 
+def non_finite_advice(what: str) -> str:
+    """What to do about a non-finite ``what`` (one of :data:`braintrace._algorithm.finite.WHAT`)."""
+    return _NON_FINITE_ADVICE[what][2:]
+
+
+class NonFiniteWarning(RuntimeWarning):
+    """A training batch met a non-finite value and its update was skipped.
+
+    Issued by :class:`braintrace.trainer.OnlineModule` (``check_finite=True``) after the
+    optimizer step of a window holding such a batch: the weights, the optimizer's state and the
+    learner's states were put back as they were before it. The message names what went
+    non-finite first (input, target, weight, loss, gradient or trace), the epoch and the batch.
+
+    Examples
+    --------
+    >>> import warnings, braintrace
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("error", braintrace.NonFiniteWarning)  # stop training at the first skip
+    ...     issubclass(braintrace.NonFiniteWarning, RuntimeWarning)
+    True
+    """
+
+
+class EagerCallWarning(UserWarning):
+    """A learner is called step by step outside ``jit``, paying its step's tracing at every call.
+
+    Issued once per learner, at its third eager call (``learner(x)`` in a Python loop, not under
+    ``brainstate.transform.jit`` or a sequence driver), with the measured host time per call.
+    An eager call traces the learner's step and dispatches it operation by operation every time;
+    compiled once under ``brainstate.transform.jit``, the same step runs many times faster.
+
+    Examples
+    --------
+    >>> import warnings, jax.numpy as jnp, braintrace
+    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL, jnp.ones(3))
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter('always')
+    ...     for _ in range(4):
+    ...         _ = learner(jnp.ones(3))
+    >>> [w.category.__name__ for w in caught]
+    ['EagerCallWarning']
+    """
+
+
 def internal_error(what: str) -> RuntimeError:
     """The error for a broken internal invariant: a bug in braintrace, never a user mistake."""
     return RuntimeError(
@@ -137,7 +182,7 @@ def internal_error(what: str) -> RuntimeError:
     )
 
 
-for _cls in (NotSupportedError, CompilationError, NonFiniteError):
+for _cls in (NotSupportedError, CompilationError, NonFiniteError, NonFiniteWarning, EagerCallWarning):
     _cls.__module__ = "braintrace"
 
 

@@ -11,7 +11,7 @@ import braintrace
 
 EXPECTED_ALL = [
     "__version__", "__version_info__",
-    "ETraceAlgorithm", "SequenceDriverMixin", "ETraceVmap",
+    "ETraceAlgorithm", "BPTT", "SequenceDriverMixin", "ETraceVmap",
     "EligibilityTrace", "ETraceVjpAlgorithm", "ETraceVjpGraphExecutor",
     "ParamDimVjpAlgorithm", "D_RTRL", "pp_prop", "ES_D_RTRL", "IODimVjpAlgorithm",
     "compile",
@@ -29,8 +29,8 @@ EXPECTED_ALL = [
     "GradExpon",
     "EProp", "OSTLRecurrent", "OSTLFeedforward", "OTPE", "OTTT", "OSTTP",
     "FixedRandomFeedback", "KappaFilter", "PresynapticTrace",
-    "NotSupportedError", "CompilationError", "NonFiniteError",
-    "nn",
+    "NotSupportedError", "CompilationError", "NonFiniteError", "NonFiniteWarning", "EagerCallWarning",
+    "nn", "trainer",
     "save_checkpoint", "load_checkpoint",
     "RandomProjectionVjpAlgorithm", "UORO", "SnAp",
     "ThreeFactor", "DNI", "SyntheticGradient", "train_synthetic_gradient",
@@ -43,7 +43,7 @@ EXPECTED_ALL = [
 
 def test_all_is_exactly_upstreams() -> None:
     assert braintrace.__all__ == EXPECTED_ALL
-    assert len(EXPECTED_ALL) == 79
+    assert len(EXPECTED_ALL) == 83
     for name in EXPECTED_ALL:
         assert hasattr(braintrace, name), name
 

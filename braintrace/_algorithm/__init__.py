@@ -6,6 +6,7 @@ rule is one module filling in the trace hooks (:mod:`.d_rtrl`, ...).
 """
 
 from braintrace._algorithm.base import EligibilityTrace, ETraceAlgorithm, ETraceVjpAlgorithm
+from braintrace._algorithm.bptt import BPTT
 from braintrace._algorithm.config import ETraceConfig
 from braintrace._algorithm.d_rtrl import D_RTRL, ParamDimVjpAlgorithm
 from braintrace._algorithm.graph_executor import ETraceGraphExecutor, ETraceVjpGraphExecutor
@@ -30,6 +31,7 @@ from braintrace._algorithm.synthetic_training import train_synthetic_gradient
 
 __all__ = [
     "ETraceAlgorithm",
+    "BPTT",
     "SequenceDriverMixin",
     "ETraceVmap",
     "EligibilityTrace",

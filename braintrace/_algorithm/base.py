@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import brainstate
 import brainunit as u
@@ -34,6 +34,8 @@ from braintrace._algorithm.config import ETraceConfig
 from braintrace._algorithm.graph_executor import ETraceGraphExecutor, ETraceVjpGraphExecutor, refuse_while_in_windows
 from braintrace._algorithm.input_data import has_multistep_data
 from braintrace._algorithm.call_lock import serialised
+from braintrace._algorithm.eager_calls import watched_call
+from braintrace._algorithm.predict import forward_step, predict_sequences
 from braintrace._algorithm.sequence import SequenceDriverMixin
 from braintrace._algorithm.sharding import ShardingPlan, rows_follow_sharding, sharded_call
 from braintrace._compiler import (
@@ -130,6 +132,8 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
         self.is_compiled = False
         #: Calls of :meth:`update` so far, traced or run (the sequence drivers check ``step_fn`` calls it).
         self.calls_traced = 0
+        #: Set while :meth:`predict` runs: a call runs the model forward only (:meth:`_forward_step`).
+        self._forward_only = False
         self._split_cache: tuple[dict[Path, Any], dict[Path, Any], dict[Path, Any]] | None = None
         self._trace_shapes: Any = None
         # id(operand var) -> how a relation's trainable operand is computed from parameters.
@@ -149,9 +153,9 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
     def report(self) -> CompilationReport:
         if not self.is_compiled:
             raise RuntimeError("The learner is not compiled yet: call compile_graph(example_input) first.")
-        from braintrace._algorithm.exactness import relation_labels  # the rules import this module
+        from braintrace._algorithm.exactness import plain_weight_labels, relation_labels  # they import this module
 
-        return CompilationReport(self.graph, labels=relation_labels(self))
+        return CompilationReport(self.graph, labels=relation_labels(self), plain_labels=plain_weight_labels(self))
 
     @property
     def path_to_states(self) -> dict[Path, brainstate.State]:
@@ -426,6 +430,66 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
                     f"(or pass the batch size the learner was compiled for), or compile again."
                 )
 
+    @serialised
+    def predict(self, *sequences: Any, step_fn: Callable[..., Any] | None = None, time_axis: int = 0) -> Any:
+        """The model's per-step outputs over ``sequences``, from fresh states, at their batch size.
+
+        The model runs forward from states initialised afresh (its ``init_state``) at the batch
+        size of the sequences, which need not be the one the learner was compiled for (an
+        unbatched single sequence too, if the model supports it); no trace is kept and no
+        gradient taken. The learner is left exactly as it was: weights, hidden states, traces,
+        ``running_index`` and other states. Each new batch size (and ``step_fn``) compiles one
+        program, kept on the learner: later calls with sequences of the same shapes reuse it.
+
+        Parameters
+        ----------
+        *sequences : pytree
+            One or more pytrees whose leaves share the time length ``T``: time-major
+            ``(T, batch, ...)`` (or ``(T, ...)`` for one sequence) with ``time_axis=0``,
+            batch-major ``(batch, T, ...)`` with ``time_axis=1``. The first is the model's input.
+        step_fn : callable, optional
+            ``step_fn(*slices) -> output``: calls the learner once, exactly as the ``step_fn``
+            of training does (which may reuse a readout), and returns the step's output pytree;
+            inside ``predict`` that call runs the model forward only. Default: the learner's
+            output for the first sequence's slice (the other sequences are not read). Pass the
+            same function object to reuse its compiled program.
+        time_axis : {0, 1}
+            The layout of the sequences, and of the outputs returned.
+
+        Returns
+        -------
+        pytree
+            The per-step outputs stacked on the time axis: ``(T, batch, ...)``, or with
+            ``time_axis=1`` ``(batch, T, ...)`` (leaves without the batch keep time first).
+
+        Raises
+        ------
+        TypeError, ValueError
+            For a non-callable ``step_fn`` or one that does not call the learner exactly once,
+            a bad ``time_axis``, missing, empty, scalar or ragged sequences, or a first sequence
+            whose steps are neither one sample nor a batch of samples of the compiled input.
+
+        Examples
+        --------
+        >>> import jax.numpy as jnp, braintrace
+        >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL, jnp.ones((32, 3)),
+        ...                              batch_size=32)
+        >>> learner.predict(jnp.ones((6, 37, 3))).shape  # 37 sequences of 6 steps
+        (6, 37, 4)
+        >>> learner.predict(jnp.ones((37, 6, 3)), time_axis=1).shape
+        (37, 6, 4)
+        >>> learner.predict(jnp.ones((6, 3))).shape  # one sequence, unbatched
+        (6, 4)
+        >>> int(learner.running_index.value)  # the learner is untouched
+        0
+        """
+        return predict_sequences(self, self, sequences, step_fn, time_axis, mapped=False)
+
+    def _forward_step(self, args: tuple[Any, ...]) -> Any:
+        """A call while :meth:`predict` runs: the model forward on ``args``, nothing else."""
+        self.calls_traced += 1
+        return forward_step(self.model4compile, args)
+
     def show_graph(self, verbose: bool = True, return_msg: bool = False) -> str | None:
         return self.graph_executor.show_graph(verbose=verbose, return_msg=return_msg)
 
@@ -435,8 +499,12 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
 
         A sharded learner (``braintrace.compile(..., sharding=...)``) constrains the inputs and
         the states the call writes to their placement (see :class:`~braintrace.Sharding`).
+        Called eagerly (outside ``jit`` and the sequence drivers), the call traces the step
+        every time: the third eager call warns, once per learner, with the measured time per
+        call (:class:`~braintrace.EagerCallWarning`).
         """
-        return sharded_call(self.sharding_plan, self.update, args, options)
+        return watched_call(self, lambda: sharded_call(self.sharding_plan, self.update, args, options),
+                            lambda out: (args, options, out, self.running_index.value))
 
     def update(self, *args: Any, **options: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must implement update().")
@@ -621,6 +689,8 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         ``args`` are the model's inputs; ``options`` are the learner's own keyword options
         (``modulator=`` of ``learning_signal='modulatory'``), never passed to the model.
         """
+        if self._forward_only:
+            return self._forward_step(args)
         self.calls_traced += 1
         self._assert_compiled()
         aux = self._get_update_aux(args, **options)

@@ -46,6 +46,11 @@ also through another trainable operation the tail stops at, and a relation insid
 scan (not analysed). UORO's projection follows the whole within-group Jacobian and every tail,
 so only the per-relation rules and cross-group feeding add to its own reason.
 
+A weight outside every relation (:func:`plain_weight_labels`) has no trace, whatever the
+learner: it is ``exact`` when its value reaches no state the step writes (a readout), since then
+its BPTT gradient is the sum of its gradients within each step, which every learner computes;
+otherwise it is ``approximate``, its influence on later steps being followed by nothing.
+
 Examples
 --------
 >>> import brainstate, jax.numpy as jnp, braintrace
@@ -76,11 +81,11 @@ from braintrace._algorithm.config import ETraceConfig
 from braintrace._algorithm.osttp import OSTTP
 from braintrace._algorithm.otpe import OTPE
 from braintrace._algorithm.ottt import OTTT
-from braintrace._compiler.exactness_facts import GroupFacts, RelationFacts, relation_facts
+from braintrace._compiler.exactness_facts import GroupFacts, RelationFacts, plain_weight_facts, relation_facts
 from braintrace._compiler.exactness_label import ExactnessLabel
 from braintrace._compiler.snap_pattern import tail_within_neighbourhoods
 
-__all__ = ["relation_labels", "rule_reasons", "structural_reasons"]
+__all__ = ["relation_labels", "plain_weight_labels", "rule_reasons", "structural_reasons"]
 
 Path = tuple[Any, ...]
 
@@ -112,16 +117,57 @@ def relation_labels(learner: ETraceAlgorithm) -> list[ExactnessLabel]:
     RuntimeError
         If it is not compiled.
     """
-    if not isinstance(learner, ETraceAlgorithm):
-        raise TypeError(f"relation_labels: expected a compiled braintrace learner, got {type(learner).__name__}.")
-    if not learner.is_compiled:
-        raise RuntimeError("relation_labels: the learner is not compiled yet: call compile_graph(example_input) first.")
+    _check_compiled("relation_labels", learner)
     rule = rule_reasons(learner)
     labels = []
     for facts in relation_facts(learner.graph):
         reasons = (*rule, *structural_reasons(facts, learner.config))
         labels.append(ExactnessLabel(facts.weight_path, facts.weight_paths, facts.hidden_paths, not reasons, reasons))
     return labels
+
+
+def plain_weight_labels(learner: ETraceAlgorithm) -> list[ExactnessLabel]:
+    """The :class:`ExactnessLabel` of every ``ParamState`` outside the relations of a compiled ``learner``.
+
+    In model order (``learner.report.excluded_weights``); ``hidden_paths`` holds the states the
+    weight's value reaches.
+
+    Raises
+    ------
+    TypeError
+        If ``learner`` is not an :class:`~braintrace.ETraceAlgorithm`.
+    RuntimeError
+        If it is not compiled.
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> from braintrace._algorithm.exactness import plain_weight_labels
+    >>> class Net(brainstate.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.cell = braintrace.nn.ValinaRNNCell(3, 4)
+    ...         self.readout = brainstate.ParamState(jnp.ones((4, 2)))
+    ...     def update(self, x):
+    ...         return self.cell(x) @ self.readout.value
+    >>> [label.describe() for label in plain_weight_labels(braintrace.compile(Net(), 'd_rtrl', jnp.ones(3)))]
+    ['exact']
+    """
+    _check_compiled("plain_weight_labels", learner)
+    labels = []
+    for facts in plain_weight_facts(learner.graph):
+        reasons = () if not facts.reaches else (
+            f"its value reaches the states {_paths(facts.reaches)}, where no trace follows it: only its gradient "
+            f"within each step (or window) counts, not its influence on later steps",)
+        labels.append(ExactnessLabel(facts.weight_path, (facts.weight_path,), facts.reaches, not reasons, reasons))
+    return labels
+
+
+def _check_compiled(caller: str, learner: object) -> None:
+    if not isinstance(learner, ETraceAlgorithm):
+        raise TypeError(f"{caller}: expected a compiled braintrace learner, got {type(learner).__name__}.")
+    if not learner.is_compiled:
+        raise RuntimeError(f"{caller}: the learner is not compiled yet: call compile_graph(example_input) first.")
 
 
 def rule_reasons(learner: ETraceAlgorithm) -> tuple[str, ...]:

@@ -17,6 +17,7 @@ import brainunit as u
 import jax
 import jax.numpy as jnp
 
+from braintrace._compatible_imports import Tracer
 from braintrace._errors import NonFiniteError, internal_error
 
 __all__ = ["WHAT", "Status", "StateGuard", "all_finite", "advance", "refuse_traced", "raise_if_bad"]
@@ -82,7 +83,7 @@ class StateGuard:
 
 def refuse_traced(call: str, *trees: Any) -> None:
     """Refuse ``check_finite=True`` under ``jax.jit``: the status is read on the host after the loop."""
-    if any(isinstance(leaf, jax.core.Tracer) for tree in trees for leaf in jax.tree.leaves(tree)):
+    if any(isinstance(leaf, Tracer) for tree in trees for leaf in jax.tree.leaves(tree)):
         raise ValueError(
             f"{call}: check_finite=True reads the loop's outcome on the host to raise, so the "
             f"driver must run outside jax.jit (the drivers compile their own loop), but it got "
@@ -92,7 +93,7 @@ def refuse_traced(call: str, *trees: Any) -> None:
 
 def raise_if_bad(call: str, status: Status) -> None:
     """Raise :class:`~braintrace.NonFiniteError` if the run met a non-finite value."""
-    if isinstance(status.code, jax.core.Tracer):
+    if isinstance(status.code, Tracer):
         refuse_traced(call, status.code)
     code = int(status.code)
     if code == 0:

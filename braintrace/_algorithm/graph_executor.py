@@ -36,7 +36,6 @@ import brainstate
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import DropVar, JaxprEqn, Literal, Var
 
 from braintrace._algorithm.config import Recurrence
 from braintrace._algorithm.input_data import (
@@ -46,6 +45,15 @@ from braintrace._algorithm.input_data import (
     split_input_data_types,
 )
 from braintrace._algorithm.rule_vjp import bind_by_registered_rule
+from braintrace._compatible_imports import (
+    DropVar,
+    JaxprEqn,
+    Literal,
+    Var,
+    bind_equation,
+    jaxpr_all_invars,
+)
+from braintrace import _compatible_imports as jax_compat
 from braintrace._compiler import (
     CompilationReport,
     ControlFlowPolicy,
@@ -53,6 +61,7 @@ from braintrace._compiler import (
     compile_etrace_graph,
 )
 from braintrace._compiler.control_flow_policy import resolve_policy
+from braintrace._compiler.hid_param_op import tail_constvars
 from braintrace._compiler.hidden_group import calls_custom_vjp, state_basis
 from braintrace._compiler.jaxpr_graph import contains_eqn
 from braintrace._compiler.position_dependence import tail_keeps_positions, tail_reach
@@ -330,13 +339,13 @@ class ETraceGraphExecutor:
             y = env[rel.y_var]
             for i, group in enumerate(rel.hidden_groups):
                 tail = rel.y_to_hidden_group_jaxprs[i]
-                consts = [env[v] for v in tail.constvars]
+                consts = [env[v] for v in tail_constvars(tail)]
                 if self.transition_points:
                     dfs[df_key(rel, group)] = TailPoint(y, consts)
                     continue
 
                 def fn(y: Any, tail: Any = tail, consts: Any = consts, group: Any = group) -> Any:
-                    return group.concat_hidden(jax.core.eval_jaxpr(tail, consts, y))
+                    return group.concat_hidden(jax_compat.eval_jaxpr(tail, consts, y))
 
                 dfs[df_key(rel, group)] = _tail_df(fn, y, rel, group, tail)
                 if contains_eqn(tail, lambda e: e.primitive.name == "while"):
@@ -486,14 +495,18 @@ EqnBinder = Callable[[JaxprEqn, list[Any]], list[Any]]
 
 def bind_eqn(eqn: JaxprEqn, operands: list[Any]) -> list[Any]:
     """The outputs of ``eqn`` at ``operands``, as JAX itself would evaluate it."""
-    outs = eqn.primitive.bind(*operands, **eqn.primitive.get_bind_params(eqn.params))
-    return list(outs) if eqn.primitive.multiple_results else [outs]
+    return bind_equation(eqn, operands)
 
 
 def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], bind: EqnBinder = bind_eqn) -> list[Any]:
-    """``jax.core.eval_jaxpr`` with every top-level equation evaluated by ``bind``."""
-    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
+    """JAX's ``eval_jaxpr`` with every top-level equation evaluated by ``bind``.
+
+    ``[*consts, *args]`` are bound to every input of ``jaxpr`` in order, constants first.
+    """
+    every = jaxpr_all_invars(jaxpr)
+    if len(consts) + len(args) != len(every):
+        raise internal_error(f"{len(consts)} constants and {len(args)} arguments for a jaxpr of {len(every)} inputs")
+    env: dict[Any, Any] = dict(zip(every, [*consts, *args]))
 
     def read(a: Any) -> Any:
         return a.val if isinstance(a, Literal) else env[a]
@@ -594,11 +607,11 @@ def _extract_descended_relation(rel: Any, env: Mapping[Var, Any], xs: dict[int, 
         xs[id(rel.x_var)] = env[stacked[rel.x_var]]
     y_seq = env[stacked[rel.y_var]]
     for tail, group in zip(rel.y_to_hidden_group_jaxprs, rel.hidden_groups):
-        const_seq = [env[stacked[v]] for v in tail.constvars]
+        const_seq = [env[stacked[v]] for v in tail_constvars(tail)]
 
         def df_at(y: Any, consts: list[Any], tail: Any = tail, group: Any = group) -> Any:
             def fn(y: Any) -> Any:
-                return group.concat_hidden(jax.core.eval_jaxpr(tail, consts, y))
+                return group.concat_hidden(jax_compat.eval_jaxpr(tail, consts, y))
 
             return jax.jvp(fn, (y,), (jnp.ones_like(y),))[1]
 
@@ -739,10 +752,10 @@ def _moved_tail_jacobian(rel: Any, index: int, pattern: SnapPattern, env: Mappin
     reach = tail_reach(tail, varshape)
     if reach is not None and all(not np.any(r & ~np.eye(len(r), dtype=bool)) for r in reach):
         return None
-    consts = [env[v] for v in tail.constvars]
+    consts = [env[v] for v in tail_constvars(tail)]
 
     def fn(value: Any) -> Any:
-        return group.concat_hidden(jax.core.eval_jaxpr(tail, consts, value))
+        return group.concat_hidden(jax_compat.eval_jaxpr(tail, consts, value))
 
     identity = pattern.identity_axes()
     kept = reach is not None and all(

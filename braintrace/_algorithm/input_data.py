@@ -15,8 +15,9 @@ Examples
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
+import brainstate
 import jax
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "split_input_data_types",
     "merge_data",
     "sequence_length",
+    "run_model",
 ]
 
 
@@ -129,3 +131,19 @@ def sequence_length(multi: dict[int, Any]) -> int:
             f"{sorted(lengths)}."
         )
     return lengths.pop()
+
+
+def run_model(model: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """``model(*args)`` for one step; over a :class:`MultiStepData` window, one call per step in a
+    ``brainstate.transform.for_loop``, the outputs stacked (single-step inputs reused at every step).
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp
+    >>> run_model(lambda x, b: x + b, (MultiStepData(jnp.ones((5, 3))), jnp.ones(3))).shape
+    (5, 3)
+    """
+    single, multi, treedef = split_input_data_types(*args)
+    if not multi:
+        return model(*merge_data(treedef, single))
+    return brainstate.transform.for_loop(lambda step: model(*merge_data(treedef, single, step)), multi)

@@ -66,6 +66,7 @@ from braintrace._algorithm.base import EligibilityTrace, ETraceVjpAlgorithm
 from braintrace._algorithm.config import ETraceConfig, engine_config
 from braintrace._algorithm.graph_executor import TailPoint, TransitionPoint, df_key
 from braintrace._algorithm.trace_storage import fresh_zeros
+from braintrace._compatible_imports import eval_jaxpr
 from braintrace._compiler import ControlFlowPolicy
 from braintrace._compiler.jaxpr_graph import contains_eqn
 from braintrace._op import _registries as reg
@@ -467,7 +468,7 @@ def relation_projection(
     tail = rel.y_to_hidden_group_jaxprs[rel.hidden_groups.index(group)]
 
     def to_hidden(y: Any) -> jax.Array:
-        out: jax.Array = group.concat_hidden(jax.core.eval_jaxpr(tail, point.consts, y))
+        out: jax.Array = group.concat_hidden(eval_jaxpr(tail, point.consts, y))
         return out
 
     hidden, pullback = jax.vjp(to_hidden, point.y)

@@ -30,8 +30,8 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import JaxprEqn
 
+from braintrace._compatible_imports import JaxprEqn
 from braintrace._op import _registries as reg
 
 __all__ = ["bind_by_registered_rule"]

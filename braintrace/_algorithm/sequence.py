@@ -17,6 +17,10 @@ class provides these hooks (defaults are those of :class:`~braintrace.ETraceAlgo
 * ``_seq_vjp_method`` — ``'single-step'``, ``'multi-step'`` or ``None``; window mode of
   ``etrace_grad`` requires ``'multi-step'``;
 * ``_seq_is_vmapped`` (class flag) — a vmapped learner refuses window mode;
+* ``_seq_batch_size`` — the batch size the learner runs at (``None``: unbatched), against which a
+  sequence's layout is checked (:mod:`braintrace._algorithm.layout`);
+* ``_seq_run_type`` — the loop that takes a sequence's gradient: the sum of the learner's
+  per-call estimates (:class:`_GradRun`), or BPTT's gradient through the whole loop;
 * ``_seq_after_gradient`` — called with each call's gradient inside the traced step (a learner
   orders its trace writes after the gradient there; default: nothing).
 * ``_seq_roll_sink``, ``_seq_rolling_into``, ``_seq_write_rolled`` — a learner that rolls some
@@ -26,6 +30,11 @@ class provides these hooks (defaults are those of :class:`~braintrace.ETraceAlgo
 
 ``etrace_train`` runs the same loop and applies an optimizer every ``update_every`` steps while
 the stream runs, without resetting anything: online learning in the strict sense.
+
+Sequences are time-major, every leaf ``(T, batch, ...)``, or batch-major ``(batch, T, ...)``
+with ``time_axis=1`` (transposed on entry; :mod:`braintrace._algorithm.layout`).
+``etrace_evolve``'s outputs come back in the declared layout; losses stay ``(T,)`` and the
+auxiliaries of ``etrace_grad`` / ``etrace_train`` stay stacked over calls, time-major.
 
 The drivers continue from the learner's current hidden states, traces and ``running_index``
 and leave the final ones installed; nothing is reset. Failure is transactional: the loop body is
@@ -54,6 +63,9 @@ import numpy as np
 from braintrace._algorithm.call_lock import serialised
 from braintrace._algorithm.finite import Status, StateGuard, advance, all_finite, raise_if_bad, refuse_traced
 from braintrace._algorithm.input_data import ETraceInputData, MultiStepData
+from braintrace._algorithm.layout import check_layout, checked_time_axis, in_declared_layout, time_major
+from braintrace._algorithm.train_optimizer import train_optimizer
+from braintrace._compatible_imports import Tracer
 from braintrace._errors import internal_error
 
 __all__ = ["SequenceDriverMixin", "TrainResult"]
@@ -78,8 +90,9 @@ class TrainResult(NamedTuple):
     aux : pytree or None
         ``step_fn``'s auxiliary outputs stacked over calls (``has_aux``), else ``None``.
     optimizer : braintools.optim.OptaxOptimizer
-        The optimizer holding the training state (the one given, or the wrapper built around
-        an optax transformation): pass it back to continue with the same state.
+        The optimizer holding the training state (the one given, or the wrapper the learner
+        keeps for an optax transformation): pass it back, or the same transformation, to
+        continue with the same state.
     """
 
     losses: jax.Array
@@ -88,10 +101,13 @@ class TrainResult(NamedTuple):
 
 
 class _Drive(NamedTuple):
-    """A validated request: ``T`` steps, driven in windows of ``window`` steps (``None``: plain)."""
+    """A validated request: ``T`` steps, driven in windows of ``window`` steps (``None``: plain), over
+    ``sequences`` put time-major from the declared ``time_axis``."""
 
     length: int
     window: int | None
+    sequences: tuple[Any, ...]
+    time_axis: int
 
 
 class SequenceDriverMixin:
@@ -145,6 +161,16 @@ class SequenceDriverMixin:
         """The learner's ``vjp_method`` (``None`` when it has none)."""
         return getattr(self, "vjp_method", None)
 
+    @property
+    def _seq_batch_size(self) -> int | None:
+        """The batch size the learner runs at (``None``: unbatched, or unknown)."""
+        return getattr(self, "batch_size", None)
+
+    @property
+    def _seq_run_type(self) -> type[_GradRun]:
+        """How a driver takes a sequence's gradient: by default, the sum of the learner's per-call estimates."""
+        return _GradRun
+
     def _seq_after_gradient(self, grads: Grads) -> None:
         """Called with the gradient of each call, inside the traced step (default: nothing)."""
 
@@ -175,6 +201,7 @@ class SequenceDriverMixin:
         has_aux: bool = False,
         return_value: bool = False,
         check_finite: bool = False,
+        time_axis: int = 0,
     ) -> Any:
         """The learner's online estimate of ``∇J`` for a masked sequence loss ``J``, summed over its calls.
 
@@ -203,9 +230,10 @@ class SequenceDriverMixin:
         Parameters
         ----------
         *sequences : pytree
-            One or more pytrees whose leaves share the leading time length ``T``; they are
-            sliced in lockstep and handed to ``step_fn`` positionally, in this order. Pass bare
-            arrays (wrap them in ``MultiStepData`` inside ``step_fn``); close over constants.
+            One or more pytrees whose leaves share the time length ``T`` (on axis 0, or on axis
+            1 with ``time_axis=1``); they are sliced in lockstep and handed to ``step_fn``
+            positionally, in this order. Pass bare arrays (wrap them in ``MultiStepData`` inside
+            ``step_fn``); close over constants.
         step_fn : callable
             ``step_fn(*slices) -> loss`` (``(loss, aux)`` with ``has_aux``): calls the learner
             once and returns a scalar loss (plain mode) or one loss per step, shape ``(k,)``
@@ -241,12 +269,18 @@ class SequenceDriverMixin:
             batch 1, a checked step took 27 µs against 8 µs unchecked, a share that shrinks
             as the model grows. Default ``False``: nothing is checked, a non-finite value
             propagates into every later trace and the result.
+        time_axis : {0, 1}
+            The layout of every sequence leaf: ``0``, time-major ``(T, batch, ...)``; ``1``,
+            batch-major ``(batch, T, ...)``, transposed on entry (a batched learner only). A
+            batched learner refuses a sequence that reads as the other layout (axis 0, not the
+            other axis, is its batch size), naming the fix; when ``T`` equals the batch size,
+            the declared axis decides.
 
         Returns
         -------
         grads, or (grads, losses), (grads, aux), (grads, losses, aux)
             ``grads`` is keyed like ``weights`` and carries each weight's unit; ``aux`` has a
-            leading axis of ``T`` calls (plain) or ``T // k`` (window).
+            leading axis of ``T`` calls (plain) or ``T // k`` (window), whatever ``time_axis``.
 
         Raises
         ------
@@ -257,8 +291,9 @@ class SequenceDriverMixin:
         NonFiniteError
             With ``check_finite=True``, for a non-finite input, loss, gradient or trace.
         ValueError
-            For a bad ``reduction`` / ``loss_output`` / ``chunk_size`` value, missing, empty,
-            scalar or ragged sequences, window mode on a vmapped or single-step learner or with
+            For a bad ``reduction`` / ``loss_output`` / ``chunk_size`` / ``time_axis`` value,
+            missing, empty, scalar or ragged sequences, a sequence in the other layout than
+            ``time_axis`` declares, window mode on a vmapped or single-step learner or with
             ``T % k != 0``, a ``mask`` not of shape ``(T,)``, or a loss of the wrong shape.
 
         Examples
@@ -281,6 +316,18 @@ class SequenceDriverMixin:
         >>> grads = windowed.etrace_grad(xs, ys, step_fn=window_fn, chunk_size=2, reduction='sum')
         >>> int(windowed.running_index.value)  # three calls
         3
+
+        Batch-major sequences ``(batch, T, ...)`` with ``time_axis=1``:
+
+        >>> batched = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL, jnp.ones((2, 3)),
+        ...                              batch_size=2)
+        >>> def batch_fn(x, y):  # x: (2, 3), one step of the batch
+        ...     return jnp.mean((batched(x) - y) ** 2)
+        >>> grads = batched.etrace_grad(jnp.ones((2, 6, 3)), jnp.zeros((2, 6, 4)), step_fn=batch_fn, time_axis=1)
+        >>> batched.etrace_grad(jnp.ones((2, 6, 3)), jnp.zeros((2, 6, 4)), step_fn=batch_fn)
+        Traceback (most recent call last):
+        ...
+        ValueError: etrace_grad: sequences[0] has shape (2, 6, 3): axis 0 is the batch size 2 and axis 1 is not, ...
         """
         _check_reduction("etrace_grad", reduction)
         if loss_output not in _LOSS_OUTPUTS:
@@ -288,13 +335,13 @@ class SequenceDriverMixin:
                 f"etrace_grad: loss_output must be one of {_LOSS_OUTPUTS}, got {loss_output!r} "
                 f"(raw per-step losses, mask-weighted losses, or the reduced objective)."
             )
-        drive = self._seq_validate("etrace_grad", sequences, chunk_size, needs_multi_step=True)
+        drive = self._seq_validate("etrace_grad", sequences, chunk_size, needs_multi_step=True, time_axis=time_axis)
         mask = _check_mask("etrace_grad", mask, drive.length)
         weights = self._seq_weights("etrace_grad", weights)
         guarded = self._seq_checked("etrace_grad", check_finite, sequences, mask)
-        run = _GradRun("etrace_grad", self._seq_stepper("etrace_grad", step_fn), weights, drive.window, has_aux,
-                       self, guarded)
-        grads, losses, aux, status = self._seq_program(run, sequences, mask, jnp.arange(drive.length))
+        run = self._seq_run_type("etrace_grad", self._seq_stepper("etrace_grad", step_fn), weights, drive.window,
+                                 has_aux, self, guarded)
+        grads, losses, aux, status = self._seq_program(run, drive.sequences, mask, jnp.arange(drive.length))
         if status is not None:
             raise_if_bad("etrace_grad", status)
         denom = jnp.maximum(jnp.sum(mask), 1.0)
@@ -318,13 +365,15 @@ class SequenceDriverMixin:
         chunk_size: int | None = None,
         return_outputs: bool = False,
         check_finite: bool = False,
+        time_axis: int = 0,
     ) -> Any:
         """Advance hidden states and traces over sequences as :meth:`etrace_grad` would, without a gradient.
 
         Parameters
         ----------
         *sequences : pytree
-            One or more pytrees whose leaves share the leading time length ``T``.
+            One or more pytrees whose leaves share the time length ``T`` (on axis 0, or on axis
+            1 with ``time_axis=1``).
         step_fn : callable, optional
             ``step_fn(*slices)``, which must call **this** learner exactly once; its result is
             the per-call output. Default: the learner itself, ``learner(*slices)``, with each
@@ -340,6 +389,9 @@ class SequenceDriverMixin:
         check_finite : bool
             As in :meth:`etrace_grad`, for the inputs and the states the learner writes
             (there is no loss or gradient).
+        time_axis : {0, 1}
+            As in :meth:`etrace_grad`. With ``1`` the outputs that carry the batch come back
+            batch-major: ``(batch, T, ...)``, or ``(batch, T // k, k, ...)`` for windows.
 
         Returns
         -------
@@ -361,8 +413,13 @@ class SequenceDriverMixin:
         (3, 2, 4)
         >>> int(learner.running_index.value)  # one call per window
         3
+        >>> batched = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL, jnp.ones((2, 3)),
+        ...                              batch_size=2)
+        >>> batched.etrace_evolve(jnp.ones((2, 6, 3)), return_outputs=True, time_axis=1).shape  # (batch, T, 4)
+        (2, 6, 4)
         """
-        drive = self._seq_validate("etrace_evolve", sequences, chunk_size, needs_multi_step=False)
+        drive = self._seq_validate("etrace_evolve", sequences, chunk_size, needs_multi_step=False,
+                                   time_axis=time_axis)
         if step_fn is not None:
             call = self._seq_stepper("etrace_evolve", step_fn)
         elif drive.window is None:
@@ -379,8 +436,9 @@ class SequenceDriverMixin:
 
         guarded = self._seq_checked("etrace_evolve", check_finite, sequences)
         if guarded is None:
-            return self._seq_program(lambda windows: brainstate.transform.for_loop(body, *windows),
-                                     _windows(sequences, drive.window))
+            outs = self._seq_program(lambda windows: brainstate.transform.for_loop(body, *windows),
+                                     _windows(drive.sequences, drive.window))
+            return self._seq_declared(drive, outs)
 
         def checked(status: Status, inputs: tuple[tuple[Any, ...], jax.Array]) -> tuple[Status, Any]:
             slices, step = inputs
@@ -394,9 +452,9 @@ class SequenceDriverMixin:
             return brainstate.transform.scan(checked, Status.fresh(), (windows, starts))
 
         starts = jnp.arange(0, drive.length, drive.window or 1)
-        status, outs = self._seq_program(loop, _windows(sequences, drive.window), starts)
+        status, outs = self._seq_program(loop, _windows(drive.sequences, drive.window), starts)
         raise_if_bad("etrace_evolve", status)
-        return outs
+        return self._seq_declared(drive, outs)
 
 
     @serialised
@@ -412,6 +470,7 @@ class SequenceDriverMixin:
         reduction: str = "mean",
         has_aux: bool = False,
         check_finite: bool = False,
+        time_axis: int = 0,
     ) -> TrainResult:
         """Learn online while the sequences stream: apply the optimizer every ``update_every`` steps.
 
@@ -434,16 +493,23 @@ class SequenceDriverMixin:
         Parameters
         ----------
         *sequences : pytree
-            As in :meth:`etrace_grad`: leaves with a common leading time length ``T``.
+            As in :meth:`etrace_grad`: leaves with a common time length ``T`` (on axis 0, or on
+            axis 1 with ``time_axis=1``).
         step_fn : callable
             ``step_fn(*slices) -> loss`` (``(loss, aux)`` with ``has_aux``): calls the learner
             once; a scalar loss (plain mode) or ``(k,)`` losses (window mode).
         optimizer : braintools.optim.OptaxOptimizer or optax.GradientTransformation
             A ``braintools.optim`` optimizer (``SGD``, ``Adam``, ...), registered on the
-            weights here if it has no weights yet, or an optax transformation, which is wrapped
-            in ``braintools.optim.OptaxOptimizer``. Its state lives in ``brainstate`` states of
-            the returned :attr:`TrainResult.optimizer`: pass that back to continue the same
-            state, and to :func:`braintrace.save_checkpoint` to save it.
+            weights here if it has no weights yet (else it must be registered on these very
+            ``ParamState`` objects), or an optax transformation, which is wrapped in a
+            ``braintools.optim.OptaxOptimizer`` that the learner keeps: the next call with the
+            same transformation object goes on from the same state (a new object starts a new
+            one, warned where the learner trained these weights with a stateful one). The
+            state lives in ``brainstate`` states of the returned
+            :attr:`TrainResult.optimizer`: pass that to :func:`braintrace.save_checkpoint` to
+            save it. Inside ``jit`` the learner keeps no new wrapper (its states would die with
+            the trace): a stateful transformation it keeps no state for starts afresh at every
+            call of the compiled function, which is warned; make the optimizer outside ``jit``.
         update_every : int, optional
             Steps between updates (a multiple of ``chunk_size`` in window mode); ``None``: one
             update at the end of the stream.
@@ -463,6 +529,8 @@ class SequenceDriverMixin:
             at the last update applied before the first non-finite step (the span that holds it
             is not applied), and an update that makes a weight or an optimizer state non-finite
             is reported as ``what='update'`` at the span's last step and not applied.
+        time_axis : {0, 1}
+            As in :meth:`etrace_grad`: ``1`` for batch-major sequences ``(batch, T, ...)``.
 
         Returns
         -------
@@ -477,7 +545,8 @@ class SequenceDriverMixin:
             argument errors of :meth:`etrace_grad`.
         ValueError
             For ``update_every < 1`` or not a multiple of ``chunk_size``, an optimizer
-            registered on other weights, and the argument errors of :meth:`etrace_grad`.
+            registered on other weights (other paths, or another learner's ``ParamState``
+            objects at the same paths), and the argument errors of :meth:`etrace_grad`.
         NonFiniteError
             With ``check_finite=True``, for a non-finite input, loss, gradient, trace or update.
 
@@ -495,14 +564,14 @@ class SequenceDriverMixin:
         ((200,), True)
         """
         _check_reduction("etrace_train", reduction)
-        drive = self._seq_validate("etrace_train", sequences, chunk_size, needs_multi_step=True)
+        drive = self._seq_validate("etrace_train", sequences, chunk_size, needs_multi_step=True, time_axis=time_axis)
         mask = _check_mask("etrace_train", mask, drive.length)
         weights = self._seq_weights("etrace_train", weights)
         span = _check_update_every(update_every, drive)
-        optimizer = _registered_optimizer(optimizer, weights)
+        optimizer, keep_optimizer = train_optimizer(self, optimizer, weights)
         guarded = self._seq_checked("etrace_train", check_finite, sequences, mask)
-        run = _GradRun("etrace_train", self._seq_stepper("etrace_train", step_fn), weights, drive.window, has_aux,
-                       self, guarded)
+        run = self._seq_run_type("etrace_train", self._seq_stepper("etrace_train", step_fn), weights, drive.window,
+                                 has_aux, self, guarded)
         optimizer_states = list(brainstate.graph.states(optimizer).values())
         Span = tuple[tuple[Any, ...], jax.Array, jax.Array]
 
@@ -539,7 +608,8 @@ class SequenceDriverMixin:
                 parts.append(part)
             return status, parts
 
-        status, parts = self._seq_program(train, sequences, mask, jnp.arange(drive.length))
+        status, parts = self._seq_program(train, drive.sequences, mask, jnp.arange(drive.length))
+        keep_optimizer()  # the updates before a non-finite step were applied: their state goes on
         if status is not None:
             raise_if_bad("etrace_train", status)
         losses = jnp.concatenate([p[0] for p in parts])
@@ -571,7 +641,7 @@ class SequenceDriverMixin:
         driver calls would then exhaust the process's memory mappings (each call still traces
         and compiles its loop once, as before).
         """
-        if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(args)):
+        if any(isinstance(leaf, Tracer) for leaf in jax.tree.leaves(args)):
             return loop(*args)
         return brainstate.transform.jit(loop)(*args)
 
@@ -622,9 +692,16 @@ class SequenceDriverMixin:
         return dict(weights)
 
     def _seq_validate(
-        self, call: str, sequences: tuple[Any, ...], chunk_size: Any, needs_multi_step: bool
+        self, call: str, sequences: tuple[Any, ...], chunk_size: Any, needs_multi_step: bool,
+        time_axis: Any = 0, any_batch: bool = False,
     ) -> _Drive:
-        """Checks every argument before tracing (rows 3-13 of the driver contract, in order)."""
+        """Checks every argument before tracing (rows 3-13 of the driver contract, in order, with
+        ``time_axis`` after ``chunk_size`` and the layout before the lengths), and puts the
+        sequences time-major.
+
+        The layout is checked against the learner's batch size, unless the call runs at the batch
+        size of the sequences (``any_batch``: ``predict``).
+        """
         if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)):
             raise TypeError(
                 f"{call}: chunk_size must be None or a Python int >= 1, got {chunk_size!r} of type "
@@ -635,8 +712,17 @@ class SequenceDriverMixin:
                 f"{call}: chunk_size must be >= 1, got {chunk_size}. Use None (or 1) for one learner "
                 f"call per step, or k >= 2 for one call per window of k steps."
             )
+        time_axis = checked_time_axis(call, time_axis)
+        batch_size = None if any_batch else self._seq_batch_size
+        if time_axis == 1 and batch_size is None and not any_batch:
+            raise ValueError(
+                f"{call}: time_axis=1 declares batch-major sequences (batch, time, ...), but this learner "
+                f"is unbatched (compiled without batch_size), so its sequences have no batch axis. Pass "
+                f"them time-major, (time, ...), with time_axis=0, or compile with batch_size=B."
+            )
         window = chunk_size if chunk_size is not None and chunk_size >= 2 else None
-        length = _check_sequences(call, sequences)
+        length = _check_sequences(call, sequences, time_axis, batch_size)
+        sequences = time_major(sequences, time_axis)
         if window is not None and self._seq_is_vmapped:
             raise ValueError(
                 f"{call}: window mode (chunk_size={window}) is refused on a vmapped learner "
@@ -659,7 +745,11 @@ class SequenceDriverMixin:
                 f"a multiple of chunk_size; a ragged tail is never truncated). {advice} a chunk_size "
                 f"that divides {length}."
             )
-        return _Drive(length, window)
+        return _Drive(length, window, sequences, time_axis)
+
+    def _seq_declared(self, drive: _Drive, outputs: Any) -> Any:
+        """Per-call outputs stacked time-major, in the layout ``drive`` declared."""
+        return in_declared_layout(outputs, drive.time_axis, self._seq_batch_size, 1 if drive.window is None else 2)
 
 
 class _GradRun:
@@ -720,14 +810,20 @@ class _GradRun:
         guard = StateGuard(self.guarded or ())
         entering = [st.value for st in self.weights.values()]
         g, (loss, aux) = self._grad(slices, w)
-        # The first sequence is the input; the others (targets, modulators) are named targets.
-        checks = {"input": all_finite(slices[:1]), "target": all_finite(slices[1:]), "mask": all_finite(w),
-                  "weight": all_finite(entering), "loss": all_finite(loss), "gradient": all_finite(g),
-                  "trace": all_finite(guard.written())}
+        checks = {**self._step_checks(slices, w, entering, loss, guard), "gradient": all_finite(g)}
         status = advance(status, step, checks)
         guard.keep_if(status.fine)
         acc = jax.tree.map(lambda a, b: jnp.where(status.fine, a + b, a), acc, g)
         return (acc, status), (loss, aux)
+
+    @staticmethod
+    def _step_checks(
+        slices: tuple[Any, ...], w: jax.Array, entering: list[Any], loss: Any, guard: StateGuard
+    ) -> dict[str, jax.Array]:
+        """What ``check_finite`` checks at a step, its gradient aside (``what -> all finite``)."""
+        # The first sequence is the input; the others (targets, modulators) are named targets.
+        return {"input": all_finite(slices[:1]), "target": all_finite(slices[1:]), "mask": all_finite(w),
+                "weight": all_finite(entering), "loss": all_finite(loss), "trace": all_finite(guard.written())}
 
     def _loss(self, result: Any) -> tuple[Any, Any]:
         """``(loss, aux)`` of one ``step_fn`` result, with the loss's shape checked."""
@@ -763,8 +859,9 @@ def _is_marker(x: Any) -> bool:
     return isinstance(x, ETraceInputData)
 
 
-def _check_sequences(call: str, sequences: tuple[Any, ...]) -> int:
-    """The common leading length ``T`` of every leaf of every sequence (rows 5-10)."""
+def _check_sequences(call: str, sequences: tuple[Any, ...], time_axis: int = 0, batch_size: int | None = None) -> int:
+    """The common length ``T`` of every leaf of every sequence along ``time_axis`` (rows 5-10), each
+    leaf's layout checked against ``batch_size`` where it is known (:func:`check_layout`)."""
     if not sequences:
         raise ValueError(
             f"{call}: no sequences given. Pass one or more sequences with a leading time axis, "
@@ -793,13 +890,14 @@ def _check_sequences(call: str, sequences: tuple[Any, ...]) -> int:
                     f"{call}: {where} is a scalar ({leaf!r}) with no time axis to slice. Close over "
                     f"constants in step_fn instead of passing them as sequences."
                 )
-            n = int(np.shape(leaf)[0])
+            check_layout(call, where, tuple(np.shape(leaf)), time_axis, batch_size)
+            n = int(np.shape(leaf)[time_axis])
             if reference is None:
                 reference = (where, n)
             elif n != reference[1]:
                 raise ValueError(
-                    f"{call}: every leaf must have the same leading (time) length, but {reference[0]} "
-                    f"has length {reference[1]} and {where} has length {n}."
+                    f"{call}: every leaf must have the same {'leading ' if time_axis == 0 else ''}(time) "
+                    f"length, but {reference[0]} has length {reference[1]} and {where} has length {n}."
                 )
     if reference is None:
         raise internal_error("non-empty sequences without leaves")
@@ -836,32 +934,6 @@ def _check_update_every(update_every: Any, drive: _Drive) -> int:
             f"updates happen between windows. Use a multiple of {drive.window}."
         )
     return update_every
-
-
-def _registered_optimizer(optimizer: Any, weights: dict[Path, Any]) -> Any:
-    """A ``braintools.optim.OptaxOptimizer`` registered on ``weights``."""
-    import braintools
-    import optax
-
-    if isinstance(optimizer, optax.GradientTransformation):
-        optimizer = braintools.optim.OptaxOptimizer(tx=optimizer)
-    if not isinstance(optimizer, braintools.optim.OptaxOptimizer):
-        raise TypeError(
-            f"etrace_train: optimizer must be a braintools.optim optimizer (braintools.optim.SGD, "
-            f"Adam, ...) or an optax.GradientTransformation, got {type(optimizer).__name__}."
-        )
-    if optimizer.opt_state is None:
-        optimizer.register_trainable_weights(weights)
-        return optimizer
-    registered = set(optimizer.param_states.to_pytree())
-    if registered != set(weights):
-        raise ValueError(
-            f"etrace_train: the optimizer is registered on other weights than it is asked to train: "
-            f"missing {sorted(map(str, set(weights) - registered))}, extra "
-            f"{sorted(map(str, registered - set(weights)))}. Pass a fresh optimizer (etrace_train "
-            f"registers it), or the weights it was registered on."
-        )
-    return optimizer
 
 
 def _check_mask(call: str, mask: Any, length: int) -> jax.Array:

@@ -53,6 +53,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from braintrace._algorithm.input_data import ETraceInputData, MultiStepData
+from braintrace._compatible_imports import Tracer
 from braintrace._op._rule_helpers import vectorised_rows
 
 __all__ = ["Sharding", "ShardingPlan", "plan_sharding", "sharded_call", "rows_follow_sharding"]
@@ -302,7 +303,7 @@ class ShardingPlan:
 def _constrained(value: Any, shardings: Any) -> Any:
     """``value`` on ``shardings`` (leaf by leaf): a constraint when traced, a transfer when concrete."""
     def one(leaf: Any, sharding: NamedSharding) -> Any:
-        if isinstance(leaf, jax.core.Tracer):
+        if isinstance(leaf, Tracer):
             return jax.lax.with_sharding_constraint(leaf, sharding)
         if isinstance(leaf, jax.Array) and leaf.sharding == sharding:
             return leaf

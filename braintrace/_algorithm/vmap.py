@@ -7,14 +7,16 @@ online estimate for a loss summed over lanes is the sum of the per-lane estimate
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 import brainstate
 import jax
 import jax.numpy as jnp
 
 from braintrace._algorithm.call_lock import serialised
-from braintrace._algorithm.sequence import Path, SequenceDriverMixin
+from braintrace._algorithm.eager_calls import watched_call
+from braintrace._algorithm.predict import forward_step, predict_sequences
+from braintrace._algorithm.sequence import Path, SequenceDriverMixin, _GradRun
 from braintrace._algorithm.sharding import ShardingPlan, sharded_call
 
 __all__ = ["ETraceVmap"]
@@ -62,14 +64,23 @@ class ETraceVmap(SequenceDriverMixin, brainstate.nn.Vmap):
         super().__init__(module, vmap_states=vmap_states, **kwargs)
         self._lane_states = vmap_states
         self._calls_traced = 0  # the wrapper's own calls (the vmap may trace the learner's more than once)
+        #: Set while :meth:`predict` runs: a call maps the model forward over ``_forward_lanes``
+        #: (the per-sample states of the run; ``None``: one unbatched sequence).
+        self._forward_only = False
+        self._forward_lanes: Any = None
 
     #: Where the states live on a device mesh (set by ``braintrace.compile(..., sharding=...)``).
     sharding_plan: ShardingPlan | None = None
 
     @serialised
     def __call__(self, *args: Any, **options: Any) -> Any:
-        """:meth:`update`, its inputs and written states constrained to a sharding's placement (if any)."""
-        return sharded_call(self.sharding_plan, self.update, args, options)
+        """:meth:`update`, its inputs and written states constrained to a sharding's placement (if any).
+
+        Called eagerly, the third call warns once (:class:`~braintrace.EagerCallWarning`), as
+        :meth:`ETraceAlgorithm.__call__ <braintrace.ETraceAlgorithm.__call__>` does.
+        """
+        return watched_call(self, lambda: sharded_call(self.sharding_plan, self.update, args, options),
+                            lambda out: (args, options, out, self.module.running_index.value))
 
     def update(self, *args: Any, **options: Any) -> Any:
         """One call of every lane; keyword options (``modulator=``) are mapped over the lanes too.
@@ -83,6 +94,8 @@ class ETraceVmap(SequenceDriverMixin, brainstate.nn.Vmap):
             For an option leaf without the lanes on axis 0.
         """
         self._calls_traced += 1
+        if self._forward_only:
+            return forward_step(self.module.model4compile, args, self._forward_lanes, self.in_axes, self.out_axes)
         if not options:
             return super().update(*args)
         lanes = self._lane_count()
@@ -137,9 +150,60 @@ class ETraceVmap(SequenceDriverMixin, brainstate.nn.Vmap):
         if self.sharding_plan is not None:
             self.sharding_plan.place()
 
+    @serialised
+    def predict(self, *sequences: Any, step_fn: Callable[..., Any] | None = None, time_axis: int = 0) -> Any:
+        """The model's per-step outputs over a batch of sequences, mapped over the batch, from fresh states.
+
+        :meth:`ETraceAlgorithm.predict <braintrace.ETraceAlgorithm.predict>` for the vmapped
+        learner: the model (written for one sample) runs over every sequence of the batch, at
+        any batch size, each sample from states made afresh by its ``init_state``; a single
+        sequence without a batch axis runs unmapped. ``step_fn`` calls this wrapper once per
+        step, as in training. The learner is left exactly as it was.
+
+        Parameters
+        ----------
+        *sequences : pytree
+            Time-major ``(T, batch, ...)`` (``time_axis=0``) or batch-major ``(batch, T, ...)``
+            (``time_axis=1``) sequences; the first is the model's input.
+        step_fn : callable, optional
+            ``step_fn(*slices) -> output``, calling this wrapper once. Default: the output for
+            the first sequence's slice.
+        time_axis : {0, 1}
+            The layout of the sequences, and of the outputs returned.
+
+        Returns
+        -------
+        pytree
+            The per-step outputs, ``(T, batch, ...)`` or, with ``time_axis=1``, ``(batch, T, ...)``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            As :meth:`ETraceAlgorithm.predict <braintrace.ETraceAlgorithm.predict>`.
+
+        Examples
+        --------
+        >>> import jax.numpy as jnp, braintrace
+        >>> vmapped = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL, jnp.ones((2, 3)),
+        ...                              batch_size=2, vmap=True)
+        >>> vmapped.predict(jnp.ones((6, 5, 3))).shape  # 5 sequences, mapped over the batch
+        (6, 5, 4)
+        """
+        return predict_sequences(self, self.module, sequences, step_fn, time_axis, mapped=True)
+
     @property
     def _seq_param_states(self) -> Mapping[Path, Any]:
         return self.module.param_states
+
+    @property
+    def _seq_batch_size(self) -> int | None:
+        return self._lane_count()
+
+    @property
+    def _seq_run_type(self) -> type[_GradRun]:
+        # The lanes' learner decides how a sequence's gradient is taken (BPTT: through the whole loop).
+        run_type: type[_GradRun] = self.module._seq_run_type
+        return run_type
 
     @property
     def _seq_calls(self) -> int:

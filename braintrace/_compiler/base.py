@@ -18,12 +18,9 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
-from jax.extend.core import Jaxpr, JaxprEqn, Literal, Var
-
-from braintrace._compatible_imports import source_line
+from braintrace._compatible_imports import CONTROL_FLOW_PRIMITIVES, Jaxpr, JaxprEqn, Literal, Var, is_jit, source_line
 from braintrace._compiler.control_flow_policy import DEFAULT_CONTROL_FLOW_POLICY, ControlFlowPolicy
 from braintrace._compiler.diagnostics import DiagnosticKind, DiagnosticLevel, emit
-from braintrace._compiler.jaxpr_graph import is_jit
 from braintrace._errors import NotSupportedError
 
 __all__ = [
@@ -85,7 +82,7 @@ class JaxprEvaluation:
             name = eqn.primitive.name
             if is_jit(eqn):
                 check_unsupported_op(self, eqn, "jit")
-            elif name in ("scan", "while", "cond"):
+            elif name in CONTROL_FLOW_PRIMITIVES:
                 check_unsupported_op(self, eqn, name)
             self._eval_eqn(eqn)
 
@@ -116,7 +113,7 @@ def check_unsupported_op(self: Any, eqn: JaxprEqn, op_name: str) -> None:
     if hidden is None:
         return
     path = self.outvar_to_hidden_path.get(hidden)
-    if op_name in ("scan", "while", "cond") and policy.while_hidden == "opaque-fwd":
+    if op_name in CONTROL_FLOW_PRIMITIVES and policy.while_hidden == "opaque-fwd":
         emit(
             DiagnosticKind.CONTROL_FLOW_OPAQUE_FWD, DiagnosticLevel.INFO,
             f"Hidden state {path} is computed by a weight-free `{op_name}`; it is kept as an "

@@ -35,9 +35,20 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
-from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var, new_jaxpr_eqn
 
-from braintrace._compatible_imports import source_line
+from braintrace._compatible_imports import (
+    ClosedJaxpr,
+    DropVar,
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    Var,
+    closed_jaxpr_constvars,
+    cond_branches,
+    new_jaxpr_eqn,
+    scan_params,
+    source_line,
+)
 from braintrace._compiler.control_flow_policy import DEFAULT_CONTROL_FLOW_POLICY, ControlFlowPolicy
 from braintrace._compiler.diagnostics import DiagnosticKind, DiagnosticLevel, emit
 from braintrace._compiler.jaxpr_graph import (
@@ -143,7 +154,7 @@ def _splice_fn(fn: Callable[..., Any], inputs: Sequence[Any], outvars: Sequence[
 def _cond_blocker(eqn: JaxprEqn, ctx: _Context) -> str | None:
     if eqn.effects:
         return "the cond has effects"
-    for branch in eqn.params["branches"]:
+    for branch in cond_branches(eqn):
         if branch.jaxpr.effects:
             return "a branch has effects"
         if contains_eqn(branch.jaxpr, lambda e: e.primitive.name == "while"):
@@ -156,9 +167,9 @@ def _cond_blocker(eqn: JaxprEqn, ctx: _Context) -> str | None:
 def _convert_cond(eqn: JaxprEqn, out: list[JaxprEqn], constvars: list[Var], consts: list[Any]) -> None:
     index, operands = eqn.invars[0], eqn.invars[1:]
     branch_outs = []
-    for branch in eqn.params["branches"]:
+    for branch in cond_branches(eqn):
         subst: dict[Var, Any] = dict(zip(branch.jaxpr.invars, operands))
-        for cv, c in zip(branch.jaxpr.constvars, branch.consts):
+        for cv, c in zip(closed_jaxpr_constvars(branch), branch.consts, strict=True):
             nv = fresh_var(cv)
             constvars.append(nv)
             consts.append(c)
@@ -174,7 +185,7 @@ def _convert_cond(eqn: JaxprEqn, out: list[JaxprEqn], constvars: list[Var], cons
 
 def _cond_sweep(closed: ClosedJaxpr, ctx: _Context) -> ClosedJaxpr:
     jaxpr = closed.jaxpr
-    constvars, consts = list(jaxpr.constvars), list(closed.consts)
+    constvars, consts = closed_jaxpr_constvars(closed), list(closed.consts)
     out: list[JaxprEqn] = []
     changed = False
     for eqn in jaxpr.eqns:
@@ -193,7 +204,7 @@ def _cond_sweep(closed: ClosedJaxpr, ctx: _Context) -> ClosedJaxpr:
         _convert_cond(eqn, out, constvars, consts)
         emit(DiagnosticKind.COND_IF_CONVERTED, DiagnosticLevel.INFO,
              f"A lax.cond that {reason} was converted into its branches and select_n.",
-             context={"n_branches": len(eqn.params["branches"]), "n_outputs": len(eqn.outvars), "reason": reason})
+             context={"n_branches": len(cond_branches(eqn)), "n_outputs": len(eqn.outvars), "reason": reason})
         changed = True
     if not changed:
         return closed
@@ -204,24 +215,24 @@ def _cond_sweep(closed: ClosedJaxpr, ctx: _Context) -> ClosedJaxpr:
 
 
 def _scan_static_blocker(eqn: JaxprEqn, ctx: _Context) -> str | None:
-    p = eqn.params
+    p = scan_params(eqn)
     limit = ctx.policy.scan_unroll_limit
     if limit <= 0:
         return "scan unrolling is disabled (scan_unroll_limit <= 0)"
-    if p["length"] == 0:
+    if p.length == 0:
         return "the scan has length 0"
-    if p["length"] > limit:
-        return f"its length {p['length']} exceeds scan_unroll_limit={limit}"
-    if eqn.effects or p["jaxpr"].jaxpr.effects:
+    if p.length > limit:
+        return f"its length {p.length} exceeds scan_unroll_limit={limit}"
+    if eqn.effects or p.body.jaxpr.effects:
         return "the scan has effects"
-    if contains_eqn(p["jaxpr"].jaxpr, lambda e: e.primitive.name == "while"):
+    if contains_eqn(p.body.jaxpr, lambda e: e.primitive.name == "while"):
         return "its body contains a while_loop"
     return None
 
 
 def _xs_from_weight(eqn: JaxprEqn, producers: dict[Var, JaxprEqn], weights: set[Var]) -> bool:
-    p = eqn.params
-    xs = [a for a in eqn.invars[p["num_consts"] + p["num_carry"]:] if _is_var(a)]
+    p = scan_params(eqn)
+    xs = [a for a in eqn.invars[p.num_consts + p.num_carry:] if _is_var(a)]
     seen: set[Var] = set()
     stack: list[Any] = list(xs)
     while stack:
@@ -238,19 +249,18 @@ def _xs_from_weight(eqn: JaxprEqn, producers: dict[Var, JaxprEqn], weights: set[
 
 
 def _unroll(eqn: JaxprEqn, out: list[JaxprEqn], constvars: list[Var], consts: list[Any], consumed: set[Var]) -> None:
-    p = eqn.params
-    body: ClosedJaxpr = p["jaxpr"]
-    length, nc, nk = p["length"], p["num_consts"], p["num_carry"]
+    p = scan_params(eqn)
+    body, length, nc, nk = p.body, p.length, p.num_consts, p.num_carry
     const_ops, carry, xs = eqn.invars[:nc], list(eqn.invars[nc:nc + nk]), eqn.invars[nc + nk:]
     hoisted: dict[Var, Any] = {}
-    for cv, c in zip(body.jaxpr.constvars, body.consts):
+    for cv, c in zip(closed_jaxpr_constvars(body), body.consts, strict=True):
         nv = fresh_var(cv)
         constvars.append(nv)
         consts.append(c)
         hoisted[cv] = nv
     carry_out, ys_out = eqn.outvars[:nk], eqn.outvars[nk:]
     ys_parts: list[list[Any]] = [[None] * length for _ in ys_out]
-    order = range(length - 1, -1, -1) if p["reverse"] else range(length)
+    order = range(length - 1, -1, -1) if p.reverse else range(length)
     for step_i, t in enumerate(order):
         last = step_i == length - 1
         subst: dict[Var, Any] = dict(hoisted)
@@ -289,7 +299,7 @@ def _scan_sweep(closed: ClosedJaxpr, ctx: _Context) -> ClosedJaxpr:
     jaxpr = closed.jaxpr
     producers = build_producer_map(jaxpr)
     consumed = {a for e in jaxpr.eqns for a in e.invars if _is_var(a)} | {v for v in jaxpr.outvars if _is_var(v)}
-    constvars, consts = list(jaxpr.constvars), list(closed.consts)
+    constvars, consts = closed_jaxpr_constvars(closed), list(closed.consts)
     out: list[JaxprEqn] = []
     changed = False
     for eqn in jaxpr.eqns:
@@ -299,13 +309,13 @@ def _scan_sweep(closed: ClosedJaxpr, ctx: _Context) -> ClosedJaxpr:
             continue
         blocker = _scan_static_blocker(eqn, ctx)
         if blocker is not None:
-            over_limit = eqn.params["length"] > ctx.policy.scan_unroll_limit > 0
+            over_limit = scan_params(eqn).length > ctx.policy.scan_unroll_limit > 0
             info = over_limit and ctx.policy.scan_descent == "auto"
             ctx.defer_warning(DiagnosticKind.SCAN_UNROLL_SKIPPED,
                               DiagnosticLevel.INFO if info else DiagnosticLevel.WARNING,
                               f"A scan that {reason} is not unrolled because {blocker}" +
                               ("; structured scan descent will try it." if info else "."),
-                              {"reason": blocker, "length": eqn.params["length"]})
+                              {"reason": blocker, "length": scan_params(eqn).length})
             out.append(eqn)
             continue
         if _xs_from_weight(eqn, producers, ctx.weights):
@@ -316,11 +326,11 @@ def _scan_sweep(closed: ClosedJaxpr, ctx: _Context) -> ClosedJaxpr:
             out.append(eqn)
             continue
         _unroll(eqn, out, constvars, consts, consumed)
-        p = eqn.params
+        p = scan_params(eqn)
         emit(DiagnosticKind.SCAN_UNROLLED, DiagnosticLevel.INFO,
-             f"A scan of length {p['length']} that {reason} was unrolled.",
-             context={"length": p["length"], "num_consts": p["num_consts"], "num_carry": p["num_carry"],
-                      "reverse": p["reverse"], "reason": reason})
+             f"A scan of length {p.length} that {reason} was unrolled.",
+             context={"length": p.length, "num_consts": p.num_consts, "num_carry": p.num_carry,
+                      "reverse": p.reverse, "reason": reason})
         changed = True
     if not changed:
         return closed
@@ -352,10 +362,10 @@ def _pending_rewrites(closed: ClosedJaxpr, ctx: _Context, conds: bool, scans: bo
             continue
         name = eqn.primitive.name
         if conds and ctx.policy.cond == "convert" and name == "cond" and _cond_blocker(eqn, ctx) is None:
-            pending.append(f"cond with {len(eqn.params['branches'])} branches{_located(eqn)}")
+            pending.append(f"cond with {len(cond_branches(eqn))} branches{_located(eqn)}")
         elif (scans and ctx.policy.scan_unroll_limit > 0 and name == "scan"
               and _scan_static_blocker(eqn, ctx) is None and not _xs_from_weight(eqn, producers, ctx.weights)):
-            pending.append(f"scan of length {eqn.params['length']}{_located(eqn)}")
+            pending.append(f"scan of length {scan_params(eqn).length}{_located(eqn)}")
     return pending
 
 

@@ -17,7 +17,9 @@ read here per relation and per driven group:
 * per relation, ``output_feeds`` (states outside its groups that ``y`` reaches other than
   through the groups' new values), ``untraced_uses`` (states the weight reaches other than
   through its traced operations) and ``indirect`` (``y`` also reaches a group through another
-  trainable operation the tail stops at).
+  trainable operation the tail stops at);
+* per ``ParamState`` outside every relation (:func:`plain_weight_facts`), the states its value
+  reaches: with none, its gradient within each step is all of its BPTT gradient.
 
 Only differentiable paths count: a ``stop_gradient`` or an integer/boolean value carries no
 gradient in BPTT either. The learners combine these facts with their own coordinate
@@ -41,8 +43,8 @@ from typing import Any, Collection, Iterable, NamedTuple
 import brainstate
 import jax
 import numpy as np
-from jax.extend.core import Jaxpr, Literal, Var
 
+from braintrace._compatible_imports import Jaxpr, Literal, Var
 from braintrace._compiler.graph import ETraceGraph
 from braintrace._compiler.hid_param_op import HiddenParamOpRelation, PathClassification
 from braintrace._compiler.hidden_group import HiddenGroup
@@ -52,7 +54,8 @@ from braintrace._compiler.position_dependence import AxisPatterns, Dependence, g
 from braintrace._compiler.snap_pattern import SnapPattern
 
 __all__ = [
-    "GroupFacts", "RelationFacts", "relation_facts", "differentiable_reach", "moves_positions", "traced_varshape",
+    "GroupFacts", "RelationFacts", "PlainWeightFacts", "relation_facts", "plain_weight_facts", "differentiable_reach",
+    "moves_positions", "traced_varshape",
 ]
 
 
@@ -180,19 +183,25 @@ def differentiable_reach(
     return reached
 
 
-def _state_outvars(graph: ETraceGraph) -> dict[Var, Path]:
-    """``new value variable -> path`` of every hidden and other (non-parameter) state the step writes."""
+#: ``new value variable -> paths`` of the states the step writes with it.
+StateWrites = dict[Var, tuple[Path, ...]]
+
+
+def _state_outvars(graph: ETraceGraph) -> StateWrites:
+    """The :data:`StateWrites` of every hidden and other (non-parameter) state: one variable may be
+    the new value of several states (``self.copy.value = self.h.value``)."""
     _, hidden, other = graph.module_info.split_state_outvars()
-    table: dict[Var, Path] = {}
+    table: StateWrites = {}
     for path, tree in (*hidden.items(), *other.items()):
         for leaf in jax.tree.leaves(tree):
             if _is_var(leaf):
-                table[leaf] = path
+                table[leaf] = (*table.get(leaf, ()), path)
     return table
 
 
-def _outside(reached: set[Var], states: dict[Var, Path], inside: Collection[Path]) -> tuple[Path, ...]:
-    return tuple(dict.fromkeys(path for var, path in states.items() if var in reached and path not in inside))
+def _outside(reached: set[Var], states: StateWrites, inside: Collection[Path]) -> tuple[Path, ...]:
+    return tuple(dict.fromkeys(path for var, paths in states.items() if var in reached
+                               for path in paths if path not in inside))
 
 
 def traced_varshape(group: HiddenGroup) -> tuple[int, ...]:
@@ -210,7 +219,7 @@ def traced_varshape(group: HiddenGroup) -> tuple[int, ...]:
     return shape[:-1] if isinstance(group.hidden_states[0], brainstate.HiddenGroupState) else shape
 
 
-def _group_facts(graph: ETraceGraph, group: HiddenGroup, tail: Jaxpr, states: dict[Var, Path]) -> GroupFacts:
+def _group_facts(graph: ETraceGraph, group: HiddenGroup, tail: Jaxpr, states: StateWrites) -> GroupFacts:
     jaxpr = graph.module_info.jaxpr
     derived = differentiable_reach(jaxpr, group.hidden_invars)
     cut = any(v in derived for v in group.transition_jaxpr_constvars)
@@ -240,7 +249,7 @@ def _relation_eqn_ids(graph: ETraceGraph) -> dict[Path, set[int]]:
 
 
 def _untraced_uses(graph: ETraceGraph, paths: tuple[Path, ...], eqn_ids: dict[Path, set[int]],
-                   states: dict[Var, Path]) -> tuple[Path, ...]:
+                   states: StateWrites) -> tuple[Path, ...]:
     minfo = graph.module_info
     seeds = [v for path in paths for v in minfo.weight_path_to_invars.get(path, ())]
     blocked = set().union(*(eqn_ids.get(path, set()) for path in paths))
@@ -252,7 +261,7 @@ def _is_descended(rel: HiddenParamOpRelation) -> bool:
 
 
 def _facts_of(graph: ETraceGraph, rel: HiddenParamOpRelation, eqn_ids: dict[Path, set[int]],
-              states: dict[Var, Path]) -> RelationFacts:
+              states: StateWrites) -> RelationFacts:
     weight_paths = tuple(dict.fromkeys(rel.trainable_paths.values()))
     hidden_paths = tuple(rel.connected_hidden_paths)
     if _is_descended(rel):
@@ -262,7 +271,8 @@ def _facts_of(graph: ETraceGraph, rel: HiddenParamOpRelation, eqn_ids: dict[Path
     groups = tuple(_group_facts(graph, g, tail, states) for g, tail in zip(rel.hidden_groups, tails))
     inside = [p for g in rel.hidden_groups for p in g.hidden_paths]
     new_values = {v for g in rel.hidden_groups for v in g.hidden_outvars if _is_var(v)}
-    reached = differentiable_reach(graph.module_info.jaxpr, [rel.y_var], stop=new_values)
+    # A state written with a group's new value is reached through it, which the group's feeds report.
+    reached = differentiable_reach(graph.module_info.jaxpr, [rel.y_var], stop=new_values) - new_values
     indirect = not rel.crossed_weight_paths and PathClassification.MIXED in rel.path_classification.values()
     return RelationFacts(weight_paths[0], weight_paths, hidden_paths, groups=groups,
                          output_feeds=_outside(reached, states, inside),
@@ -275,3 +285,53 @@ def relation_facts(graph: ETraceGraph) -> list[RelationFacts]:
     states = _state_outvars(graph)
     eqn_ids = _relation_eqn_ids(graph)
     return [_facts_of(graph, rel, eqn_ids, states) for rel in graph.hidden_param_op_relations]
+
+
+class PlainWeightFacts(NamedTuple):
+    """A ``ParamState`` that trains no relation, and the states the step writes from its value.
+
+    Attributes
+    ----------
+    weight_path : tuple
+    reaches : tuple
+        Paths of the hidden and other states its value reaches (differentiably); empty for a
+        readout, whose influence ends with the step's output.
+    """
+
+    weight_path: Path
+    reaches: tuple[Path, ...]
+
+
+def plain_weight_facts(graph: ETraceGraph) -> list[PlainWeightFacts]:
+    """The :class:`PlainWeightFacts` of every ``ParamState`` outside the relations of ``graph``, in model order.
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> from braintrace._compiler.exactness_facts import plain_weight_facts
+    >>> class Net(brainstate.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.p = brainstate.ParamState(jnp.ones((3, 3)))  # a plain input projection
+    ...         self.w = brainstate.ParamState(jnp.ones((3, 2)))
+    ...         self.readout = brainstate.ParamState(jnp.ones(2))
+    ...         self.h = brainstate.HiddenState(jnp.zeros(2))
+    ...     def update(self, x):
+    ...         self.h.value = 0.5 * self.h.value + braintrace.matmul(x @ self.p.value, self.w.value)
+    ...         return self.h.value * self.readout.value
+    >>> import warnings
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter('ignore')  # the compiler's warning that p has no eligibility trace
+    ...     graph = braintrace.compile_etrace_graph(Net(), jnp.ones(3))
+    >>> plain_weight_facts(graph)
+    [PlainWeightFacts(weight_path=('p',), reaches=(('h',),)), PlainWeightFacts(weight_path=('readout',), reaches=())]
+    """
+    minfo = graph.module_info
+    states = _state_outvars(graph)
+    traced = {path for rel in graph.hidden_param_op_relations for path in rel.trainable_paths.values()}
+    return [
+        PlainWeightFacts(path, _outside(differentiable_reach(minfo.jaxpr, minfo.weight_path_to_invars.get(path, ())),
+                                        states, ()))
+        for path, state in minfo.retrieved_model_states.items()
+        if isinstance(state, brainstate.ParamState) and path not in traced
+    ]

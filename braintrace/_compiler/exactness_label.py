@@ -1,7 +1,8 @@
 """``ExactnessLabel``: whether a learner's online gradient of one relation's weights equals BPTT's.
 
 A learner labels each of its relations (:func:`braintrace._algorithm.exactness.relation_labels`)
-and :class:`~braintrace.CompilationReport` lists the labels. ``exact`` is a guarantee of the
+and each weight outside every relation (:func:`~braintrace._algorithm.exactness.plain_weight_labels`);
+:class:`~braintrace.CompilationReport` lists the labels. ``exact`` is a guarantee of the
 math for single steps, or windows with the trace entering each window; everything else is
 ``approximate``, with the reasons in words.
 
@@ -27,16 +28,16 @@ Path = tuple[Any, ...]
 
 @dataclasses.dataclass(frozen=True)
 class ExactnessLabel:
-    """The exactness of one relation's weights under one learner.
+    """The exactness of one relation's weights, or of one weight outside every relation, under one learner.
 
     Attributes
     ----------
     weight_path : tuple
-        The relation's first trainable ``ParamState`` path (``relation.path``).
+        The relation's first trainable ``ParamState`` path (``relation.path``), or the weight's.
     weight_paths : tuple
-        Every ``ParamState`` path the relation trains.
+        Every ``ParamState`` path the relation trains (the weight's alone, outside a relation).
     hidden_paths : tuple
-        The hidden states the relation drives.
+        The hidden states the relation drives (the states the weight reaches, outside a relation).
     exact : bool
         Whether the online gradient of these weights equals BPTT's (see the module docstring).
     reasons : tuple of str

@@ -30,8 +30,8 @@ from typing import Any, Iterator, NamedTuple, Sequence
 
 import brainstate
 import jax
-from jax.extend.core import Literal, Var
 
+from braintrace._compatible_imports import Literal, Var, jaxpr_all_invars
 from braintrace._compiler.control_flow_policy import ControlFlowPolicy
 from braintrace._compiler.diagnostics import CompilationRecord, DiagnosticKind, diagnostic_context
 from braintrace._compiler.hid_param_op import HiddenParamOpRelation, find_hidden_param_op_relations_from_minfo
@@ -163,7 +163,7 @@ def _hoisted_vars(
         if rel.x_var is not None:
             candidates.append(rel.x_var)
         for tail in rel.y_to_hidden_group_jaxprs:
-            candidates.extend([*tail.invars, *tail.constvars])
+            candidates.extend(jaxpr_all_invars(tail))
     for group in groups:
         if group.descent is None:
             candidates.extend([*group.hidden_invars, *group.transition_jaxpr_constvars])

@@ -36,8 +36,8 @@ from typing import Any, NamedTuple
 import brainstate
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Jaxpr, JaxprEqn, Literal, Var
 
+from braintrace._compatible_imports import Jaxpr, JaxprEqn, Literal, Var, eval_jaxpr, split_jaxpr_invars
 from braintrace._compiler.control_flow_policy import DEFAULT_CONTROL_FLOW_POLICY, ControlFlowPolicy
 from braintrace._compiler.diagnostics import DiagnosticKind, DiagnosticLevel, emit
 from braintrace._compiler.hidden_group import HiddenGroup
@@ -68,7 +68,18 @@ __all__ = [
     "find_hidden_param_op_relations_from_jaxpr",
     "find_hidden_param_op_relations_from_minfo",
     "find_hidden_param_op_relations_from_module",
+    "tail_constvars",
 ]
+
+
+def tail_constvars(tail: Jaxpr) -> list[Var]:
+    """The inputs of a ``y -> h`` tail other than ``y``, its last and only ordinary input.
+
+    Derived from that count, not read back from the jaxpr (a symbol-only jaxpr may fold them
+    into its ordinary inputs).
+    """
+    constvars, _ = split_jaxpr_invars(tail, 1)
+    return constvars
 
 
 class PathClassification:
@@ -152,8 +163,7 @@ class HiddenParamOpRelation(NamedTuple):
         """Evaluate every ``y -> h`` tail; stacked per group when ``concat_hidden_vals``."""
         outs = []
         for group, jaxpr in zip(self.hidden_groups, self.y_to_hidden_group_jaxprs):
-            consts = [const_vals[v] for v in jaxpr.constvars]
-            hs = jax.core.eval_jaxpr(jaxpr, consts, y_val)
+            hs = eval_jaxpr(jaxpr, [const_vals[v] for v in tail_constvars(jaxpr)], y_val)
             outs.append(group.concat_hidden(hs) if concat_hidden_vals else hs)
         return outs
 

@@ -25,9 +25,8 @@ import brainstate
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Jaxpr, Var
 
-from braintrace._compatible_imports import split_jaxpr_invars
+from braintrace._compatible_imports import CUSTOM_VJP_PRIMITIVES, Jaxpr, Var, eval_jaxpr, split_jaxpr_invars
 from braintrace._compiler.jaxpr_graph import contains_eqn
 from braintrace._compiler.mixing_jacobian import BlockDiagonalPlan, block_diagonal_plan, structured_block_diagonal
 from braintrace._compiler.position_dependence import group_adjacency
@@ -51,13 +50,12 @@ _PLANS: dict[int, tuple[Jaxpr, BlockDiagonalPlan | None]] = {}
 # The axes along which each transition mixes positions (``None``: read conservatively).
 _AXES: dict[int, tuple[Jaxpr, list[int] | None]] = {}
 _MAX_PLANS = 64
-_CUSTOM_VJP_CALLS = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr"})
 
 
 def calls_custom_vjp(jaxpr: Jaxpr) -> bool:
     """Whether ``jaxpr`` (or one of its sub-jaxprs) calls a ``custom_vjp`` function, which has a
     reverse-mode rule only (forward mode cannot differentiate it)."""
-    return contains_eqn(jaxpr, lambda e: e.primitive.name in _CUSTOM_VJP_CALLS)
+    return contains_eqn(jaxpr, lambda e: e.primitive.name in CUSTOM_VJP_PRIMITIVES)
 
 
 def state_basis(shape: tuple[int, ...], num_state: int, dtype: Any) -> Array:
@@ -213,7 +211,7 @@ class HiddenGroup(NamedTuple):
 
     def transition(self, hidden_vals: Sequence[Array], input_vals: Sequence[Array]) -> list[Array]:
         """``h^t`` of every member from their ``h^{t-1}`` and the transition's other inputs."""
-        return list(jax.core.eval_jaxpr(self.transition_jaxpr, list(input_vals), *hidden_vals))
+        return eval_jaxpr(self.transition_jaxpr, input_vals, *hidden_vals)
 
     def concat_hidden(self, splitted_hid_vals: Sequence[Array]) -> Array:
         """Stack member values on a trailing state axis: ``(*varshape, S)``.
@@ -376,7 +374,7 @@ class HiddenGroup(NamedTuple):
 
         def fn(stacked: Array) -> Array:
             hs = self.split_hidden(stacked)
-            return self.concat_hidden(jax.core.eval_jaxpr(jaxpr, [*input_vals, *fixed], *hs))
+            return self.concat_hidden(eval_jaxpr(jaxpr, [*input_vals, *fixed], *hs))
 
         return fn
 

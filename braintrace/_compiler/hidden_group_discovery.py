@@ -31,12 +31,22 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import brainstate
-from jax.extend.core import Jaxpr, JaxprEqn, Literal, Var
 
+from braintrace._compatible_imports import (
+    CONTROL_FLOW_PRIMITIVES,
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    Var,
+    cond_branches,
+    scan_params,
+    subjaxprs,
+    while_params,
+)
 from braintrace._compiler.base import JaxprEvaluation
 from braintrace._compiler.diagnostics import DiagnosticKind, DiagnosticLevel, emit
 from braintrace._compiler.hidden_group import HiddenGroup
-from braintrace._compiler.jaxpr_graph import new_jaxpr, subjaxprs
+from braintrace._compiler.jaxpr_graph import new_jaxpr
 from braintrace._compiler.module_info import ModuleInfo, Path, extract_module_info
 from braintrace._op._registries import is_etp_enable_gradient_primitive, is_etp_primitive
 
@@ -100,7 +110,7 @@ class JaxprEvalForHiddenGroup(JaxprEvaluation):
         if eqn.primitive.name in _MIXING:
             return any(taint)
         if any(taint) and any(True for _ in subjaxprs(eqn)) and _eqn_mixes(eqn, taint)[0]:
-            if eqn.primitive.name in ("scan", "while", "cond"):
+            if eqn.primitive.name in CONTROL_FLOW_PRIMITIVES:
                 emit(
                     DiagnosticKind.CONTROL_FLOW_RECURRENT_MIXING, DiagnosticLevel.WARNING,
                     f"A `{eqn.primitive.name}` body mixes hidden-state values through "
@@ -146,21 +156,23 @@ def _jaxpr_mixes(jaxpr: Jaxpr, taint_in: list[bool]) -> tuple[bool, list[bool]]:
 
 def _eqn_mixes(eqn: JaxprEqn, taint: list[bool]) -> tuple[bool, list[bool]]:
     """Mixing check for an equation with bodies; maps operands into the bodies by position."""
-    name, p = eqn.primitive.name, eqn.params
+    name = eqn.primitive.name
     if name == "scan":
-        body, nc, nk = p["jaxpr"].jaxpr, p["num_consts"], p["num_carry"]
-        return _fixpoint(body, taint, carry_in=slice(nc, nc + nk), carry_out=slice(0, nk))
+        scan = scan_params(eqn)
+        nc, nk = scan.num_consts, scan.num_carry
+        return _fixpoint(scan.body.jaxpr, taint, carry_in=slice(nc, nc + nk), carry_out=slice(0, nk))
     if name == "while":
-        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        loop = while_params(eqn)
+        cn, bn = loop.cond_nconsts, loop.body_nconsts
         carry = taint[cn + bn:]
-        mixes, _ = _jaxpr_mixes(p["cond_jaxpr"].jaxpr, taint[:cn] + carry)
+        mixes, _ = _jaxpr_mixes(loop.cond.jaxpr, taint[:cn] + carry)
         if mixes:
             return True, []
         body_taint = taint[cn:cn + bn] + carry
-        return _fixpoint(p["body_jaxpr"].jaxpr, body_taint, carry_in=slice(bn, None), carry_out=slice(None))
+        return _fixpoint(loop.body.jaxpr, body_taint, carry_in=slice(bn, None), carry_out=slice(None))
     if name == "cond":
         outs: list[bool] = [False] * len(eqn.outvars)
-        for branch in p["branches"]:
+        for branch in cond_branches(eqn):
             mixes, out_t = _jaxpr_mixes(branch.jaxpr, taint[1:])
             if mixes:
                 return True, []

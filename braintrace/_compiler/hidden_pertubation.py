@@ -29,7 +29,20 @@ import brainstate
 import brainunit as u
 import jax
 import jax.numpy as jnp
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, new_jaxpr_eqn
+
+from braintrace._compatible_imports import (
+    CONTROL_FLOW_PRIMITIVES,
+    ClosedJaxpr,
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    ShapedArray,
+    Var,
+    closed_jaxpr_constvars,
+    eval_jaxpr,
+    jaxpr_all_invars,
+    new_jaxpr_eqn,
+)
 
 from braintrace._compiler.base import JaxprEvaluation, check_unsupported_op
 from braintrace._compiler.control_flow_policy import DEFAULT_CONTROL_FLOW_POLICY, ControlFlowPolicy
@@ -42,7 +55,6 @@ from braintrace._compiler.jaxpr_graph import (
     fresh_var,
     new_jaxpr,
 )
-from braintrace._compatible_imports import ShapedArray
 from braintrace._compiler.module_info import ModuleInfo, Path, extract_module_info
 from braintrace._op._rule_helpers import dtype_of, shape_of
 
@@ -90,7 +102,7 @@ class HiddenPerturbation(NamedTuple):
     def eval_jaxpr(self, inputs: Sequence[Any], perturb_data: Sequence[Any]) -> list[Any]:
         """Evaluate the perturbed step on flat ``inputs`` and ``perturb_data``."""
         jaxpr = self.perturb_jaxpr
-        return list(jax.core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *inputs, *perturb_data))
+        return eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *inputs, *perturb_data)
 
     def init_perturb_data(self) -> list[jax.Array]:
         """Zero perturbations."""
@@ -192,8 +204,10 @@ class JaxprEvalForHiddenPerturbation(JaxprEvaluation):
         jaxpr = self.closed_jaxpr.jaxpr
         self._eval_jaxpr(jaxpr)
         outvars = list(jaxpr.outvars)
+        every = jaxpr_all_invars(jaxpr)
+        constvars = closed_jaxpr_constvars(self.closed_jaxpr)
         for h in list(self.pending):
-            if h in jaxpr.invars or h in jaxpr.constvars:  # read-only: h^t = h^{t-1}
+            if h in every:  # read-only: h^t = h^{t-1}
                 shifted = fresh_var(h)
                 self.eqns.append(_add_eqn(h, self.perturb[h], shifted, None))
                 outvars = [shifted if v is h else v for v in outvars]
@@ -205,7 +219,7 @@ class JaxprEvalForHiddenPerturbation(JaxprEvaluation):
                 f"Please report an issue with the model that triggers it."
             )
         perturb_vars = list(self.perturb.values())
-        new = new_jaxpr(jaxpr.constvars, [*jaxpr.invars, *perturb_vars], outvars, self.eqns,
+        new = new_jaxpr(constvars, [*every[len(constvars):], *perturb_vars], outvars, self.eqns,
                         jaxpr.effects, name="perturbed_step")
         paths = [self.outvar_to_hidden_path[h] for h in self.perturb]
         return HiddenPerturbation(
@@ -218,7 +232,7 @@ class JaxprEvalForHiddenPerturbation(JaxprEvaluation):
     def _eval_jaxpr(self, jaxpr: Jaxpr) -> None:
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
-            if name in ("scan", "while", "cond"):
+            if name in CONTROL_FLOW_PRIMITIVES:
                 check_unsupported_op(self, eqn, name)
             self._eval_eqn(eqn)
 

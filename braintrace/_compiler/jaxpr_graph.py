@@ -18,9 +18,23 @@ Examples
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
-from jax.extend.core import ClosedJaxpr, DebugInfo, DropVar, Jaxpr, JaxprEqn, Literal, Var
+from braintrace._compatible_imports import (
+    CONTROL_FLOW_PRIMITIVES,
+    ClosedJaxpr,
+    DebugInfo,
+    DropVar,
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    Var,
+    closed_jaxpr_constvars,
+    is_jit,
+    jit_body,
+    map_closed_subjaxprs,
+    subjaxprs,
+)
 
 __all__ = [
     "CONTROL_FLOW_PRIMITIVES",
@@ -37,10 +51,6 @@ __all__ = [
     "new_jaxpr",
 ]
 
-#: Primitives whose bodies the compiler treats as (opaque) control flow.
-CONTROL_FLOW_PRIMITIVES = ("scan", "while", "cond")
-_JIT_NAMES = ("jit", "pjit")
-
 #: Primitives that act position by position: each output element reads only the same-index
 #: elements of its operands.
 ELEMENTWISE_PRIMITIVES = frozenset({
@@ -52,27 +62,6 @@ ELEMENTWISE_PRIMITIVES = frozenset({
     "rsqrt", "select_n", "sign", "sin", "sinh", "sqrt", "square", "stop_gradient", "sub", "tan",
     "tanh", "xor", "real", "imag", "conj",
 })
-
-
-def is_jit(eqn: JaxprEqn) -> bool:
-    """Whether ``eqn`` is a call of a user ``jax.jit`` function."""
-    return eqn.primitive.name in _JIT_NAMES
-
-
-def subjaxprs(eqn: JaxprEqn) -> Iterator[Jaxpr]:
-    """The (open) jaxprs held in ``eqn.params``: jit, scan, while, cond bodies and the like."""
-    for value in eqn.params.values():
-        yield from _jaxprs_in(value)
-
-
-def _jaxprs_in(value: Any) -> Iterator[Jaxpr]:
-    if isinstance(value, ClosedJaxpr):
-        yield value.jaxpr
-    elif isinstance(value, Jaxpr):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _jaxprs_in(item)
 
 
 def contains_eqn(jaxpr: Jaxpr, predicate: Callable[[JaxprEqn], bool]) -> bool:
@@ -180,7 +169,7 @@ def inline_jit_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
     jaxpr = closed.jaxpr
     if not _has_inlinable_jit(jaxpr):
         return closed
-    constvars, consts = list(jaxpr.constvars), list(closed.consts)
+    constvars, consts = closed_jaxpr_constvars(closed), list(closed.consts)
     subst: dict[Var, Any] = {}
     eqns: list[JaxprEqn] = []
     _splice(jaxpr.eqns, subst, eqns, constvars, consts, freshen=False)
@@ -207,9 +196,9 @@ def _splice(
     for eqn in src:
         invars = [_read(subst, a) for a in eqn.invars]
         if is_jit(eqn):
-            body: ClosedJaxpr = eqn.params["jaxpr"]
+            body = jit_body(eqn)
             inner: dict[Var, Any] = {}
-            for cv, c in zip(body.jaxpr.constvars, body.consts):
+            for cv, c in zip(closed_jaxpr_constvars(body), body.consts, strict=True):
                 nv = fresh_var(cv)
                 constvars.append(nv)
                 consts.append(c)
@@ -220,23 +209,11 @@ def _splice(
                 if not isinstance(outer_v, DropVar):
                     subst[outer_v] = _read(inner, inner_v)
             continue
-        params = eqn.params
         if eqn.primitive.name in CONTROL_FLOW_PRIMITIVES:
-            params = {k: _inline_param(v) for k, v in eqn.params.items()}
+            eqn = map_closed_subjaxprs(eqn, inline_jit_calls)
         outvars = eqn.outvars
         if freshen:
             outvars = [fresh_var(v) for v in eqn.outvars]
             subst.update((o, n) for o, n in zip(eqn.outvars, outvars) if not isinstance(o, DropVar))
-        changed = freshen or any(a is not b for a, b in zip(invars, eqn.invars)) or any(
-            params[k] is not eqn.params[k] for k in params
-        )
-        out.append(eqn.replace(invars=invars, outvars=outvars, params=params) if changed else eqn)
-
-
-def _inline_param(value: Any) -> Any:
-    if isinstance(value, ClosedJaxpr):
-        return inline_jit_calls(value)
-    if isinstance(value, tuple) and value and all(isinstance(v, ClosedJaxpr) for v in value):
-        new = tuple(inline_jit_calls(v) for v in value)
-        return value if all(a is b for a, b in zip(new, value)) else new
-    return value
+        changed = freshen or any(a is not b for a, b in zip(invars, eqn.invars))
+        out.append(eqn.replace(invars=invars, outvars=outvars) if changed else eqn)

@@ -70,10 +70,18 @@ from typing import Any, Callable, NamedTuple, Sequence, TypeGuard
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Jaxpr, JaxprEqn, Literal, Var
 
-from braintrace._compatible_imports import split_jaxpr_invars
-from braintrace._compiler.jaxpr_graph import ELEMENTWISE_PRIMITIVES, subjaxprs
+from braintrace._compatible_imports import (
+    CALL_PRIMITIVES,
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    Var,
+    bind_equation,
+    split_jaxpr_invars,
+    subjaxprs,
+)
+from braintrace._compiler.jaxpr_graph import ELEMENTWISE_PRIMITIVES
 from braintrace._errors import internal_error
 from braintrace._op._rule_helpers import materialised
 from braintrace._op.conv import resolved_padding
@@ -90,8 +98,7 @@ _STRUCTURAL = frozenset({
 })
 _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
 # Call-like ops whose body is analysed and then bound as is.
-_CALLS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "pjit", "jit",
-                    "closed_call", "core_call", "remat", "checkpoint"})
+_CALLS = CALL_PRIMITIVES
 _ETP_DENSE = frozenset({"etp_mm", "etp_mv"})
 _ETP_CONV = "etp_conv"
 _ETP_SPARSE = frozenset({"etp_sp_mm", "etp_sp_mv"})
@@ -291,11 +298,9 @@ def _structural(eqn: JaxprEqn, ins: list[_Label | None]) -> list[np.ndarray]:
         lab.ids if lab is not None else np.full(_shape(v) if isinstance(v, Var) else (), -1)
         for v, lab in zip(eqn.invars, ins)
     ]
-    params = eqn.primitive.get_bind_params(eqn.params)
     # Evaluated now on concrete labels, even while the caller is being traced by jit.
     with jax.ensure_compile_time_eval():
-        out = eqn.primitive.bind(*[jnp.asarray(a, jnp.int32) for a in labels], **params)
-    outs = out if eqn.primitive.multiple_results else [out]
+        outs = bind_equation(eqn, [jnp.asarray(a, jnp.int32) for a in labels])
     return [np.asarray(o, np.int64) for o in outs]
 
 
@@ -513,12 +518,6 @@ _PURE, _SAME_POSITION = "pure", "same-position"
 _Parts = dict[Any, Array]
 
 
-def _bind(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
-    params = eqn.primitive.get_bind_params(eqn.params)
-    out = eqn.primitive.bind(*invals, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
 def _mixing_weight(eqn: JaxprEqn, invals: Sequence[Any]) -> Array:
     """The effective weight of a mixing equation (hooks applied): a dense ``(K, N)`` matrix or
     a convolution's kernel."""
@@ -568,7 +567,7 @@ def _pushed_tangents(eqn: JaxprEqn, invals: list[Any], parts: list[_Parts]) -> t
         full = list(invals)
         for i, v in zip(carried, vals):
             full[i] = v
-        return _bind(eqn, full)
+        return bind_equation(eqn, full)
 
     outs, linear = jax.linearize(fn, *[invals[i] for i in carried])
     pushed: list[_Parts] = [{} for _ in eqn.outvars]
@@ -647,12 +646,12 @@ def structured_block_diagonal(
             parts = [tangents.get(v, {}) if _is_var(v) else {} for v in eqn.invars]
             rule = plan.rules.get(id(eqn))
             if not any(parts):
-                outs = _bind(eqn, invals)
+                outs = bind_equation(eqn, invals)
             elif rule is None:
                 outs, pushed = _pushed_tangents(eqn, invals, parts)
                 tangents.update(zip(eqn.outvars, pushed))
             else:
-                outs = _bind(eqn, invals)
+                outs = bind_equation(eqn, invals)
                 tangents[eqn.outvars[0]] = mixing_tangents(eqn, rule, invals, outs[0], parts[rule.operand])
             env.update(zip(eqn.outvars, outs))
 

@@ -29,8 +29,8 @@ from typing import Any, NamedTuple, Sequence
 import brainstate
 import brainunit as u
 import jax
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
+from braintrace._compatible_imports import ClosedJaxpr, Jaxpr, Literal, Var, closed_jaxpr_constvars, eval_jaxpr
 from braintrace._compiler.canonicalize import canonicalize_control_flow
 from braintrace._compiler.control_flow_policy import (
     DEFAULT_CONTROL_FLOW_POLICY,
@@ -120,7 +120,8 @@ class ModuleInfo(NamedTuple):
             if not isinstance(v, Var) or isinstance(v, Literal):
                 raise TypeError(f"add_jaxpr_outs: expected jaxpr variables, got {type(v).__name__}.")
         jaxpr = self.jaxpr
-        new = new_jaxpr(jaxpr.constvars, jaxpr.invars, [*jaxpr.outvars, *jax_vars], jaxpr.eqns, jaxpr.effects)
+        constvars = closed_jaxpr_constvars(self.closed_jaxpr)
+        new = new_jaxpr(constvars, jaxpr.invars, [*jaxpr.outvars, *jax_vars], jaxpr.eqns, jaxpr.effects)
         return self._replace(closed_jaxpr=ClosedJaxpr(new, self.closed_jaxpr.consts))
 
     def split_state_outvars(self) -> tuple[dict[Path, Any], dict[Path, Any], dict[Path, Any]]:
@@ -140,7 +141,7 @@ class ModuleInfo(NamedTuple):
         if old_state_vals is None:
             old_state_vals = [st.value for st in self.compiled_model_states]
         flat = jax.tree.leaves((args, list(old_state_vals)))
-        outs = jax.core.eval_jaxpr(self.jaxpr, self.closed_jaxpr.consts, *flat)
+        outs = eval_jaxpr(self.jaxpr, self.closed_jaxpr.consts, *flat)
         return self._process(*args, jaxpr_outs=outs)
 
     def _process(self, *args: Any, jaxpr_outs: Sequence[Any]) -> tuple[Any, ...]:

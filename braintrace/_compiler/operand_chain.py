@@ -27,8 +27,8 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
+from braintrace._compatible_imports import ClosedJaxpr, Jaxpr, Literal, Var, closed_jaxpr_constvars, eval_jaxpr
 from braintrace._compiler.jaxpr_graph import build_producer_map, new_jaxpr
 from braintrace._compiler.module_info import Path
 
@@ -56,7 +56,7 @@ class OperandChain(NamedTuple):
         return [jax.tree.leaves(weight_vals[path])[index] for path, index in self.leaves]
 
     def _apply(self, *leaves: Any) -> Any:
-        return jax.core.eval_jaxpr(self.jaxpr, self.consts, *leaves)[0]
+        return eval_jaxpr(self.jaxpr, self.consts, *leaves)[0]
 
     def value(self, weight_vals: dict[Path, Any]) -> Any:
         """The operand computed from the current parameter values."""
@@ -83,7 +83,7 @@ def operand_chain(
     """
     jaxpr = closed_jaxpr.jaxpr
     producers = build_producer_map(jaxpr)
-    const_values = dict(zip(jaxpr.constvars, closed_jaxpr.consts))
+    const_values = dict(zip(closed_jaxpr_constvars(closed_jaxpr), closed_jaxpr.consts, strict=True))
     leaves: list[Var] = []
     consts: list[Var] = []
     kept: set[int] = set()

@@ -6,8 +6,12 @@ to the positions it reads, **per axis**: along axis ``i`` a boolean ``(len of th
 V_i)`` matrix whose entry ``[j, q]`` says that index ``j`` of the value reads index ``q`` of the
 group. Element-wise operations OR the relations of their operands, ``concatenate`` / ``slice``
 / ``rev`` move rows, a plain ``h @ W`` mixes the last axis, and an ETP primitive composes the
-pattern of its ``snap_adjacency`` rule. Anything else (an operation without a rule, control
-flow, a changed rank) makes the value unreadable.
+pattern of its ``snap_adjacency`` rule. An operation without a rule of its own (a library's
+primitive, such as the surrogate spike ``heaviside_surrogate_gradient`` of
+``braintools.surrogate``) is read through its JVP rule, the derivative that BPTT and the learners
+take of it: its outputs read what the primal and tangent outputs of that rule read. Anything else
+(a JVP rule that cannot be traced or read, control flow, a changed rank) makes the value
+unreadable.
 
 Two readers use it:
 
@@ -36,12 +40,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeGuard
 
+import jax
 import numpy as np
-from jax.extend.core import DropVar, Jaxpr, JaxprEqn, Literal, Var
 
-from braintrace._compatible_imports import split_jaxpr_invars
+from braintrace._compatible_imports import (
+    CALL_PRIMITIVES,
+    DropVar,
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    Var,
+    split_jaxpr_invars,
+    subjaxprs,
+)
 from braintrace._compiler.diagnostics import DiagnosticKind, DiagnosticLevel, emit
-from braintrace._compiler.jaxpr_graph import subjaxprs
 from braintrace._op._registries import get_snap_adjacency_rule, get_x_invar_index, is_etp_primitive
 
 if TYPE_CHECKING:
@@ -79,13 +91,10 @@ _ELEMENTWISE = frozenset({
     "abs", "sign", "floor", "ceil", "round", "is_finite", "erf", "erfc", "erf_inv", "lgamma",
     "digamma", "nextafter", "select_n", "clamp", "convert_element_type", "copy", "copy_p",
     "reduce_precision", "stop_gradient", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not",
-    "xor", "real", "imag", "conj", "custom_lin",
+    "xor", "real", "imag", "conj", "custom_lin", "add_any",
 })
 #: Call-like primitives whose single body takes the equation's operands and returns its outputs.
-_CALLS = frozenset({
-    "pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-    "custom_vjp_call_jaxpr", "remat", "checkpoint", "remat2",
-})
+_CALLS = CALL_PRIMITIVES
 
 
 def _shape(atom: Any) -> tuple[int, ...]:
@@ -172,25 +181,31 @@ def _dot_general(eqn: JaxprEqn, deps: list[Dependence | None]) -> Dependence:
     raise _Unreadable("`dot_general` contracts hidden-derived values in a layout SnAp cannot read")
 
 
-def _walk(jaxpr: Jaxpr, deps_in: Sequence[Dependence | None], widths: tuple[int, ...]) -> list[Dependence | None]:
+def _walk(jaxpr: Jaxpr, deps_in: Sequence[Dependence | None], widths: tuple[int, ...],
+          *, through_jvp: bool = True) -> list[Dependence | None]:
     """The dependence of every output of ``jaxpr`` given that of its inputs (``None``: none).
+
+    ``through_jvp``: an operation without a rule is read through its JVP rule (one level: not
+    inside such a rule, so that a rule binding its own primitive does not recurse).
 
     Raises
     ------
     _Unreadable
         When some hidden-derived value cannot be related to the positions.
     """
-    return _walk_from(jaxpr, {v: d for v, d in zip(jaxpr.invars, deps_in) if d is not None}, widths)
+    seeds = {v: d for v, d in zip(jaxpr.invars, deps_in) if d is not None}
+    return _walk_from(jaxpr, seeds, widths, through_jvp=through_jvp)
 
 
-def _walk_from(jaxpr: Jaxpr, seeds: dict[Var, Dependence], widths: tuple[int, ...]) -> list[Dependence | None]:
+def _walk_from(jaxpr: Jaxpr, seeds: dict[Var, Dependence], widths: tuple[int, ...],
+               *, through_jvp: bool = True) -> list[Dependence | None]:
     """:func:`_walk` from the dependence of some of ``jaxpr``'s inputs (the others: none)."""
     env: dict[Var, Dependence] = dict(seeds)
     for eqn in jaxpr.eqns:
         deps = [env.get(a) if _is_var(a) else None for a in eqn.invars]
         if all(d is None for d in deps):
             continue
-        outs = _eqn_dependence(eqn, deps, widths)
+        outs = _eqn_dependence(eqn, deps, widths, through_jvp)
         for v, d in zip(eqn.outvars, outs):
             if d is not None and not isinstance(v, DropVar):
                 if len(_shape(v)) != len(widths):
@@ -199,7 +214,40 @@ def _walk_from(jaxpr: Jaxpr, seeds: dict[Var, Dependence], widths: tuple[int, ..
     return [env.get(v) if _is_var(v) else None for v in jaxpr.outvars]
 
 
-def _eqn_dependence(eqn: JaxprEqn, deps: list[Dependence | None], widths: tuple[int, ...]) -> list[Dependence | None]:
+def _through_jvp(eqn: JaxprEqn, deps: list[Dependence | None], widths: tuple[int, ...]) -> list[Dependence | None]:
+    """An operation without a position rule, read through its JVP rule (see the module docstring).
+
+    Output ``k`` reads what the rule's primal and tangent outputs ``k`` read, each tangent input
+    reading what its primal does. The rule's own operations must have rules.
+    """
+    no_rule = _Unreadable(f"`{eqn.primitive.name}` has no position rule")
+    dtypes = [getattr(a.aval, "dtype", None) for a in eqn.invars]
+    if eqn.effects or not all(d is not None and jax.numpy.issubdtype(d, jax.numpy.inexact) for d in dtypes):
+        raise no_rule
+    avals = [jax.ShapeDtypeStruct(_shape(a), d) for a, d in zip(eqn.invars, dtypes)]
+
+    def jvp(primals: list[Any], tangents: list[Any]) -> Any:
+        return jax.jvp(lambda *args: eqn.primitive.bind(*args, **eqn.params), primals, tangents)
+
+    try:
+        rule = jax.make_jaxpr(jvp)(avals, avals).jaxpr
+    except Exception:  # no JVP rule, or one that cannot be traced on abstract values: nothing is known
+        raise no_rule from None
+    _, invars = split_jaxpr_invars(rule, 2 * len(avals))
+    try:
+        outs = _walk_from(rule, {v: d for v, d in zip(invars, deps + deps) if d is not None}, widths,
+                          through_jvp=False)
+    except _Unreadable:
+        raise no_rule from None
+    n = len(eqn.outvars)
+    if len(outs) != 2 * n:
+        raise no_rule
+    pairs = [[d for d in (outs[k], outs[n + k]) if d is not None] for k in range(n)]
+    return [_or(pair) if pair else None for pair in pairs]
+
+
+def _eqn_dependence(eqn: JaxprEqn, deps: list[Dependence | None], widths: tuple[int, ...],
+                    through_jvp: bool = True) -> list[Dependence | None]:
     name = eqn.primitive.name
     hidden_shapes = [_shape(a) for a, d in zip(eqn.invars, deps) if d is not None]
     if any(len(s) != len(widths) for s in hidden_shapes):
@@ -223,9 +271,11 @@ def _eqn_dependence(eqn: JaxprEqn, deps: list[Dependence | None], widths: tuple[
         body = next((j for j in subjaxprs(eqn) if len(j.invars) == len(eqn.invars)
                      and len(j.outvars) == len(eqn.outvars)), None)
         if body is not None:
-            return _walk(body, deps, widths)
+            return _walk(body, deps, widths, through_jvp=through_jvp)
     if any(True for _ in subjaxprs(eqn)):
         raise _Unreadable(f"control flow (`{name}`) on the recurrent path")
+    if through_jvp:
+        return _through_jvp(eqn, deps, widths)
     raise _Unreadable(f"`{name}` has no position rule")
 
 

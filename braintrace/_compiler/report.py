@@ -19,6 +19,7 @@ Examples
 from __future__ import annotations
 
 import sys
+import textwrap
 from typing import Iterable, TextIO
 
 import brainstate
@@ -50,13 +51,18 @@ class CompilationReport:
         One per relation of ``graph``, in relation order: whether a learner's online gradient of
         the relation's weights equals BPTT's (``learner.report`` passes the learner's; see
         :mod:`braintrace._algorithm.exactness`). Without labels the report lists none.
+    plain_labels : iterable of ExactnessLabel, optional
+        One per ``ParamState`` outside every relation, in the order of :attr:`excluded_weights`
+        (``learner.report`` passes the learner's). With ``labels``, :attr:`weight_exactness`
+        and ``to_str(2)`` give the exactness of every weight, and why.
 
     Raises
     ------
     TypeError
         If a label is not an ``ExactnessLabel``.
     ValueError
-        If the labels do not match the graph's relations one by one.
+        If the labels do not match the graph's relations one by one, or the plain labels its
+        weights outside every relation.
 
     Examples
     --------
@@ -72,11 +78,22 @@ class CompilationReport:
     >>> snap = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), 'snap', jnp.ones(3))
     >>> print(snap.report.to_str().splitlines()[-1])  # SnAp-2 saturates on a dense recurrence
        Relation 0: ('W', 'weight') -> hidden group 0 [('h',)]: exact
+
+    Level 2 adds every weight's exactness and its reasons:
+
+    >>> print(report.to_str(2).split("\\n\\n")[-1])
+    Exactness of the online gradient per weight (single step, or windows with the trace entering each window):
+       ('W', 'weight'): approximate, through its eligibility trace (hidden group 0):
+          - hidden group 0's recurrence passes through a weight operation (a recurrent weight mixing
+            hidden units), which the diagonal scope leaves out of D: it keeps only each unit's own
+            element-wise dependence
     """
 
-    def __init__(self, graph: ETraceGraph, labels: Iterable[ExactnessLabel] | None = None) -> None:
+    def __init__(self, graph: ETraceGraph, labels: Iterable[ExactnessLabel] | None = None,
+                 plain_labels: Iterable[ExactnessLabel] | None = None) -> None:
         self.graph = graph
         self._labels = _checked_labels(graph, labels)
+        self._plain_labels = _checked_plain_labels(self.excluded_weights, plain_labels)
 
     @property
     def hidden_groups(self) -> list[tuple[int, list[Path]]]:
@@ -139,6 +156,17 @@ class CompilationReport:
         return self._labels
 
     @property
+    def weight_exactness(self) -> dict[Path, ExactnessLabel]:
+        """``path -> ExactnessLabel`` of every labelled weight, in model order: a relation weight's
+        label (its relations' merged, when it trains several), or its plain label."""
+        by_path: dict[Path, list[ExactnessLabel]] = {}
+        for label in (*self._labels, *self._plain_labels):
+            for path in label.weight_paths:
+                by_path.setdefault(path, []).append(label)
+        order = [p for p, st in self.graph.module_info.retrieved_model_states.items() if p in by_path]
+        return {path: _merged(path, by_path[path]) for path in order}
+
+    @property
     def counts(self) -> dict[str, int]:
         levels = [r.level for r in self.graph.diagnostics]
         return {
@@ -150,7 +178,8 @@ class CompilationReport:
         }
 
     def to_str(self, level: int = 1) -> str:
-        """The report as text; ``level >= 2`` adds the compiler's warnings and errors."""
+        """The report as text; ``level >= 2`` adds every weight's exactness with its reasons (when
+        labelled) and the compiler's warnings and errors."""
         sections = ["=" * 120]
         lines = ["The hidden groups are:"]
         lines += [f"   Group {i}: {paths}" for i, paths in self.hidden_groups]
@@ -185,12 +214,39 @@ class CompilationReport:
             for i, (path, reason) in enumerate(self.excluded_weights):
                 lines.append(f"   Weight {i}: {path}" + (f"  (excluded: {reason})" if reason else ""))
             sections.append("\n".join(lines))
+        if level >= 2 and self.weight_exactness:
+            sections.append(self._weight_section())
         issues = [r for r in self.graph.diagnostics if r.level is not DiagnosticLevel.INFO]
         if level >= 2 and issues:
             lines = ["Compiler diagnostics (warnings / errors):"]
             lines += [f"   [{r.level.value}] {r.kind.value}: {r.message}" for r in issues]
             sections.append("\n".join(lines))
         return "\n\n".join(sections)
+
+    def _weight_section(self) -> str:
+        """Every labelled weight: exact or approximate, how it learns, and each reason on its own line."""
+        traced: dict[Path, list[int]] = {}
+        for rel in self.graph.hidden_param_op_relations:
+            for p in dict.fromkeys(rel.trainable_paths.values()):
+                traced.setdefault(p, []).extend(g.index for g in rel.hidden_groups)
+        excluded = dict(self.excluded_weights)
+        lines = ["Exactness of the online gradient per weight (single step, or windows with the trace "
+                 "entering each window):"]
+        for path, label in self.weight_exactness.items():
+            verdict = "exact" if label.exact else "approximate"
+            if path in traced:
+                groups = sorted(set(traced[path]))
+                how = "through its eligibility trace (hidden " + (
+                    f"group {groups[0]})" if len(groups) == 1 else f"groups {groups})")
+                how += ", which holds all of its influence on later steps" if label.exact else ""
+            elif label.exact:
+                how = ("without an eligibility trace: it reaches no state, so its gradient within each step is "
+                       "all of BPTT's")
+            else:
+                how = "without an eligibility trace" + (f" (excluded: {excluded[path]})" if excluded.get(path) else "")
+            lines.append(f"   {path}: {verdict}, {how}" + (":" if label.reasons else ""))
+            lines += [_bullet(reason) for reason in label.reasons]
+        return "\n".join(lines)
 
     def show(self, level: int = 1, *, file: TextIO | None = None) -> None:
         """Print :meth:`to_str`."""
@@ -211,6 +267,36 @@ def _groups_of(relation: HiddenParamOpRelation) -> str:
     """``'group 0'`` or ``'groups [0, 1]'``: the hidden groups a relation drives."""
     idx = [g.index for g in relation.hidden_groups]
     return f"group {idx[0]}" if len(idx) == 1 else f"groups {idx}"
+
+
+def _bullet(reason: str, width: int = 100) -> str:
+    """``reason`` as an indented ``-`` item, wrapped at ``width`` characters."""
+    return "\n".join(textwrap.wrap(reason, width, initial_indent="      - ", subsequent_indent="        "))
+
+
+def _merged(path: Path, labels: list[ExactnessLabel]) -> ExactnessLabel:
+    """One weight's label from those of the relations it trains (or its plain label): exact when all are."""
+    reasons = tuple(dict.fromkeys(r for label in labels for r in label.reasons))
+    hidden = tuple(dict.fromkeys(h for label in labels for h in label.hidden_paths))
+    return ExactnessLabel(path, (path,), hidden, not reasons, reasons)
+
+
+def _checked_plain_labels(excluded: list[tuple[Path, str | None]],
+                          labels: Iterable[ExactnessLabel] | None) -> tuple[ExactnessLabel, ...]:
+    if labels is None:
+        return ()
+    labels = tuple(labels)
+    for label in labels:
+        if not isinstance(label, ExactnessLabel):
+            raise TypeError(
+                f"CompilationReport: plain_labels must be ExactnessLabel objects, got {type(label).__name__}.")
+    paths = [path for path, _ in excluded]
+    if [label.weight_paths for label in labels] != [(path,) for path in paths]:
+        raise ValueError(
+            f"CompilationReport: the {len(labels)} plain label(s) do not match the graph's {len(paths)} weight(s) "
+            f"outside every relation one by one ({paths}, in model order); label the learner that compiled this "
+            f"graph, e.g. learner.report.")
+    return labels
 
 
 def _checked_labels(graph: ETraceGraph, labels: Iterable[ExactnessLabel] | None) -> tuple[ExactnessLabel, ...]:

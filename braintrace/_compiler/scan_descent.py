@@ -60,14 +60,24 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Sequence
 
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
-
-from braintrace._compatible_imports import ShapedArray
+from braintrace._compatible_imports import (
+    CONTROL_FLOW_PRIMITIVES,
+    ClosedJaxpr,
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    ShapedArray,
+    Var,
+    closed_jaxpr_constvars,
+    jaxpr_all_invars,
+    replace_scan_body,
+    scan_params,
+)
 from braintrace._compiler.diagnostics import DiagnosticKind, DiagnosticLevel, emit
 from braintrace._compiler.hid_param_op import HiddenParamOpRelation, find_hidden_param_op_relations_from_minfo
 from braintrace._compiler.hidden_group import HiddenGroup
 from braintrace._compiler.hidden_group_discovery import find_hidden_groups_from_minfo
-from braintrace._compiler.jaxpr_graph import CONTROL_FLOW_PRIMITIVES, contains_eqn, inline_jit_calls, new_jaxpr
+from braintrace._compiler.jaxpr_graph import contains_eqn, inline_jit_calls, new_jaxpr
 from braintrace._compiler.module_info import ModuleInfo, Path
 from braintrace._op._registries import is_etp_primitive
 
@@ -160,24 +170,24 @@ def _is_etp_relevant(eqn: JaxprEqn, minfo: ModuleInfo) -> bool:
         return False
     if any(_is_var(a) and a in minfo.invar_to_weight_path for a in eqn.invars):
         return True
-    return contains_eqn(eqn.params["jaxpr"].jaxpr, lambda e: is_etp_primitive(e.primitive))
+    return contains_eqn(scan_params(eqn).body.jaxpr, lambda e: is_etp_primitive(e.primitive))
 
 
 def _descent_blockers(eqn: JaxprEqn, minfo: ModuleInfo) -> str | None:
     """Why ``eqn`` cannot be descended (the first reason), or ``None``."""
     policy = minfo.control_flow
-    p = eqn.params
+    p = scan_params(eqn)
     if policy.scan_descent != "auto":
         return "scan descent is disabled (ControlFlowPolicy.scan_descent='off')"
-    if p["length"] <= policy.scan_unroll_limit:
+    if p.length <= policy.scan_unroll_limit:
         return "the unroll path handles it"
-    if p["reverse"]:
+    if p.reverse:
         return "the scan runs in reverse"
-    body = p["jaxpr"].jaxpr
+    body = p.body.jaxpr
     nested = [e.primitive.name for e in body.eqns if e.primitive.name in CONTROL_FLOW_PRIMITIVES]
     if nested:
         return f"its body contains control flow ({nested[0]})"
-    xs = eqn.invars[p["num_consts"] + p["num_carry"]:]
+    xs = eqn.invars[p.num_consts + p.num_carry:]
     if any(_is_var(a) and a in minfo.invar_to_weight_path for a in xs):
         return "a trainable weight is scanned over as xs"
     return None
@@ -200,25 +210,25 @@ def add_scan_ys(eqn: JaxprEqn, extra_body_outvars: Sequence[Any]) -> tuple[Jaxpr
     >>> import jax, jax.numpy as jnp
     >>> closed = jax.make_jaxpr(lambda c: jax.lax.scan(lambda c, _: (c * 2.0, None), c, None, length=5))(jnp.ones(3))
     >>> eqn = closed.jaxpr.eqns[0]
-    >>> body = eqn.params['jaxpr'].jaxpr
+    >>> body = scan_params(eqn).body.jaxpr
     >>> new, stacked = add_scan_ys(eqn, [body.invars[0], body.invars[0]])
     >>> [v.aval.shape for v in stacked], len(new.outvars)
     ([(5, 3)], 2)
     """
     if eqn.primitive.name != "scan":
         raise ValueError(f"add_scan_ys: expected a scan equation, got {eqn.primitive.name}.")
-    closed: ClosedJaxpr = eqn.params["jaxpr"]
+    closed = scan_params(eqn).body
     body = closed.jaxpr
-    length = eqn.params["length"]
+    length = scan_params(eqn).length
     extra = list(dict.fromkeys(v for v in extra_body_outvars if _is_var(v)))
     stacked = [
         Var(ShapedArray((length, *v.aval.shape), v.aval.dtype, weak_type=getattr(v.aval, "weak_type", False)))
         for v in extra
     ]
-    new_body = new_jaxpr(body.constvars, body.invars, [*body.outvars, *extra], body.eqns, body.effects,
-                         name="descended_scan_body")
-    params = {**eqn.params, "jaxpr": ClosedJaxpr(new_body, closed.consts)}
-    return eqn.replace(params=params, outvars=[*eqn.outvars, *stacked]), stacked
+    constvars = closed_jaxpr_constvars(closed)
+    new_body = new_jaxpr(constvars, jaxpr_all_invars(body)[len(constvars):], [*body.outvars, *extra], body.eqns,
+                         body.effects, name="descended_scan_body")
+    return replace_scan_body(eqn, ClosedJaxpr(new_body, closed.consts), [*eqn.outvars, *stacked]), stacked
 
 
 class _BodyScope(NamedTuple):
@@ -232,7 +242,7 @@ class _BodyScope(NamedTuple):
 
 def _carried_hidden(eqn: JaxprEqn, minfo: ModuleInfo) -> dict[int, Path]:
     """Carry position -> hidden path, for the carries whose outer output is a hidden state."""
-    nk = eqn.params["num_carry"]
+    nk = scan_params(eqn).num_carry
     return {
         c: minfo.outvar_to_hidden_path[v]
         for c, v in enumerate(eqn.outvars[:nk])
@@ -242,7 +252,7 @@ def _carried_hidden(eqn: JaxprEqn, minfo: ModuleInfo) -> dict[int, Path]:
 
 def _init_guard(eqn: JaxprEqn, minfo: ModuleInfo, carried: dict[int, Path]) -> Path | None:
     """The first carried hidden state not initialised from its own step-entry value."""
-    nc = eqn.params["num_consts"]
+    nc = scan_params(eqn).num_consts
     for c, path in carried.items():
         if eqn.invars[nc + c] is not minfo.hidden_path_to_invar.get(path):
             return path
@@ -250,7 +260,7 @@ def _init_guard(eqn: JaxprEqn, minfo: ModuleInfo, carried: dict[int, Path]) -> P
 
 
 def _body_scope(eqn: JaxprEqn, body: Jaxpr, minfo: ModuleInfo, carried: dict[int, Path]) -> _BodyScope | None:
-    nc = eqn.params["num_consts"]
+    nc = scan_params(eqn).num_consts
     order = {p: i for i, p in enumerate(minfo.hidden_path_to_outvar)}
     ordered = sorted(carried.items(), key=lambda item: order[item[1]])
     hidden_in = {path: body.invars[nc + c] for c, path in ordered}
@@ -293,7 +303,7 @@ def _hoist_list(groups: Sequence[HiddenGroup], relations: Sequence[HiddenParamOp
         if rel.x_var is not None:
             found.append(rel.x_var)
         for tail in rel.y_to_hidden_group_jaxprs:
-            found.extend([*tail.invars, *tail.constvars])
+            found.extend(jaxpr_all_invars(tail))
     for group in groups:
         found.extend([*group.hidden_invars, *group.transition_jaxpr_constvars])
     return list(dict.fromkeys(v for v in found if _is_var(v)))
@@ -310,11 +320,11 @@ def analyze_and_rewrite_scan(eqn: JaxprEqn, minfo: ModuleInfo) -> ScanDescentBun
     Returns ``None`` (the scan is left as it is) when the scan carries no hidden state, or a
     carried hidden state is not initialised from its step-entry value.
     """
-    p = eqn.params
-    length = p["length"]
-    body_closed = inline_jit_calls(p["jaxpr"])
-    if body_closed is not p["jaxpr"]:
-        eqn = eqn.replace(params={**p, "jaxpr": body_closed})
+    p = scan_params(eqn)
+    length = p.length
+    body_closed = inline_jit_calls(p.body)
+    if body_closed is not p.body:
+        eqn = replace_scan_body(eqn, body_closed, eqn.outvars)
     carried = _carried_hidden(eqn, minfo)
     if not carried:
         return None
@@ -340,8 +350,8 @@ def analyze_and_rewrite_scan(eqn: JaxprEqn, minfo: ModuleInfo) -> ScanDescentBun
     hoisted = _hoist_list(groups, relations)
     new_eqn, stacked = add_scan_ys(eqn, hoisted)
     info = ScanDescentInfo(
-        length=length, num_consts=p["num_consts"], num_carry=p["num_carry"],
-        body_jaxpr=new_eqn.params["jaxpr"].jaxpr, stacked_var_map=dict(zip(hoisted, stacked)),
+        length=length, num_consts=p.num_consts, num_carry=p.num_carry,
+        body_jaxpr=scan_params(new_eqn).body.jaxpr, stacked_var_map=dict(zip(hoisted, stacked)),
         scan_eqn_id=id(new_eqn),
     )
     rescoped = {id(g): _rescope_group(g, info, minfo) for g in groups}
@@ -390,7 +400,7 @@ def apply_scan_descent(minfo: ModuleInfo) -> tuple[ModuleInfo, list[ScanDescentB
     for i, eqn in enumerate(eqns):
         if not _is_etp_relevant(eqn, minfo):
             continue
-        length = eqn.params["length"]
+        length = scan_params(eqn).length
         blocker = _descent_blockers(eqn, minfo)
         if blocker is not None:
             if length > policy.scan_unroll_limit:

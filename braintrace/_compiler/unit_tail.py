@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Jaxpr, Var
 
-from braintrace._compiler.hid_param_op import HiddenParamOpRelation
+from braintrace._compatible_imports import Jaxpr, Var, eval_jaxpr
+from braintrace._compiler.hid_param_op import HiddenParamOpRelation, tail_constvars
 from braintrace._op._rule_helpers import dtype_of, shape_of
 
 __all__ = ["enters_unscaled"]
@@ -49,12 +49,12 @@ def enters_unscaled(rel: HiddenParamOpRelation) -> bool:
 
 
 def _passes_tangent(tail: Jaxpr, y: jax.ShapeDtypeStruct) -> bool:
-    if len(tail.invars) != 1 or not jnp.issubdtype(y.dtype, jnp.inexact):
+    if not jnp.issubdtype(y.dtype, jnp.inexact):
         return False
-    consts = [_spec(v) for v in tail.constvars]
+    consts = [_spec(v) for v in tail_constvars(tail)]
 
     def tangent(consts: list[jax.Array], y: jax.Array, dy: jax.Array) -> list[jax.Array]:
-        return jax.jvp(lambda y: jax.core.eval_jaxpr(tail, consts, y), (y,), (dy,))[1]
+        return jax.jvp(lambda y: eval_jaxpr(tail, consts, y), (y,), (dy,))[1]
 
     jaxpr = jax.make_jaxpr(tangent)(consts, y, y).jaxpr
     dy = jaxpr.invars[-1]

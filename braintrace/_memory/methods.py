@@ -64,7 +64,7 @@ class Method:
 
 
 def _valid_names() -> list[str]:
-    return sorted([BPTT, *ALGORITHM_NAMES])
+    return sorted({BPTT, *ALGORITHM_NAMES})  # "bptt" is also a learner of braintrace.compile
 
 
 def _base_label(algorithm: Any) -> str:

@@ -26,9 +26,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Primitive
 
-from braintrace._compatible_imports import ShapedArray, ad, batching, mlir
+from braintrace._compatible_imports import Primitive, ShapedArray, ad, batching, mlir
 from braintrace._op import _registries as reg
 from braintrace._op._registries import FastPathRules, Rule
 from braintrace._typing import Params

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
 
-from jax.extend.core import Primitive
-
+from braintrace._compatible_imports import Primitive
 from braintrace._typing import Params
 
 __all__ = [

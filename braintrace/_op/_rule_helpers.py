@@ -21,9 +21,8 @@ from typing import Any, Callable, Iterator, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Var
 
-from braintrace._compatible_imports import ShapedArray
+from braintrace._compatible_imports import ShapedArray, Var
 from braintrace._typing import Array, Params, WeightFn
 
 __all__ = [

@@ -40,8 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import Var
 
+from braintrace._compatible_imports import Var
 from braintrace._errors import OperandShapeError, internal_error
 from braintrace._op._conv_arguments import (
     check_bias,

@@ -34,8 +34,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Var
 
+from braintrace._compatible_imports import Var
 from braintrace._errors import OperandShapeError, internal_error
 from braintrace._op._operands import (
     bias_mantissa,

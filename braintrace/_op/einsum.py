@@ -57,8 +57,8 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Var
 
+from braintrace._compatible_imports import Var
 from braintrace._errors import OperandShapeError
 from braintrace._op._operands import check_hook, split_units, with_unit
 from braintrace._op._primitive import register_primitive

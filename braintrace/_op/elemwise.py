@@ -25,8 +25,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Var
 
+from braintrace._compatible_imports import Var
 from braintrace._op._operands import check_hook, split_units, with_unit
 from braintrace._op._primitive import register_primitive
 from braintrace._op._registries import FastPathRules, snap_anchored

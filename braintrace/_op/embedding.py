@@ -36,8 +36,8 @@ from typing import Any
 import brainunit as u
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Var
 
+from braintrace._compatible_imports import Var
 from braintrace._op._operands import check_hook, check_rank, split_units, with_unit
 from braintrace._op._primitive import register_primitive
 from braintrace._op._registries import register_batched_counterpart

@@ -32,8 +32,8 @@ from __future__ import annotations
 from typing import Any
 
 import jax.numpy as jnp
-from jax.extend.core import Var
 
+from braintrace._compatible_imports import Var
 from braintrace._errors import OperandShapeError, internal_error
 from braintrace._op._operands import (
     bias_mantissa,

@@ -57,9 +57,8 @@ import brainunit as u
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.custom_derivatives import SymbolicZero
-from jax.extend.core import Var
 
+from braintrace._compatible_imports import SymbolicZero, Var
 from braintrace._errors import OperandShapeError, internal_error
 from braintrace._op._operands import (
     bias_mantissa,

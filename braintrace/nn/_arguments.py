@@ -39,8 +39,9 @@ from typing import Any, Callable, Mapping
 
 import brainstate
 import brainunit as u
-import jax
 import numpy as np
+
+from braintrace._compatible_imports import Tracer
 
 __all__ = ["ArgumentCheck", "positive_int", "size_tuple", "check_time_constant", "check_constructor_arguments"]
 
@@ -142,7 +143,7 @@ def check_time_constant(layer: str, arg: str, value: object) -> None:
     if isinstance(value, brainstate.ParamState):
         value = value.value
     mantissa = u.get_mantissa(value)
-    if callable(value) or isinstance(mantissa, jax.core.Tracer):
+    if callable(value) or isinstance(mantissa, Tracer):
         return
     fix = f"e.g. {arg}=10. * brainunit.ms"
     entries = np.asarray(mantissa)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from braintrace._compatible_imports import Tracer
 from braintrace._op import embedding
 from braintrace._op.embedding import _integer_indices
 from braintrace.nn._arguments import ArgumentCheck, check_constructor_arguments, positive_int, size_tuple
@@ -130,7 +131,7 @@ class Embedding(brainstate.nn.Embedding):
         """Integer indices, refused when known to be out of range, marked out of range when not."""
         idx = _integer_indices(indices, "braintrace.nn.Embedding")
         vocab = self.num_embeddings
-        if not isinstance(idx, jax.core.Tracer):
+        if not isinstance(idx, Tracer):
             self._check_range(np.asarray(idx), vocab)
             return idx
         # Under jit, vmap or scan the values are unknown here: a negative index is sent past the

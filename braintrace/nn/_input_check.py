@@ -12,9 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 import brainunit as u
-import jax
 import jax.numpy as jnp
 import numpy as np
+
+from braintrace._compatible_imports import Tracer
 
 __all__ = ["InputUnitError", "check_step_input", "check_broadcast_input", "check_input_unit"]
 
@@ -73,7 +74,7 @@ def check_broadcast_input(layer: str, x: Any, state: str, state_shape: tuple[int
 
 def _is_concrete_zero(x: Any) -> bool:
     mantissa = u.get_mantissa(x)
-    if isinstance(mantissa, jax.core.Tracer):
+    if isinstance(mantissa, Tracer):
         return False
     try:
         return bool(np.all(np.asarray(mantissa) == 0))

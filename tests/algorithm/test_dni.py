@@ -25,12 +25,12 @@ import brainstate
 import braintools
 import brainunit as u
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import braintrace
+from braintrace._compatible_imports import subjaxprs
 from tests.algorithm.bptt import bptt_grads, cosine, max_rel_err, normal, x64
 
 __all__ = ["x64"]  # the fixture is used by name
@@ -453,7 +453,7 @@ def count_primitive(jaxpr: Any, name: str) -> int:
     total = 0
     for eqn in jaxpr.eqns:
         total += eqn.primitive.name == name
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        for sub in subjaxprs(eqn):
             total += count_primitive(sub, name)
     return total
 

@@ -10,6 +10,8 @@ The zoo: an element-wise leaky RNN, a dense ``ValinaRNNCell``, a ``GRUCell``, a 
 trainable element-wise leak, two stacked leaky layers (group 2 reads group 1), a leaky RNN whose
 drive is rolled, a dense RNN whose input drive is rolled, and SnAp's sparse ring (saturated at
 ``n = 6``). The heavier half of the grid is marked ``exhaustive`` (``make test`` runs it too).
+The report's labels per weight (``weight_exactness``, printed by ``verbose=2``), plain weights
+included, are checked the same way; ``test_exactness_labels_nn.py`` does so for ``braintrace.nn``.
 """
 
 from __future__ import annotations
@@ -556,6 +558,91 @@ def test_the_report_checks_its_labels() -> None:
         braintrace.CompilationReport(learner.graph, labels=labels[::-1])
     with pytest.raises(TypeError, match="ExactnessLabel objects, got tuple"):
         braintrace.CompilationReport(learner.graph, labels=[tuple(labels[0].reasons), labels[1]])
+    readout = learner.report.weight_exactness[("readout",)]
+    with pytest.raises(ValueError, match=r"plain label\(s\) do not match the graph's 1 weight\(s\) outside"):
+        braintrace.CompilationReport(learner.graph, labels=labels, plain_labels=[readout, readout])
+    with pytest.raises(TypeError, match="plain_labels must be ExactnessLabel objects, got str"):
+        braintrace.CompilationReport(learner.graph, labels=labels, plain_labels=["exact"])
+
+
+# --- every weight, at verbose=2 ---------------------------------------------------------------
+
+
+def _plain_input(verbose: int = 0) -> braintrace.ETraceAlgorithm:
+    brainstate.random.seed(0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The weight .* drives the hidden states", UserWarning)
+        return braintrace.compile(PlainInput(), "d_rtrl", jnp.ones(I), verbose=verbose)
+
+
+def test_verbose_2_prints_every_weight_with_its_reasons(capsys: pytest.CaptureFixture[str], f64: None) -> None:
+    learner = _plain_input(verbose=2)
+    printed = capsys.readouterr().out
+    (section,) = [part.splitlines() for part in printed.split("\n\n") if "per weight" in part]
+    assert section == [
+        "Exactness of the online gradient per weight (single step, or windows with the trace entering each window):",
+        "   ('p',): approximate, without an eligibility trace (excluded: weight_drives_hidden_untraced):",
+        "      - its value reaches the states ('h1',), ('h2',), where no trace follows it: only its gradient",
+        "        within each step (or window) counts, not its influence on later steps",
+        "   ('readout',): exact, without an eligibility trace: it reaches no state, so its gradient within each step "
+        "is all of BPTT's",
+        "   ('w1',): approximate, through its eligibility trace (hidden group 0):",
+        "      - hidden group 0 feeds the states ('h2',) outside it (cross-group coupling is not traced)",
+        "   ('w2',): exact, through its eligibility trace (hidden group 1), which holds all of its influence on later "
+        "steps",
+    ]
+    assert "per weight" not in learner.report.to_str(1)
+    labels = learner.report.weight_exactness
+    assert list(labels) == [("p",), ("readout",), ("w1",), ("w2",)]
+    errors = errors_per_weight(audit(learner, "d_rtrl"))
+    assert violations(tuple(labels.values()), errors) == []
+    assert errors[("p",)] > APPROXIMATE and errors[("readout",)] < EXACT
+
+
+def test_verbose_2_explains_a_model_it_refuses(capsys: pytest.CaptureFixture[str]) -> None:
+    """The refusal's message points at ``verbose=2``, which prints the report before raising."""
+
+    class PlainOnly(Leaky):
+        def update(self, x: jax.Array) -> jax.Array:
+            self.h.value = self.decay * self.h.value + x @ self.w.value
+            return jnp.tanh(self.h.value) @ self.readout.value
+
+    with pytest.raises(braintrace.CompilationError, match=r"verbose=2\) shows why each weight was excluded"):
+        braintrace.compile(PlainOnly(), "d_rtrl", jnp.ones(I), verbose=2)
+    printed = capsys.readouterr().out
+    assert "   ('w',): approximate, without an eligibility trace" in printed
+    assert "      - its value reaches the states ('h',), where no trace follows it" in printed
+
+
+class Shared(Leaky):
+    """One weight in two relations: ``h = a ⊙ h + matmul(x, W)`` and ``g = 0.6 g + matmul(sin x, W)``."""
+
+    def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+        super().init_state(batch_size)
+        self.g = brainstate.HiddenState(jnp.zeros(H))
+
+    def update(self, x: jax.Array) -> jax.Array:
+        self.h.value = self.decay * self.h.value + braintrace.matmul(x, self.w.value)
+        self.g.value = 0.6 * self.g.value + braintrace.matmul(jnp.sin(x), self.w.value)
+        return jnp.tanh(self.h.value + self.g.value) @ self.readout.value
+
+
+@pytest.mark.parametrize(("learner_name", "exact"), [("d_rtrl", True), ("pp_prop", False)])
+def test_a_weight_of_two_relations_is_labelled_once(learner_name: str, exact: bool, f64: None) -> None:
+    learner = build_model(Shared, learner_name)
+    assert len(learner.report.exactness) == 2
+    label = learner.report.weight_exactness[("w",)]
+    assert (label.exact, label.hidden_paths) == (exact, (("h",), ("g",)))
+    assert label.reasons == (() if exact else (FACTORISED,))  # the two relations' reason, once
+    verdict = "exact" if exact else "approximate"
+    assert f"   ('w',): {verdict}, through its eligibility trace (hidden groups [0, 1])" in learner.report.to_str(2)
+    assert violations((label,), errors_per_weight(audit(learner, learner_name))) == []
+
+
+def build_model(model_cls: type, learner_name: str) -> braintrace.ETraceAlgorithm:
+    algorithm, kwargs = LEARNERS[learner_name]
+    brainstate.random.seed(0)
+    return braintrace.compile(model_cls(), algorithm, jnp.ones(I), **kwargs)
 
 
 @pytest.mark.parametrize("vmap", [False, True])

@@ -245,8 +245,9 @@ def test_descent_with_a_positive_modulator_lowers_activity_and_a_negative_one_ra
                     st.value = jax.tree.map(lambda w, d: w - 0.05 * d, st.value, g[p])
         learner.reset()
         total = 0.0
+        step = brainstate.transform.jit(lambda x: learner(x, modulator=0.0))
         for t in range(T):
-            learner(xs[t], modulator=0.0)
+            step(xs[t])
             total += float(learner.hidden_states[("cell", "h")].value.sum())
         return total
 

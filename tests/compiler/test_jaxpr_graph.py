@@ -7,8 +7,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import ClosedJaxpr
 
+from braintrace._compatible_imports import ClosedJaxpr, scan_params
 from braintrace._compiler.jaxpr_graph import (
     build_consumer_map,
     build_producer_map,
@@ -72,7 +72,7 @@ def test_jit_inside_a_scan_body_is_inlined_and_jit_free_bodies_are_kept() -> Non
     closed = jax.make_jaxpr(f)(1.0)
     flat = inline_jit_calls(closed)
     scans = [e for e in flat.jaxpr.eqns if e.primitive.name == "scan"]
-    assert "jit" not in _names(scans[0].params["jaxpr"])
+    assert "jit" not in _names(scan_params(scans[0]).body)
     assert scans[1] is [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"][1]
     np.testing.assert_allclose(_run(flat, 1.0)[0], f(1.0))
 

@@ -15,7 +15,9 @@ from jax.extend.core import Jaxpr
 
 import braintrace
 from braintrace import ControlFlowPolicy, DiagnosticKind, DiagnosticLevel
+from braintrace._compatible_imports import scan_params, split_jaxpr_invars
 from braintrace._compiler import diagnostic_context, scan_descent
+from braintrace._compiler.hid_param_op import tail_constvars
 from braintrace._compiler.jaxpr_graph import new_jaxpr, subjaxprs
 from braintrace._compiler.scan_descent import (
     ScanDescentInfo,
@@ -78,13 +80,13 @@ def test_bundle_contents() -> None:
     (new,) = _scan_eqns(new_minfo.jaxpr)
     assert new is bundle.new_eqn and info.scan_eqn_id == id(new)
     assert new.outvars[:len(old.outvars)] == old.outvars and new.outvars[len(old.outvars):] == bundle.stacked_outer_vars
-    assert (info.length, info.num_consts, info.num_carry) == (20, old.params["num_consts"], old.params["num_carry"])
-    assert new.params["length"] == 20 and new.params["num_carry"] == old.params["num_carry"]
-    assert info.body_jaxpr is new.params["jaxpr"].jaxpr
+    assert (info.length, info.num_consts, info.num_carry) == (20, scan_params(old).num_consts, scan_params(old).num_carry)
+    assert scan_params(new).length == 20 and scan_params(new).num_carry == scan_params(old).num_carry
+    assert info.body_jaxpr is scan_params(new).body.jaxpr
     body_vars = set(info.body_jaxpr.invars) | {v for e in info.body_jaxpr.eqns for v in e.outvars}
     needed = []
     for rel in bundle.relations:
-        needed += [rel.y_var, *rel.y_to_hidden_group_jaxprs[0].constvars] + ([rel.x_var] if rel.x_var is not None else [])
+        needed += [rel.y_var, *tail_constvars(rel.y_to_hidden_group_jaxprs[0])] + ([rel.x_var] if rel.x_var is not None else [])
     (group,) = bundle.groups
     needed += [*group.descent.body_hidden_invars, *group.transition_jaxpr_constvars]
     for v in needed:
@@ -94,7 +96,7 @@ def test_bundle_contents() -> None:
     # Groups are named by the scan's outer carries, the transition stays body-scoped.
     assert group.hidden_invars == [minfo.hidden_path_to_invar[("h",)]]
     assert group.hidden_outvars == [minfo.hidden_path_to_outvar[("h",)]]
-    assert group.transition_jaxpr.invars == group.descent.body_hidden_invars
+    assert split_jaxpr_invars(group.transition_jaxpr, len(group.hidden_invars))[1] == group.descent.body_hidden_invars
     assert all(r.hidden_groups == [group] and r.control_flow_context.scan is info for r in bundle.relations)
 
 
@@ -104,7 +106,7 @@ def test_add_scan_ys_stacks_every_substep_value() -> None:
 
     closed = jax.make_jaxpr(fn)(jnp.ones(2), jnp.ones((4, 2)))
     (eqn,) = closed.jaxpr.eqns
-    body = eqn.params["jaxpr"].jaxpr
+    body = scan_params(eqn).body.jaxpr
     carry_in, x_in = body.invars
     (new_h,) = body.outvars
     new, stacked = add_scan_ys(eqn, [carry_in, x_in, carry_in, new_h])

@@ -24,7 +24,7 @@ IDS = [str(p.relative_to(DOCS)) for p in NOTEBOOKS]
 LONG_RUNNING = {"choosing_a_learner.ipynb", "learning_rules.ipynb", "rnn_online_learning.ipynb",
                 "limitations.ipynb", "customizing_primitive_transforms.ipynb", "batching.ipynb",
                 "control_flow.ipynb", "hidden_states.ipynb", "graph_visualization.ipynb",
-                "compiler_internals.ipynb", "custom_algorithms.ipynb"}
+                "compiler_internals.ipynb", "custom_algorithms.ipynb", "trainer.ipynb"}
 EXECUTED = [pytest.param(p, marks=pytest.mark.exhaustive) if p.name in LONG_RUNNING else p for p in NOTEBOOKS]
 
 

@@ -30,6 +30,7 @@ import digits_spiking  # noqa: E402
 import evidence_accumulation  # noqa: E402
 import shd_classification  # noqa: E402
 import shd_data  # noqa: E402
+import trainer_classification  # noqa: E402
 
 TINY = ["--iterations", "2", "--batch", "4", "--test-size", "8"]
 
@@ -285,6 +286,16 @@ def test_digits_spiking_runs_on_font_digits(tmp_path: Path) -> None:
     histories = _run(digits_spiking, tmp_path, "--source", "fonts", "--font-samples", "40", "--hidden", "8",
                      "--steps", "4")
     _check_histories(histories, ["d_rtrl"])
+
+
+def test_trainer_classification_prints_one_row_per_learner(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    learner = "pp_prop"  # the rows and the other learners run in docs/tutorials/trainer.ipynb
+    rows = trainer_classification.main(["--data", "spikes", "--learners", learner, "--epochs", "2", "--batch", "8",
+                                        "--hidden", "8", "--steps", "4", "--train-size", "16", "--test-size", "5",
+                                        "--root", str(tmp_path)])
+    [row] = rows
+    assert row.learner == learner and 0.0 <= row.accuracy <= 1.0 and row.step_memory_bytes > 0
+    assert f"| {learner} |" in capsys.readouterr().out
 
 
 def test_bad_arguments_are_rejected_with_the_value(capsys: pytest.CaptureFixture[str]) -> None:
