@@ -82,8 +82,11 @@ class RowNetwork(brainstate.nn.Module):
 
 def digits(data: str, steps: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """``(inputs (N, T, channels), labels (N,))`` in a fixed random order."""
-    from sklearn.datasets import load_digits
-
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as err:
+        raise ImportError("the digits ship inside scikit-learn: pip install scikit-learn "
+                          "(or pip install braintrace[demo])") from err
     loaded = load_digits()
     images = loaded.images.astype(np.float32) / 16.0
     order = np.random.default_rng(seed).permutation(len(images))
