@@ -205,7 +205,17 @@ class OnlineModule(braintools.trainer.LightningModule):
         self.skipped_batches: list[tuple[int, int, str]] = []
         self._learner_spec = learner
         self._compile_options = compile_options
-        self._learner: Any = None if isinstance(learner, (str, type)) else learner
+        self._learner: Any = learner if _is_compiled_learner(learner) else None
+        if self._learner is not None and _compiled_model(learner) is not model:
+            raise ValueError(
+                "OnlineModule: the learner given was compiled for another model than the one given; pass "
+                "the model it was compiled for, or a learner name to compile for this model."
+            )
+        if not (mask is None or (isinstance(mask, str) and mask == "last") or np.ndim(mask) == 1):
+            raise ValueError(
+                f"OnlineModule: mask must be None (every step), 'last' (the last step only) or a (T,) array "
+                f"of per-step loss weights, got {mask!r}."
+            )
         self._nonfinite = brainstate.ShortTermState(jnp.zeros((), jnp.int32))
         self._batch_idx = 0
         self._restore_after_batch: list[tuple[brainstate.State, Any]] = []
@@ -418,7 +428,6 @@ class OnlineModule(braintools.trainer.LightningModule):
             return None
         length = jax.tree.leaves(xs)[0].shape[self.time_axis]
         if isinstance(self.mask, str):
-            _check_choice("mask", self.mask, ("last",))
             return jnp.zeros(length).at[-1].set(1.0)
         return jnp.asarray(self.mask)
 
@@ -474,6 +483,17 @@ def _batch_size(xs: Any, time_axis: int) -> int:
             f"DataLoader over (N, T, ...) inputs yields (B, T, ...) batches (time_axis=1)."
         )
     return int(np.shape(leaf)[1 - time_axis])
+
+
+def _is_compiled_learner(learner: Any) -> bool:
+    """Whether ``learner`` is a learner (what :func:`braintrace.compile` returns), not a spec to compile."""
+    return not isinstance(learner, type) and hasattr(learner, "etrace_grad") and hasattr(learner, "predict")
+
+
+def _compiled_model(learner: Any) -> Any:
+    """The model a compiled learner (or the learner a vmap wraps) runs."""
+    inner = getattr(learner, "module", learner)
+    return getattr(inner, "model4compile", None)
 
 
 def _stacked(part: Any) -> Any:

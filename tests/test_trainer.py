@@ -243,6 +243,14 @@ def test_mistakes_are_refused_with_the_fix_named(tmp_path: Path) -> None:
         module(optimizer="adam")
     with pytest.raises(RuntimeError, match=r"module.build\(batch\)"):
         module().learner
+    with pytest.raises(ValueError, match="mask must be None"):
+        module(mask="first")
+    net = LeakyRNN()
+    compiled = braintrace.compile(net, "d_rtrl", jnp.zeros((B, I)), batch_size=B)
+    assert OnlineModule(net, compiled, loss=cross_entropy, optimizer=braintools.optim.SGD(lr=LR)).learner is compiled
+    assert module(braintrace.D_RTRL).build(data(B)) is not None  # a class is compiled, not taken as a learner
+    with pytest.raises(ValueError, match="compiled for another model"):
+        OnlineModule(LeakyRNN(), compiled, loss=cross_entropy, optimizer=braintools.optim.SGD(lr=LR))
     per_sample = OnlineModule(LeakyRNN(), "d_rtrl", loss=braintools.metric.softmax_cross_entropy_with_integer_labels,
                               optimizer=braintools.optim.SGD(lr=LR))
     with pytest.raises(ValueError, match=r"one number per step .* got shape \(4,\)"):
