@@ -66,6 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from braintrace._algorithm.finite import WHAT, Status, advance, all_finite
+from braintrace._algorithm.layout import checked_time_axis
 from braintrace._compile import compile as compile_learner
 from braintrace._errors import NonFiniteWarning, non_finite_advice
 
@@ -186,7 +187,7 @@ class OnlineModule(braintools.trainer.LightningModule):
         super().__init__()
         _check_choice("targets", targets, _TARGETS)
         _check_choice("states", states, _STATES)
-        _check_choice("time_axis", time_axis, (0, 1))
+        time_axis = checked_time_axis("OnlineModule", time_axis)
         _check_choice("reduction", reduction, ("mean", "sum"))
         if not callable(loss):
             raise TypeError(f"OnlineModule: loss must be a function loss(output_t, target_t) -> scalar, got {loss!r}.")
@@ -257,19 +258,12 @@ class OnlineModule(braintools.trainer.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         """The learner's loss on ``batch``; its derivative is the learner's gradient."""
         xs, ys = self._split(batch)
-        learner = self.learner
-        if self.states_mode == "reset":
-            learner.reset()
-        params = learner.param_states
+        params = self.learner.param_states
         live = {path: st.value for path, st in params.items()}
         for path, st in params.items():
             st.value = jax.lax.stop_gradient(live[path])
         try:
-            grads, loss, outputs = learner.etrace_grad(
-                *self._sequences(xs, ys), step_fn=self._step_fn(ys), mask=self._mask(xs),
-                reduction=self.reduction, loss_output="scalar", return_value=True, has_aux=True,
-                time_axis=self.time_axis,
-            )
+            grads, loss, outputs = self._learner_gradients(xs, ys)
         finally:
             for path, st in params.items():
                 st.value = live[path]
@@ -291,16 +285,20 @@ class OnlineModule(braintools.trainer.LightningModule):
         Runs the same reset (``states='reset'``) and ``etrace_grad`` call, and leaves the
         learner's states as that call does.
         """
-        xs, ys = self._split(batch)
-        learner = self.build(batch)
+        self.build(batch)
+        grads, loss, _ = self._learner_gradients(*self._split(batch))
+        return grads, loss
+
+    def _learner_gradients(self, xs: Any, ys: Any) -> tuple[dict[Any, Any], jax.Array, Any]:
+        """``(grads, loss, per-step outputs)``: the reset (``states='reset'``) and ``etrace_grad`` of a batch."""
+        learner = self.learner
         if self.states_mode == "reset":
             learner.reset()
-        grads, loss, _ = learner.etrace_grad(
+        return learner.etrace_grad(
             *self._sequences(xs, ys), step_fn=self._step_fn(ys), mask=self._mask(xs),
             reduction=self.reduction, loss_output="scalar", return_value=True, has_aux=True,
             time_axis=self.time_axis,
         )
-        return grads, loss
 
     def training_memory(self, batch: Any) -> int:
         """Bytes XLA allocates for one training step on batches like ``batch`` (nothing runs).

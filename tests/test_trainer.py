@@ -235,7 +235,7 @@ def test_time_major_batches(tmp_path: Path) -> None:
 def test_mistakes_are_refused_with_the_fix_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="targets must be one of"):
         module(targets="label")
-    with pytest.raises(ValueError, match="time_axis must be one of"):
+    with pytest.raises(ValueError, match="time_axis must be 0"):
         module(time_axis=2)
     with pytest.raises(ValueError, match="states must be one of"):
         module(states="keep")
