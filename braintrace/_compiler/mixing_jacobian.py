@@ -545,18 +545,45 @@ def _same_position_tangent(eqn: JaxprEqn, rule: MixingRule, w: Array, x_dot: Arr
         zeros = jnp.zeros((*x_dot.shape[:-1], _shape(eqn.outvars[0])[-1]), x_dot.dtype)
         return zeros.at[..., cols].add(x_dot[..., rows] * w[kept])
     if rule.select is not None:
-        cols = np.maximum(rule.select, 0)
-        scale = jnp.where(jnp.asarray(rule.select >= 0), w[cols, jnp.arange(w.shape[1])], 0)
-        return x_dot[..., cols] * scale
+        rows = _static_take(w, rule.select, axis=0)  # rows[n] = w[select[n]], an (N, N) matrix
+        scale = jnp.sum(jnp.where(jnp.eye(rows.shape[0], dtype=bool), rows, 0), axis=0)
+        return _static_take(x_dot, rule.select, axis=-1) * scale
     return x_dot @ (w * jnp.asarray(rule.mask, w.dtype))
 
 
 def _series_tangent(rule: SeriesRule, slot: int, w1: Array, w2: Array, x1_dot: Array, mid: Array) -> Array:
     """``ẋ₁[i(p)] · (m_g @ H_g)`` for one first mixing and slot (see the module docstring)."""
-    pre_ok, mid_ok = rule.pre_cols >= 0, rule.mid_cols[slot] >= 0
-    rows, cols = np.maximum(rule.pre_cols, 0), np.maximum(rule.mid_cols[slot], 0)
-    h = jnp.where(jnp.asarray(mid_ok[:, None] & pre_ok[None, :]), w1[rows[None, :], cols[:, None]] * w2, 0)
-    return jnp.where(jnp.asarray(pre_ok), x1_dot[..., rows], 0) * (mid @ h)
+    w1_at = _static_take(_static_take(w1, rule.pre_cols, axis=0), rule.mid_cols[slot], axis=1)  # (L, J)
+    return _static_take(x1_dot, rule.pre_cols, axis=-1) * (mid @ (w1_at.T * w2))
+
+
+def _static_take(a: Array, index: np.ndarray, axis: int) -> Array:
+    """``a`` indexed along ``axis`` by a static ``index``, zero where ``index`` is ``-1``.
+
+    The indices the analysis produces are mostly one run of consecutive columns (the hidden
+    columns of ``[x, h] @ W``, a gate's block); that run is a slice, padded with zeros, since a
+    gather of single elements is slow on a TPU (one such gather per step took OSTLRecurrent on
+    a GRU to 44x BPTT there). Any other index is a gather of whole rows along ``axis``.
+
+    >>> import jax.numpy as jnp, numpy as np
+    >>> _static_take(jnp.arange(12.0).reshape(3, 4), np.array([-1, 1, 2, -1]), axis=1)
+    Array([[ 0.,  1.,  2.,  0.],
+           [ 0.,  5.,  6.,  0.],
+           [ 0.,  9., 10.,  0.]], dtype=float32)
+    >>> _static_take(jnp.arange(4.0), np.array([3, -1, 0]), axis=0)
+    Array([3., 0., 0.], dtype=float32)
+    """
+    axis = axis % a.ndim
+    valid = np.flatnonzero(index >= 0)
+    if valid.size and np.array_equal(index[valid[0]:valid[-1] + 1], index[valid[0]] + np.arange(valid[-1] + 1 - valid[0])):
+        run = jax.lax.slice_in_dim(a, int(index[valid[0]]), int(index[valid[-1]]) + 1, axis=axis)
+        padding = [(0, 0, 0)] * a.ndim
+        padding[axis] = (int(valid[0]), len(index) - 1 - int(valid[-1]), 0)
+        return jax.lax.pad(run, jnp.zeros((), a.dtype), padding)
+    kept = jnp.take(a, np.maximum(index, 0), axis=axis)
+    shape = [1] * a.ndim
+    shape[axis] = len(index)
+    return jnp.where(jnp.asarray((index >= 0).reshape(shape)), kept, 0)
 
 
 def _pushed_tangents(eqn: JaxprEqn, invals: list[Any], parts: list[_Parts]) -> tuple[list[Any], list[_Parts]]:
