@@ -1,11 +1,12 @@
 """The one place that reaches into JAX's internals.
 
 Everything else in braintrace reads JAX's interpreter names, the split of a jaxpr's inputs and
-the parameters of JAX's own primitives (scan, while, cond, jit, the custom-derivative calls)
-through this module, so that a JAX release that moves or renames one of them touches a single
-file. Each read is feature-detected — whichever module exports a name, whichever parameter a
-primitive carries — never branched on a version number; ``tests/test_jax_compat.py`` pins every
-one of them, so a JAX that moves one fails there first.
+the parameters of JAX's own primitives (scan, while, cond, jit, the custom-derivative calls, and
+the lax operations the compiler looks inside: ``dot_general``, ``slice``, ``concatenate``, ``rev``,
+the reductions) through this module, so that a JAX release that moves or renames one of them
+touches a single file. Each read is feature-detected — whichever module exports a name,
+whichever parameter a primitive carries — never branched on a version number;
+``tests/test_jax_compat.py`` pins every one of them, so a JAX that moves one fails there first.
 
 The jaxpr helpers never rely on a jaxpr storing which of its inputs are constants: newer JAX
 (0.11 on) builds symbol-only jaxprs whose constant inputs sit at the front of one input list,
@@ -83,6 +84,14 @@ __all__ = [
     "scan_params",
     "subjaxprs",
     "while_params",
+    # the parameters of lax primitives
+    "DotDims",
+    "SliceParams",
+    "concatenate_axis",
+    "dot_general_dims",
+    "reduction_axes",
+    "rev_axes",
+    "slice_params",
 ]
 
 
@@ -530,3 +539,146 @@ def map_closed_subjaxprs(eqn: JaxprEqn, fn: Callable[[ClosedJaxpr], ClosedJaxpr]
     if all(params[k] is eqn.params[k] for k in params):
         return eqn
     return eqn.replace(params=params)
+
+
+# --- the parameters of lax primitives -----------------------------------------------------
+
+#: Reductions whose ``axes`` parameter names the reduced axes of their one operand.
+_AXES_REDUCTIONS = frozenset({
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "reduce_xor",
+    "argmax", "argmin",
+})
+
+
+def _lax_param(eqn: JaxprEqn, reader: str, primitives: frozenset[str], name: str) -> Any:
+    """The parameter ``name`` of ``eqn``, an equation of one of ``primitives``.
+
+    Raises
+    ------
+    ValueError
+        If ``eqn`` is an equation of another primitive.
+    NotImplementedError
+        If this JAX's equation does not carry ``name``.
+    """
+    if eqn.primitive.name not in primitives:
+        raise ValueError(
+            f"{reader}: got a `{eqn.primitive.name}` equation, which has no `{name}`; call it only on "
+            f"{' / '.join(f'`{p}`' for p in sorted(primitives))} equations (check `eqn.primitive.name` first)."
+        )
+    if name not in eqn.params:
+        raise _missing_param(eqn, f"`{name}`")
+    return eqn.params[name]
+
+
+class DotDims(NamedTuple):
+    """The ``dimension_numbers`` of a ``dot_general`` equation: which axes of each operand it
+    contracts and which it batches over (operand 0 is ``lhs``, operand 1 ``rhs``)."""
+
+    lhs_contracting: tuple[int, ...]
+    rhs_contracting: tuple[int, ...]
+    lhs_batch: tuple[int, ...]
+    rhs_batch: tuple[int, ...]
+
+
+def dot_general_dims(eqn: JaxprEqn) -> DotDims:
+    """The contracted and batch axes of a ``dot_general`` equation.
+
+    Raises
+    ------
+    ValueError
+        If ``eqn`` is not a ``dot_general`` equation.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp
+    >>> eqn = jax.make_jaxpr(lambda h, w: h @ w)(jnp.ones((2, 3)), jnp.ones((3, 4))).jaxpr.eqns[0]
+    >>> dot_general_dims(eqn)
+    DotDims(lhs_contracting=(1,), rhs_contracting=(0,), lhs_batch=(), rhs_batch=())
+    """
+    (lhs_c, rhs_c), (lhs_b, rhs_b) = _lax_param(eqn, "dot_general_dims", frozenset({"dot_general"}),
+                                                "dimension_numbers")
+    return DotDims(tuple(lhs_c), tuple(rhs_c), tuple(lhs_b), tuple(rhs_b))
+
+
+class SliceParams(NamedTuple):
+    """Where a ``slice`` equation cuts its operand, per axis: ``operand[start:limit:stride]``."""
+
+    start: tuple[int, ...]
+    limit: tuple[int, ...]
+    strides: tuple[int, ...]  # ones where the equation records no strides
+
+
+def slice_params(eqn: JaxprEqn) -> SliceParams:
+    """The start, limit and stride per axis of a ``slice`` equation.
+
+    Raises
+    ------
+    ValueError
+        If ``eqn`` is not a ``slice`` equation.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp
+    >>> eqn = jax.make_jaxpr(lambda x: jax.lax.slice(x, (0, 1), (2, 5), (1, 2)))(jnp.ones((2, 6))).jaxpr.eqns[0]
+    >>> slice_params(eqn)
+    SliceParams(start=(0, 1), limit=(2, 5), strides=(1, 2))
+    """
+    kinds = frozenset({"slice"})
+    start = tuple(_lax_param(eqn, "slice_params", kinds, "start_indices"))
+    limit = tuple(_lax_param(eqn, "slice_params", kinds, "limit_indices"))
+    strides = _lax_param(eqn, "slice_params", kinds, "strides")
+    return SliceParams(start, limit, tuple(strides) if strides is not None else (1,) * len(start))
+
+
+def concatenate_axis(eqn: JaxprEqn) -> int:
+    """The axis a ``concatenate`` equation joins its operands along.
+
+    Raises
+    ------
+    ValueError
+        If ``eqn`` is not a ``concatenate`` equation.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp
+    >>> eqn = jax.make_jaxpr(lambda a: jnp.concatenate([a, a], axis=1))(jnp.ones((2, 3))).jaxpr.eqns[0]
+    >>> concatenate_axis(eqn)
+    1
+    """
+    return int(_lax_param(eqn, "concatenate_axis", frozenset({"concatenate"}), "dimension"))
+
+
+def rev_axes(eqn: JaxprEqn) -> tuple[int, ...]:
+    """The axes a ``rev`` equation reverses.
+
+    Raises
+    ------
+    ValueError
+        If ``eqn`` is not a ``rev`` equation.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp
+    >>> eqn = jax.make_jaxpr(lambda x: jax.lax.rev(x, (0, 2)))(jnp.ones((2, 3, 4))).jaxpr.eqns[0]
+    >>> rev_axes(eqn)
+    (0, 2)
+    """
+    return tuple(_lax_param(eqn, "rev_axes", frozenset({"rev"}), "dimensions"))
+
+
+def reduction_axes(eqn: JaxprEqn) -> tuple[int, ...]:
+    """The axes a reduction equation (``reduce_sum``, ``reduce_max``, ..., ``argmax``) reduces.
+
+    Raises
+    ------
+    ValueError
+        If ``eqn`` is not such a reduction.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp
+    >>> eqn = jax.make_jaxpr(lambda x: x.sum(axis=(0, 2)))(jnp.ones((2, 3, 4))).jaxpr.eqns[0]
+    >>> reduction_axes(eqn)
+    (0, 2)
+    """
+    return tuple(_lax_param(eqn, "reduction_axes", _AXES_REDUCTIONS, "axes"))

@@ -294,16 +294,113 @@ def test_map_closed_subjaxprs_rewrites_every_body() -> None:
     assert all(b is compat.cond_branches(eqn)[0] for b in compat.cond_branches(swapped))
 
 
+# --- the parameters of lax primitives -------------------------------------------------------
+
+X = jnp.arange(24.0).reshape(2, 3, 4)
+
+
+def test_dot_general_dims_rebuild_the_product() -> None:
+    a, b = X, jnp.arange(40.0).reshape(2, 4, 5)
+    dims = ((2,), (1,)), ((0,), (0,))
+    got = compat.dot_general_dims(_eqn(lambda u, v: jax.lax.dot_general(u, v, dims), a, b, name="dot_general"))
+    assert got == compat.DotDims((2,), (1,), (0,), (0,))
+    np.testing.assert_allclose(jax.lax.dot_general(a, b, ((got.lhs_contracting, got.rhs_contracting),
+                                                          (got.lhs_batch, got.rhs_batch))), a @ b)
+    matmul = compat.dot_general_dims(_eqn(lambda h, w: h @ w, jnp.ones((2, 3)), jnp.ones((3, 4)), name="dot_general"))
+    assert matmul == ((1,), (0,), (), ()) and all(isinstance(axes, tuple) for axes in matmul)
+
+
+@pytest.mark.parametrize("strides", [(1, 2, 3), None])
+def test_slice_params_cut_what_the_slice_cuts(strides: tuple[int, ...] | None) -> None:
+    eqn = _eqn(lambda x: jax.lax.slice(x, (0, 1, 1), (2, 3, 4), strides), X, name="slice")
+    cut = compat.slice_params(eqn)
+    assert cut == compat.SliceParams((0, 1, 1), (2, 3, 4), strides or (1, 1, 1))
+    np.testing.assert_array_equal(X[tuple(slice(*axis) for axis in zip(*cut))],
+                                  jax.lax.slice(X, (0, 1, 1), (2, 3, 4), strides))
+
+
+def test_concatenate_axis() -> None:
+    eqn = _eqn(lambda x: jnp.concatenate([x, 2 * x], axis=1), X, name="concatenate")
+    assert compat.concatenate_axis(eqn) == 1 and eqn.outvars[0].aval.shape == (2, 6, 4)
+
+
+def test_rev_axes() -> None:
+    eqn = _eqn(lambda x: jax.lax.rev(x, (0, 2)), X, name="rev")
+    assert compat.rev_axes(eqn) == (0, 2)
+    np.testing.assert_array_equal(jax.lax.rev(X, compat.rev_axes(eqn)), X[::-1, :, ::-1])
+
+
+#: Per reduction that reads ``axes``: a function tracing it on ``X`` and the axes it reduces.
+_REDUCTIONS: dict[str, tuple[Any, tuple[int, ...]]] = {
+    "reduce_sum": (lambda x: x.sum(axis=(0, 2)), (0, 2)),
+    "reduce_max": (lambda x: x.max(axis=1), (1,)),
+    "reduce_min": (lambda x: x.min(axis=(1, 2)), (1, 2)),
+    "reduce_prod": (lambda x: x.prod(axis=0), (0,)),
+    "reduce_and": (lambda x: jnp.all(x > 3.0, axis=2), (2,)),
+    "reduce_or": (lambda x: jnp.any(x > 3.0, axis=(0, 1)), (0, 1)),
+    "reduce_xor": (lambda x: jax.lax.reduce(x > 3.0, False, jax.lax.bitwise_xor, (0, 2)), (0, 2)),
+    "argmax": (lambda x: jnp.argmax(x, axis=1), (1,)),
+    "argmin": (lambda x: jnp.argmin(x, axis=2), (2,)),
+}
+
+
+def test_every_reduction_the_adapter_reads_is_traced_below() -> None:
+    assert set(_REDUCTIONS) == compat._AXES_REDUCTIONS
+
+
+@pytest.mark.parametrize("name", sorted(_REDUCTIONS))
+def test_reduction_axes(name: str) -> None:
+    fn, axes = _REDUCTIONS[name]
+    assert compat.reduction_axes(_eqn(fn, X, name=name)) == axes
+
+
+#: Per lax accessor: the primitive it reads and a function tracing one on a ``(2, 2)`` array.
+_LAX_EQUATIONS: dict[str, tuple[Any, str, Any]] = {
+    "dot_general_dims": (compat.dot_general_dims, "dot_general", lambda x: x @ x),
+    "slice_params": (compat.slice_params, "slice", lambda x: jax.lax.slice(x, (1, 0), (2, 2))),
+    "concatenate_axis": (compat.concatenate_axis, "concatenate", lambda x: jnp.concatenate([x, x])),
+    "rev_axes": (compat.rev_axes, "rev", lambda x: jax.lax.rev(x, (0,))),
+    "reduction_axes": (compat.reduction_axes, "reduce_sum", lambda x: x.sum(0)),
+}
+
+
+@pytest.mark.parametrize("reader", sorted(_LAX_EQUATIONS))
+def test_a_lax_accessor_names_a_parameter_this_jax_does_not_carry(reader: str) -> None:
+    accessor, name, fn = _LAX_EQUATIONS[reader]
+    eqn = _eqn(fn, jnp.ones((2, 2)), name=name)
+    with pytest.raises(NotImplementedError, match=rf"cannot read `\w+` of this JAX's `{name}` equation"):
+        accessor(eqn.replace(params={}))
+
+
+@pytest.mark.parametrize("reader", sorted(_LAX_EQUATIONS))
+def test_a_lax_accessor_refuses_another_primitive(reader: str) -> None:
+    eqn = _eqn(lambda x: jnp.sin(x), X, name="sin")
+    with pytest.raises(ValueError, match=rf"{reader}: got a `sin` equation, .* call it only on"):
+        _LAX_EQUATIONS[reader][0](eqn)
+
+
 # --- the boundary ---------------------------------------------------------------------------
 
 # What only the adapter may read: JAX's private and interpreter modules, the names JAX 0.8 and 0.9
-# keep in jax.core, the parameters of JAX's own control-flow and call primitives, and the bind
-# parameters of a primitive.
+# keep in jax.core, the parameters of JAX's own control-flow and call primitives, the bind
+# parameters of a primitive, and the parameters of lax primitives. Those braintrace's own
+# ``etp_conv`` shares with ``conv_general_dilated`` (strides, padding, ...) are read from its rule
+# keywords, so for them only a read off an equation (``eqn.params[...]``) is refused.
+_LAX_PARAMS = (
+    "axes|dimension|dimensions|start_indices|limit_indices|permutation|new_sizes|broadcast_dimensions|shape"
+    "|sharding|padding_config|slice_sizes|new_dtype|weak_type|window_strides|precision|preferred_element_type"
+    "|index_dtype|mode|fill_value|indices_are_sorted|unique_indices|update_jaxpr|update_consts|axis"
+)
+_SHARED_CONV_PARAMS = (
+    "strides|padding|lhs_dilation|rhs_dilation|dimension_numbers|feature_group_count|batch_group_count"
+)
 _INTERNAL_READS = (
     r"jax\._src", r"\bjax\.core\b", r"from jax\.extend", r"jax\.interpreters", r"jax\.custom_derivatives",
     r"get_bind_params", r"jaxprs_in_params",
     r"params\[[\"'](?:jaxpr|num_consts|num_carry|ft_in|ft_out|linear|branches|cond_jaxpr|body_jaxpr"
     r"|cond_nconsts|body_nconsts|call_jaxpr|fun_jaxpr|length|reverse)[\"']\]",
+    rf"params(?:\[|\.get\()[\"'](?:{_LAX_PARAMS})[\"']",
+    rf"eqn\.params(?:\[|\.get\()[\"'](?:{_SHARED_CONV_PARAMS})[\"']",
 )
 
 

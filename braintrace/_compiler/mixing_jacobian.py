@@ -73,11 +73,14 @@ import numpy as np
 
 from braintrace._compatible_imports import (
     CALL_PRIMITIVES,
+    DotDims,
     Jaxpr,
     JaxprEqn,
     Literal,
     Var,
     bind_equation,
+    dot_general_dims,
+    reduction_axes,
     split_jaxpr_invars,
     subjaxprs,
 )
@@ -308,9 +311,8 @@ def _reduce(eqn: JaxprEqn, lab: _Label | None) -> np.ndarray:
     """A reduction stays within a position only when the reduced axes share one label."""
     if lab is None:
         raise _Unsupported(f"`{eqn.primitive.name}` reduces a value that does not carry the positions")
-    axes = tuple(eqn.params["axes"])
     ref = lab.ids
-    for ax in sorted(axes, reverse=True):
+    for ax in sorted(reduction_axes(eqn), reverse=True):
         if not np.all(ref == np.take(ref, [0], axis=ax)):
             raise _Unsupported("reduction across positions")
         ref = np.take(ref, 0, axis=ax)
@@ -342,10 +344,8 @@ def _mixing(eqn: JaxprEqn, ins: list[_Label | None], analysis: _Analysis) -> _La
     second mixing in series what it needs of each first one."""
     name = eqn.primitive.name
     if name == "dot_general":
-        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-        x_ndim = len(_shape(eqn.invars[0]))
-        standard = (tuple(lc), tuple(rc), tuple(lb), tuple(rb)) == ((x_ndim - 1,), (0,), (), ())
-        if not standard or len(_shape(eqn.invars[1])) != 2:
+        standard = DotDims((len(_shape(eqn.invars[0])) - 1,), (0,), (), ())  # x @ W, W a matrix
+        if dot_general_dims(eqn) != standard or len(_shape(eqn.invars[1])) != 2:
             raise _Unsupported("dot_general layout")
     x_lab = _mixed_operand(ins)
     if x_lab.depth >= 2:
@@ -545,8 +545,8 @@ def _same_position_tangent(eqn: JaxprEqn, rule: MixingRule, w: Array, x_dot: Arr
         zeros = jnp.zeros((*x_dot.shape[:-1], _shape(eqn.outvars[0])[-1]), x_dot.dtype)
         return zeros.at[..., cols].add(x_dot[..., rows] * w[kept])
     if rule.select is not None:
-        rows = _static_take(w, rule.select, axis=0)  # rows[n] = w[select[n]], an (N, N) matrix
-        scale = jnp.sum(jnp.where(jnp.eye(rows.shape[0], dtype=bool), rows, 0), axis=0)
+        selected = _static_take(w, rule.select, axis=0)  # selected[n] = w[select[n]], an (N, N) matrix
+        scale = jnp.sum(jnp.where(jnp.eye(selected.shape[0], dtype=bool), selected, 0), axis=0)
         return _static_take(x_dot, rule.select, axis=-1) * scale
     return x_dot @ (w * jnp.asarray(rule.mask, w.dtype))
 

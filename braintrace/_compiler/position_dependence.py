@@ -50,6 +50,11 @@ from braintrace._compatible_imports import (
     JaxprEqn,
     Literal,
     Var,
+    bind_equation,
+    concatenate_axis,
+    dot_general_dims,
+    rev_axes,
+    slice_params,
     split_jaxpr_invars,
     subjaxprs,
 )
@@ -122,7 +127,7 @@ def _elementwise(eqn: JaxprEqn, deps: list[Dependence | None]) -> list[Dependenc
 
 
 def _concatenate(eqn: JaxprEqn, deps: list[Dependence | None], widths: tuple[int, ...]) -> Dependence:
-    axis = int(eqn.params["dimension"])
+    axis = concatenate_axis(eqn)
     hidden = [d for d in deps if d is not None]
     rows = [d[axis] if d is not None else np.zeros((_shape(a)[axis], widths[axis]), bool)
             for a, d in zip(eqn.invars, deps)]
@@ -132,9 +137,8 @@ def _concatenate(eqn: JaxprEqn, deps: list[Dependence | None], widths: tuple[int
 
 
 def _slice(eqn: JaxprEqn, dep: Dependence) -> Dependence:
-    starts, limits = eqn.params["start_indices"], eqn.params["limit_indices"]
-    strides = eqn.params.get("strides") or (1,) * len(starts)
-    return tuple(d[s:l:st] for d, s, l, st in zip(dep, starts, limits, strides))
+    cut = slice_params(eqn)
+    return tuple(d[s:l:st] for d, s, l, st in zip(dep, cut.start, cut.limit, cut.strides))
 
 
 def _mixing(eqn: JaxprEqn, deps: list[Dependence | None]) -> Dependence:
@@ -169,14 +173,14 @@ def _mixing(eqn: JaxprEqn, deps: list[Dependence | None]) -> Dependence:
 
 def _dot_general(eqn: JaxprEqn, deps: list[Dependence | None]) -> Dependence:
     """``h @ W`` (hidden on the left, its last axis contracted) or ``W @ h`` with a vector ``h``."""
-    (lhs_c, rhs_c), (lhs_b, _) = eqn.params["dimension_numbers"]
+    lhs_c, rhs_c, lhs_b, _ = dot_general_dims(eqn)
     lhs, rhs = (_shape(a) for a in eqn.invars)
     out = _shape(eqn.outvars[0])
-    if deps[0] is not None and deps[1] is None and not lhs_b and tuple(lhs_c) == (len(lhs) - 1,) \
-            and len(rhs) == 2 and tuple(rhs_c) == (0,):
+    if deps[0] is not None and deps[1] is None and not lhs_b and lhs_c == (len(lhs) - 1,) \
+            and len(rhs) == 2 and rhs_c == (0,):
         return (*deps[0][:-1], np.ones((out[-1], lhs[-1]), bool) @ deps[0][-1])
     if deps[1] is not None and deps[0] is None and not lhs_b and len(rhs) == 1 and len(lhs) == 2 \
-            and tuple(lhs_c) == (1,) and tuple(rhs_c) == (0,):
+            and lhs_c == (1,) and rhs_c == (0,):
         return (np.ones((out[0], rhs[0]), bool) @ deps[1][0],)
     raise _Unreadable("`dot_general` contracts hidden-derived values in a layout SnAp cannot read")
 
@@ -227,7 +231,7 @@ def _through_jvp(eqn: JaxprEqn, deps: list[Dependence | None], widths: tuple[int
     avals = [jax.ShapeDtypeStruct(_shape(a), d) for a, d in zip(eqn.invars, dtypes)]
 
     def jvp(primals: list[Any], tangents: list[Any]) -> Any:
-        return jax.jvp(lambda *args: eqn.primitive.bind(*args, **eqn.params), primals, tangents)
+        return jax.jvp(lambda *args: bind_equation(eqn, args), primals, tangents)
 
     try:
         rule = jax.make_jaxpr(jvp)(avals, avals).jaxpr
@@ -260,7 +264,8 @@ def _eqn_dependence(eqn: JaxprEqn, deps: list[Dependence | None], widths: tuple[
     if name == "slice":
         return [_slice(eqn, known)]
     if name == "rev":
-        return [tuple(d[::-1] if i in eqn.params["dimensions"] else d for i, d in enumerate(known))]
+        reversed_axes = rev_axes(eqn)
+        return [tuple(d[::-1] if i in reversed_axes else d for i, d in enumerate(known))]
     if name in ("reshape", "broadcast_in_dim", "squeeze") and _shape(eqn.outvars[0]) == hidden_shapes[0]:
         return [known]
     if is_etp_primitive(eqn.primitive):
