@@ -245,6 +245,13 @@ def compiled_memories(step: Any, xs: jax.Array, ys: jax.Array) -> tuple[float, f
     return float(total - stats.alias_size_in_bytes), float(stats.temp_size_in_bytes)
 
 
+def compile_seconds(step: Any, xs: jax.Array, ys: jax.Array) -> float:
+    """Seconds to trace, lower and compile ``step`` for ``(xs, ys)``."""
+    start = time.perf_counter()
+    step.lower(xs, ys).compile()
+    return time.perf_counter() - start
+
+
 def _data(steps: int, batch: int, n_in: int, n_out: int) -> tuple[jax.Array, jax.Array]:
     rng = np.random.default_rng(1)
     return (jnp.asarray(rng.standard_normal((steps, batch, n_in)), jnp.float32),
@@ -265,7 +272,8 @@ def run(
     """Build the workload, time each method per step and read the compiled memories.
 
     Returns a dict with ``connectome`` (sizes, degree statistics, generation seconds),
-    ``kernels``, per-method rows in ``methods`` (``seconds_per_step``, ``vs_forward``; for the
+    ``kernels``, per-method rows in ``methods`` (``seconds_per_step``, ``vs_forward``,
+    ``compile_seconds``; for the
     learners also ``trace_values``, ``mem_long``, ``mem_longest``, ``mem_growth``) and ``bptt``
     (``mem_short``, ``mem_long``, ``bytes_per_step``, ``max_steps``).
     """
@@ -297,6 +305,8 @@ def run(
                 step, *_data(length, batch, model.n_in, n_out))
         rows[name]["mem_growth"] = rows[name]["mem_longest"] / rows[name]["mem_long"]
         rows[name]["temp_growth"] = rows[name]["temp_longest"] / rows[name]["temp_long"]
+    for name, step in steps_of.items():
+        rows[name]["compile_seconds"] = compile_seconds(step, xs, ys)
     for name, seconds in time_steps(steps_of, xs, ys, repeats).items():
         rows[name]["seconds_per_step"] = seconds / steps
     for row in rows.values():
@@ -323,12 +333,13 @@ def print_report(report: dict[str, Any]) -> None:
           f"batch {report['batch']}, timed over T={report['steps']}")
     rows = report["methods"]
     long_label = "mem MiB T=long/T=longest"
-    print(f"  {'method':<10}{'ms/step':>10}{'vs forward':>12}{'trace values':>14}  {long_label}")
+    print(f"  {'method':<10}{'ms/step':>10}{'vs forward':>12}{'compile s':>11}{'trace values':>14}  {long_label}")
     for name, r in rows.items():
         mem = f"{r['mem_long'] / 2**20:.1f} / {r['mem_longest'] / 2**20:.1f} (x{r['mem_growth']:.3f})" \
             if "mem_long" in r else "-"
         trace = str(r.get("trace_values", "-"))
-        print(f"  {name:<10}{1e3 * r['seconds_per_step']:10.2f}{r['vs_forward']:12.2f}{trace:>14}  {mem}")
+        print(f"  {name:<10}{1e3 * r['seconds_per_step']:10.2f}{r['vs_forward']:12.2f}{r['compile_seconds']:11.1f}"
+              f"{trace:>14}  {mem}")
     b = report["bptt"]
     print(f"  BPTT compiled memory: {b['mem_short'] / 2**20:.1f} MiB at T={b['steps'][0]}, "
           f"{b['mem_long'] / 2**20:.1f} MiB at T={b['steps'][1]}: {b['bytes_per_step'] / 2**20:.2f} MiB per step; "

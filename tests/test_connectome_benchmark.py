@@ -56,7 +56,7 @@ def test_tiny_workload_reports_every_figure() -> None:
     rows = report["methods"]
     assert set(rows) == set(connectome.METHODS)
     for row in rows.values():
-        assert row["seconds_per_step"] > 0 and math.isfinite(row["vs_forward"])
+        assert row["seconds_per_step"] > 0 and math.isfinite(row["vs_forward"]) and row["compile_seconds"] > 0
     assert rows["forward"]["vs_forward"] == 1.0
     # One trace value per connection per batch entry (plus none for the plain readout).
     assert rows["D_RTRL"]["trace_values"] == 2 * nnz
