@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from braintrace._algorithm.batch_size import checked_batch_size
 from braintrace._algorithm.config import ETraceConfig
-from braintrace._algorithm.graph_executor import ETraceGraphExecutor, ETraceVjpGraphExecutor, refuse_while_in_windows
+from braintrace._algorithm.graph_executor import ETraceGraphExecutor, ETraceVjpGraphExecutor
 from braintrace._algorithm.input_data import has_multistep_data
 from braintrace._algorithm.call_lock import serialised
 from braintrace._algorithm.eager_calls import watched_call
@@ -226,8 +226,6 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
         self._check_registered_rules_reachable()
         self._operand_chains = self._build_operand_chains()
         self.init_etrace_state(*args)  # a learner's own refusals come first
-        if isinstance(self.graph_executor, ETraceVjpGraphExecutor) and self.graph_executor.is_multi_step_vjp:
-            refuse_while_in_windows(graph)
         self._trace_shapes = self._current_trace_shapes()
         self.is_compiled = True
 

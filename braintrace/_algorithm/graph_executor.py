@@ -44,15 +44,10 @@ from braintrace._algorithm.input_data import (
     sequence_length,
     split_input_data_types,
 )
+from braintrace._algorithm.jaxpr_eval import bind_eqn, eval_jaxpr
 from braintrace._algorithm.rule_vjp import bind_by_registered_rule
-from braintrace._compatible_imports import (
-    DropVar,
-    JaxprEqn,
-    Literal,
-    Var,
-    bind_equation,
-    jaxpr_all_invars,
-)
+from braintrace._algorithm.while_vjp import bind_reversibly
+from braintrace._compatible_imports import JaxprEqn, Literal, Var
 from braintrace import _compatible_imports as jax_compat
 from braintrace._compiler import (
     CompilationReport,
@@ -76,7 +71,7 @@ from braintrace._op._registries import get_y_outvar_index, has_library_rules, is
 
 __all__ = [
     "ETraceGraphExecutor", "ETraceVjpGraphExecutor", "StepJacobians", "TransitionPoint", "TailPoint", "df_key",
-    "detached_df_key", "trace_key", "history_jacobian_key", "widens", "refuse_while_in_windows",
+    "detached_df_key", "trace_key", "history_jacobian_key", "widens",
 ]
 
 Path = tuple[Any, ...]
@@ -269,11 +264,12 @@ class ETraceGraphExecutor:
     # --- one step -------------------------------------------------------------------------
 
     def _bind(self, eqn: JaxprEqn, operands: list[Any]) -> list[Any]:
-        """Bind a step equation; relations with user-registered rules are differentiated by them."""
+        """Bind a step equation; relations with user-registered rules are differentiated by them, and
+        ``while`` loops in reverse mode by recomputing their iterations (:func:`bind_reversibly`)."""
         ruled = self._ruled_outputs and is_etp_primitive(eqn.primitive)
         if ruled and eqn.outvars[get_y_outvar_index(eqn.primitive)] in self._ruled_outputs:
             return bind_by_registered_rule(eqn, operands)
-        return bind_eqn(eqn, operands)
+        return bind_reversibly(eqn, operands)
 
     def _flat_inputs(self, args: Sequence[Any], state_vals: dict[Path, Any]) -> list[Any]:
         minfo = self.graph.module_info
@@ -487,56 +483,6 @@ def _describe(signature: tuple[Any, tuple[tuple[int, ...], ...]]) -> str:
 def detached_df_key(relation: Any, group: Any) -> tuple[int, str, str]:
     """The key of the part of a relation's ``df`` that crosses a ``while_loop`` (see below)."""
     return (*df_key(relation, group), "through_while")
-
-
-#: ``bind(eqn, operands) -> outputs``: how :func:`eval_jaxpr` evaluates one equation.
-EqnBinder = Callable[[JaxprEqn, list[Any]], list[Any]]
-
-
-def bind_eqn(eqn: JaxprEqn, operands: list[Any]) -> list[Any]:
-    """The outputs of ``eqn`` at ``operands``, as JAX itself would evaluate it."""
-    return bind_equation(eqn, operands)
-
-
-def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], bind: EqnBinder = bind_eqn) -> list[Any]:
-    """JAX's ``eval_jaxpr`` with every top-level equation evaluated by ``bind``.
-
-    ``[*consts, *args]`` are bound to every input of ``jaxpr`` in order, constants first.
-    """
-    every = jaxpr_all_invars(jaxpr)
-    if len(consts) + len(args) != len(every):
-        raise internal_error(f"{len(consts)} constants and {len(args)} arguments for a jaxpr of {len(every)} inputs")
-    env: dict[Any, Any] = dict(zip(every, [*consts, *args]))
-
-    def read(a: Any) -> Any:
-        return a.val if isinstance(a, Literal) else env[a]
-
-    for eqn in jaxpr.eqns:
-        with eqn.ctx.manager:
-            outs = bind(eqn, [read(a) for a in eqn.invars])
-        env.update((v, o) for v, o in zip(eqn.outvars, outs) if not isinstance(v, DropVar))
-    return [read(v) for v in jaxpr.outvars]
-
-
-def refuse_while_in_windows(graph: Any) -> None:
-    """Raise ``NotSupportedError`` for a ``while_loop`` on a hidden group's path under multi-step windows.
-
-    A window is differentiated in reverse mode through its whole step; reverse mode cannot
-    cross a ``while_loop`` (single-step learners detach it and add the part it carries).
-    """
-    def is_while(eqn: JaxprEqn) -> bool:
-        return bool(eqn.primitive.name == "while")
-
-    for group in graph.hidden_groups:
-        tails = [tail for rel in graph.hidden_param_op_relations
-                 for g, tail in zip(rel.hidden_groups, rel.y_to_hidden_group_jaxprs) if g is group]
-        if contains_eqn(group.transition_jaxpr, is_while) or any(contains_eqn(t, is_while) for t in tails):
-            raise NotSupportedError(
-                f"vjp_method='multi-step': hidden group {group.index} ({group.hidden_paths}) is updated "
-                f"through a while_loop, and a multi-step window differentiates its steps in reverse mode, "
-                f"which cannot cross a while_loop. Use vjp_method='single-step', or write the loop with "
-                f"a fixed trip count (lax.fori_loop with static bounds, or lax.scan)."
-            )
 
 
 def _bind_detaching_whiles(eqn: JaxprEqn, operands: list[Any]) -> list[Any]:

@@ -30,7 +30,16 @@ import brainstate
 import brainunit as u
 import jax
 
-from braintrace._compatible_imports import ClosedJaxpr, Jaxpr, Literal, Var, closed_jaxpr_constvars, eval_jaxpr
+from braintrace._compatible_imports import (
+    ClosedJaxpr,
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    Var,
+    closed_jaxpr_constvars,
+    eval_jaxpr,
+    new_jaxpr_eqn,
+)
 from braintrace._compiler.canonicalize import canonicalize_control_flow
 from braintrace._compiler.control_flow_policy import (
     DEFAULT_CONTROL_FLOW_POLICY,
@@ -38,7 +47,7 @@ from braintrace._compiler.control_flow_policy import (
     resolve_policy,
 )
 from braintrace._compiler.diagnostics import DiagnosticKind, DiagnosticLevel, emit
-from braintrace._compiler.jaxpr_graph import inline_jit_calls, new_jaxpr
+from braintrace._compiler.jaxpr_graph import fresh_var, inline_jit_calls, new_jaxpr
 from braintrace._errors import ModelTypeError, NotSupportedError
 
 __all__ = ["ModuleInfo", "extract_module_info", "Path"]
@@ -226,7 +235,7 @@ def extract_module_info(
                 f"Online learning treats ParamState values as fixed within a step: compute the "
                 f"changed weight into a local variable, or keep it in a ShortTermState."
             )
-    closed = inline_jit_calls(closed)
+    closed = _own_hidden_outvars(inline_jit_calls(closed), compiled)
     minfo = _build_tables(stateful, closed, retrieved, compiled, path_of, model_args, model_kwargs, policy)
     canonical = canonicalize_control_flow(
         minfo.closed_jaxpr, weight_invars=minfo.weight_invars, hidden_invars=minfo.hidden_path_to_invar.values(),
@@ -261,6 +270,39 @@ def _reconcile_states(
             retrieved[path] = st
             path_of[id(st)] = path
     return path_of
+
+
+def _own_hidden_outvars(closed: ClosedJaxpr, compiled: tuple[brainstate.State, ...]) -> ClosedJaxpr:
+    """``closed`` with a new-value variable of its own for every hidden state.
+
+    A step that sets a hidden state to another one's new value (``self.prev.value = self.h.value``),
+    or two states to one value, returns one variable for both; the tables of the later passes are
+    keyed by that variable, so one of the states would lose its perturbation and its group. Each
+    later claim on a variable is written through a ``copy`` equation instead (``prev^t = copy(h^t)``):
+    a hidden state that reads another's new value within the step, which the groups handle.
+    """
+    jaxpr = closed.jaxpr
+    sizes = [len(jax.tree.leaves(st.value)) for st in compiled]
+    outvars = list(jaxpr.outvars)
+    position = len(outvars) - sum(sizes)
+    claimed: set[Var] = set()
+    copies: list[JaxprEqn] = []
+    for st, size in zip(compiled, sizes):
+        hidden = range(position, position + size) if isinstance(st, brainstate.HiddenState) else range(0)
+        position += size
+        for i in hidden:
+            v = outvars[i]
+            if isinstance(v, Literal) or not isinstance(v, Var):
+                continue
+            if v in claimed:
+                outvars[i] = fresh_var(v)
+                copies.append(new_jaxpr_eqn([v], [outvars[i]], jax.lax.copy_p, {}, set()))
+            claimed.add(v)
+    if not copies:
+        return closed
+    constvars = closed_jaxpr_constvars(closed)
+    new = new_jaxpr(constvars, jaxpr.invars, outvars, [*jaxpr.eqns, *copies], jaxpr.effects)
+    return ClosedJaxpr(new, closed.consts)
 
 
 def _build_tables(

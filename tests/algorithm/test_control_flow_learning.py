@@ -7,6 +7,11 @@
   depends on the trace folded over every substep at each chunk boundary).
 * A weight-free ``while_loop`` settling the hidden state: single-step D_RTRL equals that of
   the no-while twin (which equals BPTT), although the perturbed step detaches the loop.
+* Windows (``vjp_method='multi-step'``) over weight-free while loops (settling the hidden
+  state, between the weight product and the hidden state, nested in a ``cond`` or a ``scan``,
+  computing from the input alone) differentiate the loop by recomputing its iterations: D_RTRL equals BPTT
+  of the loop-free twin for every window split, pp_prop equals pp_prop on the twin. A loop
+  that reads a weight is refused at compile under either VJP method.
 """
 
 from __future__ import annotations
@@ -239,3 +244,69 @@ def test_while_tail_reports_the_part_crossing_the_loop() -> None:
         if coupled:  # a: only around the loop
             np.testing.assert_allclose(through[..., 1], 0.0, atol=1e-7)
             assert bool(jnp.all(full[..., 1] != 0))
+
+
+#: The weight-free while models (``flat=True``: the loop-free twin).
+WHILE_MODELS = {
+    "settle": cf.SettleModel,
+    "settle_coupled": functools.partial(cf.SettleModel, coupled=True),
+    "halved_drive": cf.HalvedDriveModel,
+    "halved_in_branch": cf.HalvedInBranchModel,
+    "halved_in_scan": cf.HalvedInScanModel,
+    "input_loop": cf.InputLoopModel,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("windows", [[T], [1, 3], [1] * T], ids=["whole", "chunks_1_3", "steps"])
+@pytest.mark.parametrize("model", list(WHILE_MODELS))
+def test_d_rtrl_windows_over_a_while_equal_bptt(model: str, windows: list[int], x64: None) -> None:
+    xs = inputs()
+    make = WHILE_MODELS[model]
+    learner = learner_of(make(), xs[0], vjp_method="multi-step")
+    assert max_rel_err(bptt_grads(make(flat=True), xs), window_grads(learner, xs, windows)) < EXACT
+
+
+@pytest.mark.parametrize("model", ["halved_in_branch", "halved_in_scan", "input_loop"])
+def test_single_step_through_a_nested_or_input_while_equals_bptt(model: str, x64: None) -> None:
+    xs = inputs()
+    make = WHILE_MODELS[model]
+    assert max_rel_err(bptt_grads(make(flat=True), xs), single_step_grads(learner_of(make(), xs[0]), xs)) < EXACT
+
+
+@pytest.mark.parametrize("model", ["settle_coupled", "halved_drive"])
+def test_pp_prop_windows_over_a_while_equal_its_twin(model: str, x64: None) -> None:
+    xs = inputs()
+    got = []
+    for flat in (False, True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            learner = braintrace.compile(WHILE_MODELS[model](flat=flat), "pp_prop", xs[0], decay_or_rank=0.7,
+                                         vjp_method="multi-step")
+        got.append(window_grads(learner, xs, [2, 2]))
+    assert max_rel_err(got[1], got[0]) < EXACT
+    # pp_prop's factorised trace is approximate across a window boundary: the comparison can fail.
+    assert max_rel_err(bptt_grads(WHILE_MODELS[model](flat=True), xs), got[0]) > 1e-4
+
+
+class WeightInWhile(brainstate.nn.Module):
+    """A while_loop whose body reads a trainable weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = brainstate.ParamState(0.3 * jnp.ones((4, 4)))
+        self.h = brainstate.HiddenState(jnp.zeros(4))
+
+    def update(self, x: Any) -> Any:
+        self.h.value, _ = jax.lax.while_loop(
+            lambda c: c[1] < 3, lambda c: (jnp.tanh(braintrace.matmul(c[0], self.w.value)), c[1] + 1),
+            (self.h.value + x, 0))
+        return self.h.value
+
+
+@pytest.mark.parametrize("vjp_method", ["single-step", "multi-step"])
+def test_a_while_reading_a_weight_is_refused_with_its_line_and_the_fix(vjp_method: str) -> None:
+    with pytest.raises(braintrace.NotSupportedError,
+                       match=r"weight is used inside a while_loop at .*test_control_flow_learning.py:\d+.*"
+                             r"lax.fori_loop with static bounds, or lax.scan"):
+        learner_of(WeightInWhile(), jnp.ones(4), vjp_method=vjp_method)

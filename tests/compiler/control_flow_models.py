@@ -203,14 +203,74 @@ class HalvedDriveModel(_Model):
         super().__init__(n_in, n_hid, flat)
 
     def update(self, x: Any) -> Any:
-        z = jnp.tanh(braintrace.matmul(x, self.w.value))
+        z = self.halve(jnp.tanh(braintrace.matmul(x, self.w.value)))
+        self.h.value = 0.7 * self.h.value + z
+        return self.readout()
+
+    def halve(self, z: Any) -> Any:
+        """``z`` halved while its largest magnitude exceeds :attr:`limit`, at most three times."""
         if self.flat:
             for _ in range(3):
                 z = jnp.where(jnp.max(jnp.abs(z)) > self.limit, 0.5 * z, z)
+            return z
+        z, _ = jax.lax.while_loop(lambda c: (c[1] < 3) & (jnp.max(jnp.abs(c[0])) > self.limit),
+                                  lambda c: (0.5 * c[0], c[1] + 1), (z, 0))
+        return z
+
+
+class HalvedInBranchModel(HalvedDriveModel):
+    """:class:`HalvedDriveModel` whose halving loop runs in one branch of a ``lax.cond`` (taken when
+    ``x[0] > 0``): a ``while_loop`` nested in another equation's body, which the compiler keeps as a
+    cond. The twin selects between the flat halving and ``z`` with ``jnp.where``.
+    """
+
+    def update(self, x: Any) -> Any:
+        z = jnp.tanh(braintrace.matmul(x, self.w.value))
+        if self.flat:
+            z = jnp.where(x[0] > 0, self.halve(z), z)
         else:
-            z, _ = jax.lax.while_loop(lambda c: (c[1] < 3) & (jnp.max(jnp.abs(c[0])) > self.limit),
-                                      lambda c: (0.5 * c[0], c[1] + 1), (z, 0))
+            z = jax.lax.cond(x[0] > 0, self.halve, lambda z: z, z)
         self.h.value = 0.7 * self.h.value + z
+        return self.readout()
+
+
+class HalvedInScanModel(HalvedDriveModel):
+    """Three substeps ``h = 0.8 h + 0.2 halve(z + h)`` in a ``lax.scan``, ``z = tanh(x @ W)``: a
+    ``while_loop`` in a scan body on the recurrent path, which the compiler keeps as a scan. The
+    twin iterates in Python (with the flat halving)."""
+
+    def update(self, x: Any) -> Any:
+        z = jnp.tanh(braintrace.matmul(x, self.w.value))
+
+        def body(h: Any, _: Any) -> tuple[Any, None]:
+            return 0.8 * h + 0.2 * self.halve(z + h), None
+
+        if self.flat:
+            h = self.h.value
+            for _ in range(3):
+                h, _ = body(h, None)
+        else:
+            h, _ = jax.lax.scan(body, self.h.value, None, length=3)
+        self.h.value = h
+        return self.readout()
+
+
+class InputLoopModel(_Model):
+    """``h = 0.9 h + tanh(s @ W)``, with ``s`` computed from the input alone by a weight-free
+    ``while_loop`` (three relaxation steps ``s = 0.5 s + 1``); the twin iterates in Python."""
+
+    def __init__(self, n_in: int = 3, n_hid: int = 4, flat: bool = False) -> None:
+        self.w = _w(14, (n_in, n_hid))
+        super().__init__(n_in, n_hid, flat)
+
+    def update(self, x: Any) -> Any:
+        if self.flat:
+            s = x
+            for _ in range(3):
+                s = 0.5 * s + 1.0
+        else:
+            s, _ = jax.lax.while_loop(lambda c: c[1] < 3, lambda c: (0.5 * c[0] + 1.0, c[1] + 1), (x, 0))
+        self.h.value = 0.9 * self.h.value + jnp.tanh(braintrace.matmul(s, self.w.value))
         return self.readout()
 
 

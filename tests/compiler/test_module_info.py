@@ -92,3 +92,50 @@ def test_units_of_states_must_not_change() -> None:
 
     with pytest.raises(ValueError):
         braintrace.extract_module_info(Drift(), jnp.ones(2))
+
+
+class SharedNewValue(brainstate.nn.Module):
+    """``prev`` and ``copy`` set to ``h``'s new value, ``old`` twice to ``h``'s previous one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = brainstate.ParamState(jnp.ones((3, 2)))
+        for name in ("h", "prev", "copy", "old", "old_too"):
+            setattr(self, name, brainstate.HiddenState(jnp.zeros(2)))
+
+    def update(self, x: Any) -> Any:
+        self.old.value = self.h.value
+        self.old_too.value = self.h.value
+        self.h.value = 0.5 * self.h.value + braintrace.matmul(x, self.w.value)
+        self.prev.value = self.h.value
+        self.copy.value = self.h.value
+        return self.prev.value
+
+
+def test_every_hidden_state_gets_its_own_new_value_variable() -> None:
+    model = SharedNewValue()
+    minfo = braintrace.extract_module_info(model, jnp.ones(3))
+    outs = minfo.hidden_path_to_outvar
+    assert len({id(v) for v in outs.values()}) == 5
+    assert minfo.outvar_to_hidden_path == {v: p for p, v in outs.items()}
+    assert list(minfo.hidden_outvar_to_invar) == list(outs.values())
+    producers = {v: e for e in minfo.jaxpr.eqns for v in e.outvars}
+    # The first state writing a variable keeps it; each later one is a copy of it.
+    assert outs[("old",)] is minfo.hidden_path_to_invar[("h",)]
+    assert [producers[outs[p]].primitive.name for p in [("old_too",), ("prev",), ("copy",)]] == ["copy"] * 3
+    assert producers[outs[("old_too",)]].invars == [outs[("old",)]]
+    assert producers[outs[("prev",)]].invars == producers[outs[("copy",)]].invars == [outs[("h",)]]
+    x = jnp.array([0.2, -0.4, 1.0])
+    _, hidden, _, _ = minfo.jaxpr_call(x)
+    out = model(x)
+    for path in outs:
+        np.testing.assert_allclose(hidden[path], getattr(model, path[0]).value)
+    np.testing.assert_allclose(hidden[("prev",)], out)
+
+
+def test_states_sharing_a_new_value_are_each_perturbed() -> None:
+    graph = braintrace.compile_etrace_graph(SharedNewValue(), jnp.ones(3))
+    assert graph.hidden_perturb is not None
+    paths = {("h",), ("prev",), ("copy",), ("old",), ("old_too",)}
+    assert set(graph.hidden_perturb.perturb_hidden_paths) == paths
+    assert {p for g in graph.hidden_groups for p in g.hidden_paths} == paths
