@@ -289,6 +289,20 @@ def test_pp_prop_windows_over_a_while_equal_its_twin(model: str, x64: None) -> N
     assert max_rel_err(bptt_grads(WHILE_MODELS[model](flat=True), xs), got[0]) > 1e-4
 
 
+@pytest.mark.parametrize("vjp_method", ["single-step", "multi-step"])
+def test_pp_prop_in_its_exact_regime_equals_bptt_through_a_while(vjp_method: str, x64: None) -> None:
+    # A feedforward step (h = halve(tanh(x W)), no recurrence): pp_prop's feedforward coordinate
+    # is exact there, through the data-dependent loop as without it.
+    xs = inputs()
+    assert len(set(_halvings(xs))) > 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        learner = braintrace.compile(cf.FeedforwardHalvedModel(), "pp_prop", xs[0], decay_or_rank=0.0,
+                                     vjp_method=vjp_method)
+    got = single_step_grads(learner, xs) if vjp_method == "single-step" else window_grads(learner, xs, [2, 2])
+    assert max_rel_err(bptt_grads(cf.FeedforwardHalvedModel(flat=True), xs), got) < EXACT
+
+
 class WeightInWhile(brainstate.nn.Module):
     """A while_loop whose body reads a trainable weight."""
 

@@ -218,6 +218,15 @@ class HalvedDriveModel(_Model):
         return z
 
 
+class FeedforwardHalvedModel(HalvedDriveModel):
+    """:class:`HalvedDriveModel` without the leak, ``h = z``: a feedforward step, where pp_prop's
+    feedforward coordinate (``decay_or_rank=0.0``) is exact."""
+
+    def update(self, x: Any) -> Any:
+        self.h.value = self.halve(jnp.tanh(braintrace.matmul(x, self.w.value)))
+        return self.readout()
+
+
 class HalvedInBranchModel(HalvedDriveModel):
     """:class:`HalvedDriveModel` whose halving loop runs in one branch of a ``lax.cond`` (taken when
     ``x[0] > 0``): a ``while_loop`` nested in another equation's body, which the compiler keeps as a
