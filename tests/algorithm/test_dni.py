@@ -345,7 +345,9 @@ def test_a_relation_parameter_used_plainly_too_gets_no_future_credit_for_that_us
     xs = inputs(1)
     live = run_windows(dni(lambda s, _: ConstantSynth(s, {0: 0.5}), model=SharedRNN()), xs)
     ref = run_windows(braintrace.compile(SharedRNN(), braintrace.D_RTRL, xs[0], vjp_method="multi-step"), xs)
-    np.testing.assert_array_equal(live[W_REC], ref[W_REC])
+    # Equal up to the float32 rounding of two programs (JAX 0.12 orders a sum differently: 1 ulp);
+    # a credit injected through the plain use would move W_rec's gradient by far more.
+    np.testing.assert_allclose(live[W_REC], ref[W_REC], rtol=1e-6, atol=1e-7)
     assert rel(ref[W_IN], live[W_IN]) > 1e-3
 
 

@@ -5,7 +5,7 @@ a delay line (a pure copy between hidden states), an input-only latch, an output
 the pre-reset potential, a readout inside the step, a weight-free ``while_loop`` between
 the weight product and the hidden state, and a state set to another one's new value (one
 variable of the traced step for both; read by the output, by the next update, or not at all).
-For every learner whose class covers them (D_RTRL, EProp without its filter, OSTLRecurrent),
+For every learner whose class covers them (D_RTRL, EProp without its filter, OSTLRecurrent, SnAp),
 the sum of the single-step online gradients equals BPTT's element-wise (float64, relative
 ``1e-10``), and so do D_RTRL's windows; the labels of the copies agree with the gradient
 audit. The negative control: on the recurrent weight of a GRU, outside the regime, D_RTRL is
@@ -128,7 +128,7 @@ MODELS: dict[str, Callable[[], brainstate.nn.Module]] = {
 }
 #: BPTT runs on the loop-free twin of the while model (JAX's reverse mode cannot cross a while_loop).
 REFERENCES = {**MODELS, "while": lambda: _halved_drive(flat=True)}
-LEARNERS = ("d_rtrl", "eprop", "ostl_recurrent")
+LEARNERS = ("d_rtrl", "eprop", "ostl_recurrent", "snap")
 CASES = [(m, a) for m in MODELS for a in LEARNERS]
 
 
