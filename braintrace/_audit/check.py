@@ -54,7 +54,10 @@ import numpy as np
 
 from braintrace._algorithm import ETraceAlgorithm, ETraceVjpAlgorithm, ETraceVmap
 from braintrace._algorithm.input_data import merge_data, split_input_data_types
+from braintrace._algorithm.jaxpr_eval import eval_jaxpr
 from braintrace._algorithm.sequence import _check_mask, _GradRun, _windows
+from braintrace._algorithm.while_vjp import bind_reversibly
+from braintrace._compiler.jaxpr_graph import contains_eqn
 from braintrace._audit.report import GradientAudit, Path
 
 __all__ = ["check_gradients", "audit_learner", "bptt_gradients", "BPTTReference", "GradientRequest"]
@@ -246,20 +249,36 @@ class _BareModelStep:
     """In place of a learner's custom-VJP step: the wrapped model run plainly (differentiable by JAX).
 
     Takes and returns what the custom-VJP step does, ``(out, new hidden, new other, traces)``;
-    the traces are passed through unchanged (nothing reads them in the BPTT run).
+    the traces are passed through unchanged (nothing reads them in the BPTT run). A step holding
+    a ``while_loop``, which JAX's reverse mode cannot cross, runs as the step the compiler traced
+    with every loop bound by :func:`~braintrace._algorithm.while_vjp.bind_reversibly` (the same
+    values; reverse mode recomputes the loop's iterations).
     """
 
     def __init__(self, learner: ETraceVjpAlgorithm) -> None:
         self.learner = learner
+        self.has_while = contains_eqn(learner.graph.module_info.jaxpr, lambda eqn: eqn.primitive.name == "while")
+
+    def _model_step(self, args: tuple[Any, ...]) -> Any:
+        """The model's output on ``args``, its states written as the model writes them."""
+        if not self.has_while:
+            return self.learner.model4compile(*args)
+        minfo = self.learner.graph.module_info
+        flat = jax.tree.leaves((args, [st.value for st in minfo.compiled_model_states]))
+        outs = eval_jaxpr(minfo.jaxpr, minfo.closed_jaxpr.consts, flat, bind_reversibly)
+        out, hidden, other, _ = minfo._process(*args, jaxpr_outs=outs)
+        for states, values in ((self.learner.hidden_states, hidden), (self.learner.other_states, other)):
+            for path, value in values.items():
+                states[path].value = value
+        return out
 
     def __call__(self, args: Any, weight_vals: Any, hidden_vals: Any, other_vals: Any, etrace_vals: Any,
                  running_index: Any, aux: Any = None, roll_sink: Any = None) -> tuple[Any, Any, Any, Any]:
-        model = self.learner.model4compile
         single, multi, treedef = split_input_data_types(*args)
         if multi:
-            out = brainstate.transform.for_loop(lambda step: model(*merge_data(treedef, single, step)), multi)
+            out = brainstate.transform.for_loop(lambda step: self._model_step(merge_data(treedef, single, step)), multi)
         else:
-            out = model(*merge_data(treedef, single))
+            out = self._model_step(merge_data(treedef, single))
         hidden = {path: st.value for path, st in self.learner.hidden_states.items()}
         other = {path: st.value for path, st in self.learner.other_states.items()}
         return out, hidden, other, etrace_vals

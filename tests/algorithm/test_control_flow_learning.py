@@ -303,6 +303,31 @@ def test_pp_prop_in_its_exact_regime_equals_bptt_through_a_while(vjp_method: str
     assert max_rel_err(bptt_grads(cf.FeedforwardHalvedModel(flat=True), xs), got) < EXACT
 
 
+@pytest.mark.parametrize("vjp_method", ["single-step", "multi-step"])
+def test_the_gradient_audit_takes_bptt_through_a_while(vjp_method: str, x64: None) -> None:
+    # The audit's BPTT reference binds the loop reversibly (JAX's reverse mode refuses it): it
+    # equals BPTT of the loop-free twin, and D_RTRL is exact against it.
+    from braintrace._audit import check_gradients
+
+    xs = inputs()
+    learner = learner_of(cf.HalvedDriveModel(), xs[0], vjp_method=vjp_method)
+    ys = jnp.zeros((xs.shape[0], 2))
+    if vjp_method == "single-step":
+        audit = check_gradients(learner, xs, ys, step_fn=lambda x, y: jnp.sum((learner(x) - y) ** 2))
+    else:
+        audit = check_gradients(learner, xs, ys, chunk_size=2, step_fn=lambda x, y: jnp.sum(
+            (learner(braintrace.MultiStepData(x)) - y) ** 2, axis=-1))
+    twin = cf.HalvedDriveModel(flat=True)
+
+    def loss() -> Any:
+        return sum(jnp.sum(twin(x) ** 2) for x in xs)
+
+    ref = brainstate.transform.grad(loss, twin.states(brainstate.ParamState))()
+    assert audit.exact
+    assert max_rel_err({p: np.asarray(g) for p, g in ref.items()},
+                       {p: np.asarray(g) for p, g in audit.bptt_grads.items()}) < EXACT
+
+
 class WeightInWhile(brainstate.nn.Module):
     """A while_loop whose body reads a trainable weight."""
 
