@@ -352,7 +352,7 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
         squeezed: set[Any] = set()
         squeeze = jax.default_backend() == "tpu"  # see _stored
         for rel in self.graph.hidden_param_op_relations:
-            init = reg.ETP_RULES_INIT_DRTRL[rel.primitive]
+            init = reg.required_rules(rel.primitive).init_drtrl
             for group in rel.hidden_groups:
                 key = trace_key(rel, group)
                 if key in traces:
@@ -574,7 +574,7 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
         multiplied as it is. Its only use is then element-wise and XLA rolls it in place; the
         slice ``ε[..., 0]`` that the rule would read costs a copy of the trace every step.
         """
-        dt_to_t = reg.ETP_RULES_DT_TO_T[rel.primitive]
+        dt_to_t = reg.required_rules(rel.primitive).dt_to_t
         if num_state == 1 and reg.has_library_rules(rel.primitive):
             ones = {k: jnp.ones(v.shape[:-1], v.dtype) for k, v in old.items()}
             factor = dt_to_t(diag[..., 0, 0], ones, **rel.eqn_params)
@@ -601,7 +601,7 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
 
     @staticmethod
     def _general_instant(rel: Any, x: Any, df: jax.Array, weights: Trace) -> Trace:
-        rule = reg.get_instant_drtrl_rule(rel.primitive) or reg.ETP_RULES_XY_TO_DW[rel.primitive]
+        rule = reg.get_instant_drtrl_rule(rel.primitive) or reg.required_rules(rel.primitive).xy_to_dw
 
         def one_state(d: jax.Array) -> Trace:
             if reg.is_batched_primitive(rel.primitive):
@@ -1048,7 +1048,7 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
             result: Trace = fp.solve(signal, trace, fold_batch=batched)
             return result
         solve_rule = reg.get_solve_drtrl_rule(rel.primitive)
-        dt_to_t = reg.ETP_RULES_DT_TO_T[rel.primitive]
+        dt_to_t = reg.required_rules(rel.primitive).dt_to_t
 
         def solve(g: jax.Array, tr: Trace) -> Trace:
             parts = []

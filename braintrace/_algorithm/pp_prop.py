@@ -365,7 +365,8 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
                 f"group {group.index} of shape {varshape}. Make the operation produce the hidden "
                 f"shape, or train this weight with D_RTRL."
             )
-        init = reg.ETP_RULES_INIT_PP.get(rel.primitive)
+        record = reg.get_etp_rules(rel.primitive)
+        init = None if record is None else record.init_pp
         if init is None:
             raise ValueError(
                 f"{rel.primitive.name} has no init_pp rule, so pp_prop cannot trace it; register one "
@@ -633,7 +634,7 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         delta = rel.output_layout(group, delta)
         if x is not None and jnp.issubdtype(x.dtype, jnp.floating):
             x = x.astype(math_dtype(x, delta))  # a stored input trace meets delta in its precision
-        rule = reg.ETP_RULES_XY_TO_DW[rel.primitive]
+        rule = reg.required_rules(rel.primitive).xy_to_dw
         if self.fast_solve:
             out: dict[str, jax.Array] = rule(x, sum_states(delta), weights, **rel.eqn_params)
             return out

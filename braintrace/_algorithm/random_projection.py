@@ -473,7 +473,7 @@ def relation_projection(
 
     hidden, pullback = jax.vjp(to_hidden, point.y)
     (dy,) = pullback(nu.astype(hidden.dtype))
-    rule = reg.ETP_RULES_XY_TO_DW[rel.primitive]
+    rule = reg.required_rules(rel.primitive).xy_to_dw
     projected: dict[str, jax.Array] = rule(x, dy, weights, **rel.eqn_params)
     return projected
 

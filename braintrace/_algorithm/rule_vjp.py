@@ -54,7 +54,7 @@ def bind_by_registered_rule(eqn: JaxprEqn, operands: Sequence[Any]) -> list[Any]
     trainable = reg.get_trainable_invars(primitive, params)
     x_index = reg.get_x_invar_index(primitive)
     y_index = reg.get_y_outvar_index(primitive)
-    rule = reg.ETP_RULES_XY_TO_DW[primitive]
+    rule = reg.required_rules(primitive).xy_to_dw
     trained = set(trainable.values())
 
     def forward(*values: Any) -> list[Any]:

@@ -4,7 +4,9 @@ For every ETP equation of the step, the compiler traces each trainable operand b
 ``ParamState`` leaf it comes from, then walks forward from the output ``y`` to the hidden
 states it drives without crossing another trainable ETP equation (the *non-parametric tail*:
 a per-position trace cannot express ``weight -> weight -> hidden``). Each driven group gets the
-``y -> h`` tail as a small jaxpr, whose Jacobian is the ``df`` of the eligibility trace.
+``y -> h`` tail as a small jaxpr, whose Jacobian is the ``df`` of the eligibility trace. The
+primitive of every relation must have the rules every learner reads (``dt_to_t``, ``xy_to_dw``,
+``init_drtrl``): a missing one is a ``CompilationError`` here, naming it, the weight and the line.
 
 Learners whose traces follow an influence onto other positions (SnAp-n, random projections)
 compile with ``include_weight_to_weight=True``: the walk then crosses trainable ETP equations,
@@ -37,7 +39,7 @@ import brainstate
 import jax
 import jax.numpy as jnp
 
-from braintrace._compatible_imports import Jaxpr, JaxprEqn, Literal, Var, eval_jaxpr, split_jaxpr_invars
+from braintrace._compatible_imports import Jaxpr, JaxprEqn, Literal, Var, eval_jaxpr, source_line, split_jaxpr_invars
 from braintrace._compiler.control_flow_policy import DEFAULT_CONTROL_FLOW_POLICY, ControlFlowPolicy
 from braintrace._compiler.diagnostics import DiagnosticKind, DiagnosticLevel, emit
 from braintrace._compiler.hidden_group import HiddenGroup
@@ -59,6 +61,7 @@ from braintrace._op._registries import (
     is_batched_primitive,
     is_etp_enable_gradient_primitive,
     is_etp_primitive,
+    required_rules,
 )
 from braintrace._op._rule_helpers import shape_of
 
@@ -486,6 +489,8 @@ def _relation_of(
     if not kept:
         _emit_no_target(prim, weight_path, blocked, trainables)
         return None
+    line = source_line(eqn.source_info)
+    required_rules(prim, used_at=f"the operation on weight {weight_path}{f' at {line}' if line else ''}")
     for h, cls in kept.items():
         if cls == PathClassification.MIXED and restricted:
             emit(DiagnosticKind.RELATION_PARTIAL_PATH, DiagnosticLevel.WARNING,

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from braintrace._compatible_imports import Primitive, ShapedArray, ad, batching, mlir
 from braintrace._op import _registries as reg
-from braintrace._op._registries import FastPathRules, Rule
+from braintrace._op._rule_record import EtpRules, FastPathRules, Rule, add_primitive, update_rules
 from braintrace._typing import Params
 
 __all__ = ["ETPPrimitive", "register_primitive"]
@@ -39,8 +39,11 @@ class ETPPrimitive(Primitive):
     """A JAX primitive that the eligibility-trace compiler recognises.
 
     Create one with :func:`register_primitive`; it behaves like any other JAX primitive
-    (``bind``, ``jit``, ``grad``, ``vmap``, ``jvp``). The methods below install the
-    eligibility-trace rules in the shared registries, overwriting any earlier entry.
+    (``bind``, ``jit``, ``grad``, ``vmap``, ``jvp``). The methods below install its
+    eligibility-trace rules in its record (:class:`braintrace._op._rule_record.EtpRules`),
+    overwriting any earlier entry. ``register_etp_rules`` installs several at once and refuses
+    to leave the primitive without a rule every learner needs; rules installed one at a time are
+    checked when a model using the primitive is compiled.
 
     Examples
     --------
@@ -55,19 +58,19 @@ class ETPPrimitive(Primitive):
 
     def register_dt_to_t(self, fn: Rule) -> None:
         """Install the trace-propagation rule ``dt_to_t(hidden_dim, trace, **params)``."""
-        reg.ETP_RULES_DT_TO_T[self] = _checked_rule("dt_to_t", fn)
+        update_rules(self, "register_dt_to_t", {"dt_to_t": fn})
 
     def register_xy_to_dw(self, fn: Rule) -> None:
         """Install the pullback rule ``xy_to_dw(x, hidden_dim, weights, **params)``."""
-        reg.ETP_RULES_XY_TO_DW[self] = _checked_rule("xy_to_dw", fn)
+        update_rules(self, "register_xy_to_dw", {"xy_to_dw": fn})
 
     def register_init_drtrl(self, fn: Rule) -> None:
         """Install the D-RTRL trace initialiser ``init_drtrl(x_var, y_var, weight_vars, S)``."""
-        reg.ETP_RULES_INIT_DRTRL[self] = _checked_rule("init_drtrl", fn)
+        update_rules(self, "register_init_drtrl", {"init_drtrl": fn})
 
     def register_init_pp(self, fn: Rule) -> None:
         """Install the pp_prop df-trace initialiser ``init_pp(x_var, y_var, weight_vars, S)``."""
-        reg.ETP_RULES_INIT_PP[self] = _checked_rule("init_pp", fn)
+        update_rules(self, "register_init_pp", {"init_pp": fn})
 
     def register_etp_rules(
         self,
@@ -85,10 +88,15 @@ class ETPPrimitive(Primitive):
     ) -> None:
         """Install several rules at once; ``None`` leaves an existing entry untouched.
 
+        The primitive must end up with every rule the learners need (``dt_to_t``, ``xy_to_dw``
+        and ``init_drtrl``): given in this call or installed before it.
+
         Parameters
         ----------
-        dt_to_t, xy_to_dw, init_drtrl, init_pp : callable, optional
-            The four core rules (see :mod:`braintrace._op._registries`).
+        dt_to_t, xy_to_dw, init_drtrl : callable, optional
+            The rules every learner needs (see :class:`braintrace._op._rule_record.EtpRules`).
+        init_pp : callable, optional
+            The pp_prop output-trace initialiser (pp_prop refuses a primitive without it).
         fast_path : FastPathRules, optional
             Closed-form D-RTRL kernels.
         pp_x_repr : callable, optional
@@ -112,34 +120,26 @@ class ETPPrimitive(Primitive):
         ------
         TypeError
             If a rule is not callable, or ``fast_path`` is not a :class:`FastPathRules`.
+        ValueError
+            If the primitive would still lack ``dt_to_t``, ``xy_to_dw`` or ``init_drtrl``. A
+            refused call installs nothing.
+
+        Examples
+        --------
+        >>> from braintrace import register_primitive
+        >>> p = register_primitive('doc_incomplete', lambda x, w: x @ w)
+        >>> p.register_etp_rules(xy_to_dw=lambda x, hidden_dim, weights, **params: {})
+        Traceback (most recent call last):
+            ...
+        ValueError: register_etp_rules: ETP primitive 'doc_incomplete' has no dt_to_t or init_drtrl rule; ...
         """
-        if fast_path is not None and not isinstance(fast_path, FastPathRules):
-            raise TypeError(
-                f"register_etp_rules: fast_path must be a braintrace._op.FastPathRules, got "
-                f"{type(fast_path).__name__}."
-            )
-        tables: Sequence[tuple[str, dict[Primitive, Any], Any]] = (
-            ("dt_to_t", reg.ETP_RULES_DT_TO_T, dt_to_t),
-            ("xy_to_dw", reg.ETP_RULES_XY_TO_DW, xy_to_dw),
-            ("init_drtrl", reg.ETP_RULES_INIT_DRTRL, init_drtrl),
-            ("init_pp", reg.ETP_RULES_INIT_PP, init_pp),
-            ("pp_x_repr", reg.ETP_RULES_PP_X_REPR, pp_x_repr),
-            ("instant_drtrl", reg.ETP_RULES_INSTANT_DRTRL, instant_drtrl),
-            ("solve_drtrl", reg.ETP_RULES_SOLVE_DRTRL, solve_drtrl),
-            ("snap_anchor", reg.ETP_RULES_SNAP_ANCHOR, snap_anchor),
-            ("snap_adjacency", reg.ETP_RULES_SNAP_ADJACENCY, snap_adjacency),
+        given = dict(
+            dt_to_t=dt_to_t, xy_to_dw=xy_to_dw, init_drtrl=init_drtrl, init_pp=init_pp,
+            fast_path=fast_path, pp_x_repr=pp_x_repr, instant_drtrl=instant_drtrl,
+            solve_drtrl=solve_drtrl, snap_anchor=snap_anchor, snap_adjacency=snap_adjacency,
         )
-        for name, table, fn in tables:
-            if fn is not None:
-                table[self] = _checked_rule(name, fn)
-        if fast_path is not None:
-            reg.ETP_FAST_PATH_RULES[self] = fast_path
-
-
-def _checked_rule(name: str, fn: Any) -> Rule:
-    if not callable(fn):
-        raise TypeError(f"{name} rule must be callable, got {type(fn).__name__}: {fn!r}.")
-    return fn
+        changes = {name: fn for name, fn in given.items() if fn is not None}
+        update_rules(self, "register_etp_rules", changes, complete=True)
 
 
 def register_primitive(
@@ -155,7 +155,7 @@ def register_primitive(
     """Create an :class:`ETPPrimitive` with every standard JAX rule derived from ``impl_fn``.
 
     Only the eligibility-trace rules need hand-writing; install them with the returned
-    primitive's ``register_*`` methods.
+    primitive's ``register_etp_rules`` (``dt_to_t``, ``xy_to_dw`` and ``init_drtrl`` at least).
 
     Parameters
     ----------
@@ -239,15 +239,10 @@ def register_primitive(
     ad.primitive_jvps[prim] = partial(_jvp, impl_fn)
     batching.primitive_batchers[prim] = partial(_batch, prim, impl_fn)
 
-    reg.ETP_PRIMITIVES.add(prim)
-    if batched:
-        reg.BATCHED_PRIMITIVES.add(prim)
-    if gradient_enabled:
-        reg.GRADIENT_ENABLED_PRIMITIVES.add(prim)
-    if trainable_invars_fn is not None:
-        reg.ETP_TRAINABLE_INVARS_FNS[prim] = trainable_invars_fn
-    reg.ETP_X_INVAR_INDICES[prim] = x_invar_index
-    reg.ETP_Y_OUTVAR_INDICES[prim] = y_outvar_index
+    add_primitive(prim, EtpRules(
+        batched=batched, gradient_enabled=gradient_enabled, x_invar_index=x_invar_index,
+        y_outvar_index=y_outvar_index, trainable_invars_fn=trainable_invars_fn,
+    ))
     return prim
 
 
@@ -282,7 +277,7 @@ def _batch(
     **params: Any,
 ) -> tuple[Any, int]:
     counterpart = reg.get_batched_counterpart(prim)
-    xi = reg.ETP_X_INVAR_INDICES.get(prim)
+    xi = reg.get_x_invar_index(prim)
     if counterpart is not None and xi is not None:
         x_dim = dims[xi]
         others_unmapped = all(d is None for i, d in enumerate(dims) if i != xi)

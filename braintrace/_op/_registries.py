@@ -1,12 +1,18 @@
-"""The rule registries of the ETP operator layer.
+"""Upstream's rule registries of the ETP operator layer, as views onto one record per primitive.
 
-Every ETP primitive is a key, by object identity, in a handful of module-level tables: which
-primitives exist, which are batched or gradient-enabled, where their ``x`` and trainable
-inputs sit in ``eqn.invars``, and the eligibility-trace rules the algorithm layer calls.
-These tables are the single source of truth; ``braintrace._op`` re-exports the same objects.
+Every ETP primitive owns one frozen :class:`EtpRules` record (:mod:`braintrace._op._rule_record`):
+its family facts (batched, gradient-enabled, where ``x``, ``y`` and the trainable operands sit in
+an equation, its batched counterpart) and the eligibility-trace rules the algorithm layer calls.
+The records are the single source of truth. Upstream's per-fact tables (``ETP_PRIMITIVES``,
+``ETP_RULES_DT_TO_T``, ...) are live views onto them: reading one reads a field of the records,
+writing one replaces a record by a copy with that field changed, checked first. This module also
+holds the look-ups the compiler and the learners use, and tells the library's rules from a user's.
 
-The rules are looked up by consumers with ``table.get(primitive)``, so a primitive that lacks
-an optional rule simply takes the algorithm's general path.
+Every learner needs three rules of a primitive whose weights it traces
+(:data:`REQUIRED_RULES`). ``register_etp_rules`` refuses to leave a primitive without one of
+them; rules installed one at a time (``register_dt_to_t``, a table write) are checked when a
+model is compiled (:func:`required_rules`). A primitive without an optional rule takes the
+learner's general path.
 
 Examples
 --------
@@ -15,16 +21,33 @@ Examples
 True
 >>> get_trainable_invars(etp_mm_p, {'has_bias': True})
 {'weight': 1, 'bias': 2}
->>> from braintrace._op._registries import get_batched_counterpart
 >>> get_batched_counterpart(etp_mv_p) is etp_mm_p
+True
+>>> get_etp_rules(etp_mv_p).dt_to_t is ETP_RULES_DT_TO_T[etp_mv_p]
 True
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Iterator, MutableMapping, MutableSet
+from typing import Any, Callable, Generic, TypeVar
 
 from braintrace._compatible_imports import Primitive
+from braintrace._op._rule_record import (
+    REQUIRED_RULES,
+    EtpRules,
+    FastPathRules,
+    RequiredRules,
+    Rule,
+    TrainableInvarsFn,
+    add_primitive,
+    clear_field,
+    etp_primitives,
+    get_etp_rules,
+    remove_primitive,
+    required_rules,
+    update_rules,
+)
 from braintrace._typing import Params
 
 __all__ = [
@@ -46,6 +69,11 @@ __all__ = [
     "ETP_RULES_SNAP_ADJACENCY",
     "BATCHED_COUNTERPARTS",
     "FastPathRules",
+    "EtpRules",
+    "RequiredRules",
+    "REQUIRED_RULES",
+    "get_etp_rules",
+    "required_rules",
     "is_etp_primitive",
     "is_etp_enable_gradient_primitive",
     "is_batched_primitive",
@@ -65,119 +93,155 @@ __all__ = [
     "has_library_rules",
 ]
 
-Rule = Callable[..., Any]
+# --- upstream's per-fact tables, as views onto the records --------------------------------
+
+_V = TypeVar("_V")
 
 
-class FastPathRules(NamedTuple):
-    """Closed-form D-RTRL kernels of one primitive family.
+class _RecordField(MutableMapping[Primitive, _V], Generic[_V]):
+    """Upstream's ``dict[primitive, value]`` for one field: a live view onto the records.
 
-    Shapes use ``S`` for the number of states of the hidden group (the trailing trace axis),
-    ``...`` for the primitive's leading axes (a batch axis for batched primitives) and
-    ``T`` for the steps of a multi-step window.
-
-    Attributes
-    ----------
-    instant : callable
-        ``instant(x, df, has_bias) -> dict``: the ``diag(D_f) ⊗ x`` term, trace-shaped
-        (trailing ``S`` kept). ``df`` is ``(..., *y, S)``.
-    recurrent : callable
-        ``recurrent(diag, old, num_state) -> dict``: the ``D^t ε^{t-1}`` term, with
-        ``diag`` the per-position hidden Jacobian ``(*varshape, S, S)``.
-    solve : callable
-        ``solve(signal, trace, *, fold_batch=False) -> dict``: contract the learning signal
-        ``(..., S)`` with the trace over ``S`` (and over the leading batch axis when
-        ``fold_batch``), giving parameter-shaped gradients in the promoted dtype of the two
-        (the trace may be stored in a lower precision than the signal).
-    applicable : callable
-        ``applicable(eqn_params) -> bool``: whether the kernels apply to an equation. It is
-        ``False`` whenever a transform hook (``weight_fn``, ``bias_fn``, ...) is active.
-    chunk : callable or None
-        ``chunk(x_seq, df_seq, p_seq, m_full, old, num_state) -> dict``: the closed-form
-        update of a whole window, ``ε_end = M ε_start + Σ_s x_s ⊗ (P_s df_s)`` where
-        ``P_s = D_{T-1}…D_{s+1}`` and ``M = D_{T-1}…D_0``.
-    solve_instant : callable or None
-        ``solve_instant(signal, x, df, has_bias, *, fold_batch=False) -> dict``: what ``solve``
-        gives on the ``instant`` term, contracted from its factors without forming the
-        trace-shaped product. ``None``: ``solve(signal, instant(x, df, has_bias))``.
-    roll_and_solve : callable or None
-        ``roll_and_solve(old, diag, x, df, signal, has_bias) -> (new, grads)``: for a batched
-        primitive's trace of a one-state group stored without its state axis, the roll
-        ``diag ⊙ old + instant`` and the contraction ``Σ_b signal ⊙ old`` in one pass over
-        ``old`` (``diag``, ``df``, ``signal``: ``(B, *y)``). ``None``: the engine rolls and
-        contracts apart.
+    ``table[p] = value`` replaces ``p``'s record by a copy with the field set (checked as
+    :func:`update_rules` checks it); ``p`` must already be an ETP primitive. For a rule, ``None``
+    in the record means absent and ``del table[p]`` clears it; the positions of ``x`` and ``y``
+    are facts of every primitive and cannot be deleted.
     """
 
-    instant: Rule
-    recurrent: Rule
-    solve: Rule
-    applicable: Callable[[Params], bool]
-    chunk: Rule | None = None
-    solve_instant: Rule | None = None
-    roll_and_solve: Rule | None = None
+    def __init__(self, name: str, field: str, *, optional: bool = True) -> None:
+        self._name, self._field, self._optional = name, field, optional
+
+    def __getitem__(self, primitive: Primitive) -> _V:
+        record = get_etp_rules(primitive)
+        if record is None or (self._optional and getattr(record, self._field) is None):
+            raise KeyError(primitive)
+        value: _V = getattr(record, self._field)
+        return value
+
+    def __setitem__(self, primitive: Primitive, value: _V) -> None:
+        update_rules(primitive, f"{self._name}[{primitive!r}] = ...", {self._field: value})
+
+    def __delitem__(self, primitive: Primitive) -> None:
+        if not self._optional:
+            raise TypeError(
+                f"del {self._name}[{primitive!r}]: {self._field} is a fact of every ETP primitive; "
+                f"assign another value instead."
+            )
+        if primitive not in self:
+            raise KeyError(primitive)
+        clear_field(primitive, self._field)
+
+    def __contains__(self, primitive: object) -> bool:
+        record = get_etp_rules(primitive)
+        return record is not None and not (self._optional and getattr(record, self._field) is None)
+
+    def __iter__(self) -> Iterator[Primitive]:
+        return (p for p in etp_primitives() if p in self)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __repr__(self) -> str:
+        return f"{self._name}({dict(self)!r})"
+
+
+class _RecordFlag(MutableSet[Primitive]):
+    """Upstream's ``set`` of the primitives with a flag (or, with no flag, of every primitive).
+
+    ``add`` and ``discard`` replace a record by a copy with the flag set or cleared. Adding to
+    the set of every primitive makes a primitive an ETP primitive with default facts and no
+    rules; discarding from it drops the primitive's record.
+    """
+
+    def __init__(self, name: str, flag: str | None) -> None:
+        self._name, self._flag = name, flag
+
+    def __contains__(self, primitive: object) -> bool:
+        record = get_etp_rules(primitive)
+        return record is not None and (self._flag is None or bool(getattr(record, self._flag)))
+
+    def __iter__(self) -> Iterator[Primitive]:
+        return (p for p in etp_primitives() if p in self)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def add(self, value: Primitive) -> None:
+        if self._flag is not None:
+            update_rules(value, f"{self._name}.add", {self._flag: True})
+        elif not isinstance(value, Primitive):
+            raise TypeError(f"{self._name}.add: expected a JAX Primitive, got {type(value).__name__}: {value!r}.")
+        elif get_etp_rules(value) is None:
+            add_primitive(value, EtpRules())
+
+    def discard(self, value: Primitive) -> None:
+        if value not in self:
+            return
+        if self._flag is None:
+            remove_primitive(value)
+        else:
+            clear_field(value, self._flag)
+
+    def __repr__(self) -> str:
+        return f"{self._name}({set(self)!r})"
 
 
 #: Every primitive created by :func:`braintrace.register_primitive`.
-ETP_PRIMITIVES: set[Primitive] = set()
+ETP_PRIMITIVES: MutableSet[Primitive] = _RecordFlag("ETP_PRIMITIVES", None)
 #: Primitives whose ``x`` and ``y`` carry a leading batch axis.
-BATCHED_PRIMITIVES: set[Primitive] = set()
+BATCHED_PRIMITIVES: MutableSet[Primitive] = _RecordFlag("BATCHED_PRIMITIVES", "batched")
 #: Primitives the compiler may walk through on the ``y -> h`` tail (identity-like ops).
-GRADIENT_ENABLED_PRIMITIVES: set[Primitive] = set()
+GRADIENT_ENABLED_PRIMITIVES: MutableSet[Primitive] = _RecordFlag("GRADIENT_ENABLED_PRIMITIVES", "gradient_enabled")
 #: ``eqn.params -> {trainable_name: invar_index}`` per primitive (``{'weight': 1}`` when absent).
-ETP_TRAINABLE_INVARS_FNS: dict[Primitive, Callable[[Params], dict[str, int]]] = {}
+ETP_TRAINABLE_INVARS_FNS: MutableMapping[Primitive, TrainableInvarsFn] = _RecordField(
+    "ETP_TRAINABLE_INVARS_FNS", "trainable_invars_fn")
 #: Position of the non-trainable input ``x`` in ``eqn.invars`` (``None`` when there is none).
-ETP_X_INVAR_INDICES: dict[Primitive, int | None] = {}
+ETP_X_INVAR_INDICES: MutableMapping[Primitive, int | None] = _RecordField(
+    "ETP_X_INVAR_INDICES", "x_invar_index", optional=False)
 #: Position of the output ``y`` in ``eqn.outvars``.
-ETP_Y_OUTVAR_INDICES: dict[Primitive, int] = {}
-
-#: ``dt_to_t(hidden_dim, trace, **params) -> trace``, the ``y -> W`` link of ``D^t ε^{t-1}``.
-ETP_RULES_DT_TO_T: dict[Primitive, Rule] = {}
-#: ``xy_to_dw(x, hidden_dim, weights, **params) -> grads``, the pullback of ``hidden_dim``.
-ETP_RULES_XY_TO_DW: dict[Primitive, Rule] = {}
-#: ``init_drtrl(x_var, y_var, weight_vars, num_hidden_state) -> {key: zeros}``.
-ETP_RULES_INIT_DRTRL: dict[Primitive, Rule] = {}
-#: ``init_pp(x_var, y_var, weight_vars, num_hidden_state) -> zeros((*y, S))``.
-ETP_RULES_INIT_PP: dict[Primitive, Rule] = {}
-#: ``pp_x_repr(x, weight_avals) -> array``, what the IO-dim x-trace low-pass filters.
-ETP_RULES_PP_X_REPR: dict[Primitive, Rule] = {}
-#: ``instant_drtrl(x, hidden_dim, weights, **params) -> trace slice`` overrides ``xy_to_dw``
-#: for the D-RTRL instantaneous term when the trace is not parameter-shaped or lives in the
-#: space of the transformed (hooked) parameters.
-ETP_RULES_INSTANT_DRTRL: dict[Primitive, Rule] = {}
-#: ``solve_drtrl(signal, trace, weights, **params) -> grads`` overrides ``dt_to_t`` for the
-#: D-RTRL gradient solve when the trace is not parameter-shaped or lives in the transformed
-#: space (the solve then applies each hook's VJP).
-ETP_RULES_SOLVE_DRTRL: dict[Primitive, Rule] = {}
-#: Closed-form D-RTRL kernels, see :class:`FastPathRules`.
-ETP_FAST_PATH_RULES: dict[Primitive, FastPathRules] = {}
-#: ``snap_anchor(eqn_params) -> bool``: whether every D-RTRL trace slot of the equation lands on
-#: one hidden position (the ``y`` position it is rolled at), so SnAp-n may widen it onto that
-#: position's neighbours. Absent: not anchored (SnAp refuses the primitive).
-ETP_RULES_SNAP_ANCHOR: dict[Primitive, Callable[[Params], bool]] = {}
-#: ``snap_adjacency(x_shape, y_shape, *, operand_shapes, **params) -> per-axis patterns or None``:
-#: for a primitive that mixes positions inside a recurrent transition, per axis of ``y`` a boolean
-#: ``(y axis, x axis)`` array (``[o, i]``: ``y`` at ``o`` reads ``x`` at ``i``) or ``None`` for
-#: the identity; ``None`` overall when the shapes are not ones the rule describes.
-#: ``operand_shapes``: the shape of every operand of the equation, in order.
-ETP_RULES_SNAP_ADJACENCY: dict[Primitive, Rule] = {}
+ETP_Y_OUTVAR_INDICES: MutableMapping[Primitive, int] = _RecordField(
+    "ETP_Y_OUTVAR_INDICES", "y_outvar_index", optional=False)
+#: :attr:`EtpRules.dt_to_t` per primitive.
+ETP_RULES_DT_TO_T: MutableMapping[Primitive, Rule] = _RecordField("ETP_RULES_DT_TO_T", "dt_to_t")
+#: :attr:`EtpRules.xy_to_dw` per primitive.
+ETP_RULES_XY_TO_DW: MutableMapping[Primitive, Rule] = _RecordField("ETP_RULES_XY_TO_DW", "xy_to_dw")
+#: :attr:`EtpRules.init_drtrl` per primitive.
+ETP_RULES_INIT_DRTRL: MutableMapping[Primitive, Rule] = _RecordField("ETP_RULES_INIT_DRTRL", "init_drtrl")
+#: :attr:`EtpRules.init_pp` per primitive.
+ETP_RULES_INIT_PP: MutableMapping[Primitive, Rule] = _RecordField("ETP_RULES_INIT_PP", "init_pp")
+#: :attr:`EtpRules.pp_x_repr` per primitive.
+ETP_RULES_PP_X_REPR: MutableMapping[Primitive, Rule] = _RecordField("ETP_RULES_PP_X_REPR", "pp_x_repr")
+#: :attr:`EtpRules.instant_drtrl` per primitive.
+ETP_RULES_INSTANT_DRTRL: MutableMapping[Primitive, Rule] = _RecordField("ETP_RULES_INSTANT_DRTRL", "instant_drtrl")
+#: :attr:`EtpRules.solve_drtrl` per primitive.
+ETP_RULES_SOLVE_DRTRL: MutableMapping[Primitive, Rule] = _RecordField("ETP_RULES_SOLVE_DRTRL", "solve_drtrl")
+#: :attr:`EtpRules.fast_path` per primitive, see :class:`FastPathRules`.
+ETP_FAST_PATH_RULES: MutableMapping[Primitive, FastPathRules] = _RecordField("ETP_FAST_PATH_RULES", "fast_path")
+#: :attr:`EtpRules.snap_anchor` per primitive.
+ETP_RULES_SNAP_ANCHOR: MutableMapping[Primitive, Callable[[Params], bool]] = _RecordField(
+    "ETP_RULES_SNAP_ANCHOR", "snap_anchor")
+#: :attr:`EtpRules.snap_adjacency` per primitive.
+ETP_RULES_SNAP_ADJACENCY: MutableMapping[Primitive, Rule] = _RecordField("ETP_RULES_SNAP_ADJACENCY", "snap_adjacency")
 #: Unbatched primitive -> the batched primitive ``vmap`` re-binds it as.
-BATCHED_COUNTERPARTS: dict[Primitive, Primitive] = {}
+BATCHED_COUNTERPARTS: MutableMapping[Primitive, Primitive] = _RecordField("BATCHED_COUNTERPARTS", "batched_counterpart")
 
 _DEFAULT_TRAINABLE_INVARS: dict[str, int] = {"weight": 1}
 
 
 def is_etp_primitive(primitive: Any) -> bool:
     """Whether ``primitive`` was created by :func:`braintrace.register_primitive`."""
-    return primitive in ETP_PRIMITIVES
+    return get_etp_rules(primitive) is not None
 
 
 def is_etp_enable_gradient_primitive(primitive: Any) -> bool:
     """Whether ``primitive`` is a gradient-enabled (identity-like) ETP primitive."""
-    return primitive in GRADIENT_ENABLED_PRIMITIVES
+    record = get_etp_rules(primitive)
+    return record is not None and record.gradient_enabled
 
 
 def is_batched_primitive(primitive: Any) -> bool:
     """Whether ``primitive`` is an ETP primitive with a leading batch axis."""
-    return primitive in BATCHED_PRIMITIVES
+    record = get_etp_rules(primitive)
+    return record is not None and record.batched
 
 
 def get_trainable_invars(primitive: Primitive, eqn_params: Params) -> dict[str, int]:
@@ -186,7 +250,8 @@ def get_trainable_invars(primitive: Primitive, eqn_params: Params) -> dict[str, 
     Falls back to the single-weight layout ``{'weight': 1}`` for primitives registered
     without a ``trainable_invars_fn``.
     """
-    fn = ETP_TRAINABLE_INVARS_FNS.get(primitive)
+    record = get_etp_rules(primitive)
+    fn = None if record is None else record.trainable_invars_fn
     if fn is None:
         return dict(_DEFAULT_TRAINABLE_INVARS)
     return dict(fn(eqn_params))
@@ -194,12 +259,14 @@ def get_trainable_invars(primitive: Primitive, eqn_params: Params) -> dict[str, 
 
 def get_x_invar_index(primitive: Primitive) -> int | None:
     """Position of ``x`` in ``eqn.invars``; ``0`` for primitives never registered."""
-    return ETP_X_INVAR_INDICES.get(primitive, 0)
+    record = get_etp_rules(primitive)
+    return 0 if record is None else record.x_invar_index
 
 
 def get_y_outvar_index(primitive: Primitive) -> int:
     """Position of ``y`` in ``eqn.outvars``; ``0`` for primitives never registered."""
-    return ETP_Y_OUTVAR_INDICES.get(primitive, 0)
+    record = get_etp_rules(primitive)
+    return 0 if record is None else record.y_outvar_index
 
 
 def register_batched_counterpart(unbatched_p: Primitive, batched_p: Primitive) -> None:
@@ -215,27 +282,28 @@ def register_batched_counterpart(unbatched_p: Primitive, batched_p: Primitive) -
         round.
     """
     for role, p in (("unbatched_p", unbatched_p), ("batched_p", batched_p)):
-        if p not in ETP_PRIMITIVES:
+        if not is_etp_primitive(p):
             raise ValueError(
                 f"register_batched_counterpart: {role}={p!r} is not an ETP primitive; create it "
                 f"with braintrace.register_primitive first."
             )
-    if unbatched_p in BATCHED_PRIMITIVES:
+    if is_batched_primitive(unbatched_p):
         raise ValueError(
             f"register_batched_counterpart: unbatched_p={unbatched_p!r} is registered with "
             f"batched=True; the first argument must be the unbatched primitive."
         )
-    if batched_p not in BATCHED_PRIMITIVES:
+    if not is_batched_primitive(batched_p):
         raise ValueError(
             f"register_batched_counterpart: batched_p={batched_p!r} is not batched; register "
             f"it with register_primitive(..., batched=True)."
         )
-    BATCHED_COUNTERPARTS[unbatched_p] = batched_p
+    update_rules(unbatched_p, "register_batched_counterpart", {"batched_counterpart": batched_p})
 
 
 def get_batched_counterpart(primitive: Primitive) -> Primitive | None:
     """The batched primitive ``vmap`` promotes ``primitive`` to, or ``None``."""
-    return BATCHED_COUNTERPARTS.get(primitive)
+    record = get_etp_rules(primitive)
+    return None if record is None else record.batched_counterpart
 
 
 def get_fast_path_rules(primitive: Primitive) -> FastPathRules | None:
@@ -244,17 +312,20 @@ def get_fast_path_rules(primitive: Primitive) -> FastPathRules | None:
     ``None`` also when the kernels are the library's but a user replaced another rule of the
     primitive: the kernels compute the library's rules, not the user's.
     """
-    return _override(ETP_FAST_PATH_RULES, primitive)
+    fast_path: FastPathRules | None = _override("fast_path", primitive)
+    return fast_path
 
 
 def get_instant_drtrl_rule(primitive: Primitive) -> Rule | None:
     """The ``instant_drtrl`` override of ``primitive``, or ``None`` (see :func:`get_fast_path_rules`)."""
-    return _override(ETP_RULES_INSTANT_DRTRL, primitive)
+    rule: Rule | None = _override("instant_drtrl", primitive)
+    return rule
 
 
 def get_solve_drtrl_rule(primitive: Primitive) -> Rule | None:
     """The ``solve_drtrl`` override of ``primitive``, or ``None`` (see :func:`get_fast_path_rules`)."""
-    return _override(ETP_RULES_SOLVE_DRTRL, primitive)
+    rule: Rule | None = _override("solve_drtrl", primitive)
+    return rule
 
 
 def is_snap_anchored(primitive: Primitive, eqn_params: Params) -> bool:
@@ -266,13 +337,15 @@ def is_snap_anchored(primitive: Primitive, eqn_params: Params) -> bool:
     >>> is_snap_anchored(etp_mm_p, {}), is_snap_anchored(etp_emb_p, {})
     (True, False)
     """
-    rule = ETP_RULES_SNAP_ANCHOR.get(primitive)
+    record = get_etp_rules(primitive)
+    rule = None if record is None else record.snap_anchor
     return bool(rule(eqn_params)) if rule is not None else False
 
 
 def get_snap_adjacency_rule(primitive: Primitive) -> Rule | None:
     """The ``snap_adjacency`` rule of ``primitive``, or ``None`` (SnAp then reads it as all-to-all)."""
-    return ETP_RULES_SNAP_ADJACENCY.get(primitive)
+    record = get_etp_rules(primitive)
+    return None if record is None else record.snap_adjacency
 
 
 def snap_anchored(eqn_params: Params) -> bool:
@@ -280,25 +353,21 @@ def snap_anchored(eqn_params: Params) -> bool:
     return True
 
 
+def get_pp_x_repr(primitive: Primitive) -> Rule | None:
+    """The IO-dim ``x`` representation rule of ``primitive``, or ``None``."""
+    record = get_etp_rules(primitive)
+    return None if record is None else record.pp_x_repr
+
+
 # --- whose rules are in force -------------------------------------------------------------
 
-#: Every table of eligibility-trace rules, in a fixed order (the layout of a rule snapshot).
-_RULE_TABLES: tuple[dict[Primitive, Any], ...] = (
-    ETP_RULES_DT_TO_T,
-    ETP_RULES_XY_TO_DW,
-    ETP_RULES_INIT_DRTRL,
-    ETP_RULES_INIT_PP,
-    ETP_RULES_PP_X_REPR,
-    ETP_RULES_INSTANT_DRTRL,
-    ETP_RULES_SOLVE_DRTRL,
-    ETP_FAST_PATH_RULES,
+#: The fields of a record that decide a primitive's gradients (the SnAp rules decide only a
+#: sparsity pattern, the family facts no derivative).
+_GRADIENT_RULES: tuple[str, ...] = (
+    "dt_to_t", "xy_to_dw", "init_drtrl", "init_pp", "pp_x_repr", "instant_drtrl", "solve_drtrl", "fast_path",
 )
-#: Per library primitive, its rules as the library installed them (see :func:`freeze_library_rules`).
-_LIBRARY_RULES: dict[Primitive, tuple[Any, ...]] = {}
-
-
-def _rules_of(primitive: Primitive) -> tuple[Any, ...]:
-    return tuple(table.get(primitive) for table in _RULE_TABLES)
+#: Per library primitive, its record as the library left it (see :func:`freeze_library_rules`).
+_LIBRARY_RECORDS: dict[Primitive, EtpRules] = {}
 
 
 def freeze_library_rules() -> None:
@@ -307,8 +376,10 @@ def freeze_library_rules() -> None:
     Called once, when :mod:`braintrace._op` has registered its primitives; any later
     registration (by user code) is then told apart by :func:`has_library_rules`.
     """
-    for primitive in ETP_PRIMITIVES:
-        _LIBRARY_RULES.setdefault(primitive, _rules_of(primitive))
+    for primitive in etp_primitives():
+        record = get_etp_rules(primitive)
+        if record is not None:
+            _LIBRARY_RECORDS.setdefault(primitive, record)
 
 
 def has_library_rules(primitive: Primitive) -> bool:
@@ -327,20 +398,16 @@ def has_library_rules(primitive: Primitive) -> bool:
     >>> has_library_rules(register_primitive('doc_own_rules', lambda x, w: x * w))
     False
     """
-    frozen = _LIBRARY_RULES.get(primitive)
-    return frozen is not None and all(a is b for a, b in zip(frozen, _rules_of(primitive)))
+    frozen, record = _LIBRARY_RECORDS.get(primitive), get_etp_rules(primitive)
+    return (frozen is not None and record is not None
+            and all(getattr(frozen, f) is getattr(record, f) for f in _GRADIENT_RULES))
 
 
-def _override(table: dict[Primitive, Any], primitive: Primitive) -> Any:
-    """``table[primitive]``, unless it is a library rule left in force beside a user's rule."""
-    rule = table.get(primitive)
-    frozen = _LIBRARY_RULES.get(primitive)
+def _override(field: str, primitive: Primitive) -> Any:
+    """The ``field`` rule of ``primitive``, unless it is a library rule left in force beside a user's rule."""
+    record = get_etp_rules(primitive)
+    rule = None if record is None else getattr(record, field)
+    frozen = _LIBRARY_RECORDS.get(primitive)
     if rule is None or frozen is None or has_library_rules(primitive):
         return rule
-    position = next(i for i, t in enumerate(_RULE_TABLES) if t is table)
-    return None if rule is frozen[position] else rule
-
-
-def get_pp_x_repr(primitive: Primitive) -> Rule | None:
-    """The IO-dim ``x`` representation rule of ``primitive``, or ``None``."""
-    return ETP_RULES_PP_X_REPR.get(primitive)
+    return None if rule is getattr(frozen, field) else rule

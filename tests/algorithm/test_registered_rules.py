@@ -142,6 +142,33 @@ def test_a_rule_registered_on_a_library_primitive_replaces_its_fast_paths(learne
     np.testing.assert_allclose(doubled[("w",)], 2 * exact[("w",)], rtol=1e-5)
 
 
+def test_rules_installed_one_at_a_time_are_checked_when_compiling() -> None:
+    """Upstream's per-rule methods and table writes install a rule without a check; compiling a
+    model that uses a primitive still without a required rule names the primitive and the rule."""
+    p = braintrace.register_primitive("test_piecemeal_half_mm", _impl, batched=True)
+    p.register_dt_to_t(_dt_to_t)
+    reg.ETP_RULES_XY_TO_DW[p] = scaled_xy_to_dw(1.0)
+    p.register_init_pp(_init_pp)
+    for cls, options in LEARNERS.values():
+        with pytest.raises(braintrace.CompilationError,
+                           match=r"'test_piecemeal_half_mm' \(met at the operation on weight \('w',\).*\) has no "
+                                 r"init_drtrl rule.*register_etp_rules\(init_drtrl=\.\.\.\)"):
+            braintrace.compile(Model(_bind(p)), cls, normal(2, (B, I)), batch_size=B, **options)
+
+
+@pytest.mark.parametrize("learner", sorted(LEARNERS))
+def test_a_complete_piecemeal_registration_trains_like_one_call(learner: str) -> None:
+    p = braintrace.register_primitive("test_piecemeal_mm", _impl, batched=True)
+    p.register_dt_to_t(_dt_to_t)
+    p.register_xy_to_dw(scaled_xy_to_dw(1.0))
+    reg.ETP_RULES_INIT_DRTRL[p] = _init_drtrl
+    reg.ETP_RULES_INIT_PP[p] = _init_pp
+    got, want = _grads(_bind(p), learner, "single-step"), _grads(_bind(EXACT_RULE), learner, "single-step")
+    assert set(got) == set(want) and np.all(got[("w",)] != 0)
+    for path in want:
+        np.testing.assert_allclose(got[path], want[path], rtol=1e-6)
+
+
 def test_a_user_fast_path_is_kept() -> None:
     """A fast path the user registers is part of their contract, not a library shortcut."""
     p = user_primitive("test_own_fast_path_mm", 1.0)
