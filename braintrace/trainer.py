@@ -168,6 +168,11 @@ class OnlineModule(braintools.trainer.LightningModule):
     (2, (7, 4))
     """
 
+    #: brainstate's graph walks the module through ``model`` only, so the Trainer names the weights
+    #: ``('model', ...)`` in every fit: the learner (which holds the model too) and the snapshots of
+    #: states would otherwise come first (their names sort before ``'model'``).
+    graph_invisible_attrs = ("_learner", "_unfinished", "_restore_after_batch", "_restore_after_update")
+
     def __init__(
         self,
         model: brainstate.nn.Module,
@@ -222,6 +227,8 @@ class OnlineModule(braintools.trainer.LightningModule):
         self._restore_after_batch: list[tuple[brainstate.State, Any]] = []
         self._restore_after_update: list[tuple[brainstate.State, Any]] = []
         self._pending: list[tuple[int, int, str]] = []
+        #: The batch that started and has not ended, with every state of the module before it.
+        self._unfinished: tuple[int, list[tuple[brainstate.State, Any]]] | None = None
 
     # ------------------------------------------------------------------ the learner
 
@@ -340,6 +347,7 @@ class OnlineModule(braintools.trainer.LightningModule):
     # ------------------------------------------------------------------ hooks: batch sizes, non-finite batches
 
     def on_fit_start(self) -> None:
+        self._roll_back_unfinished_batch()
         loader = getattr(self.trainer, "train_dataloader", None)
         size, drop_last = getattr(loader, "batch_size", None), getattr(loader, "drop_last", True)
         dataset = getattr(loader, "dataset", None)
@@ -361,9 +369,33 @@ class OnlineModule(braintools.trainer.LightningModule):
                 f"(DataLoader(..., drop_last=True)); evaluation runs at any batch size."
             )
         self._batch_idx = batch_idx
-        _strongly_typed(brainstate.graph.states(self).values())
+        _strongly_typed([*brainstate.graph.states(self).values(), *brainstate.graph.states(learner).values()])
+        self._unfinished = (batch_idx, _snapshot(list(brainstate.graph.states(learner).values())))
         if self.check_finite:
             self._restore_after_batch = _snapshot(_non_param_states(learner))
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._unfinished = None
+
+    def _roll_back_unfinished_batch(self) -> None:
+        """Put back the learner's states a batch that never ended had changed (an exception stopped it).
+
+        The Trainer offers no hook for an exception: a failure between the gradient step and the
+        optimizer step (in a callback, in the optimizer's update) leaves the learner's hidden
+        states and traces at that batch's forward pass, the weights and the optimizer's state as
+        they were. The next fit of this module starts from the learner's states before the failed
+        batch instead (the Trainer sets the optimizer up afresh for every fit).
+        """
+        if self._unfinished is None:
+            return
+        batch_idx, saved = self._unfinished
+        self._unfinished = None
+        _restore(saved)
+        warnings.warn(
+            f"OnlineModule: training batch {batch_idx} did not finish (an exception stopped it); the "
+            f"learner's weights and states are put back as they were before it.",
+            UserWarning, stacklevel=3,
+        )
 
     def on_after_backward(self) -> None:
         if not self.check_finite:

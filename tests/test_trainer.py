@@ -285,6 +285,50 @@ def _assert_same(a: dict[Any, Any], b: dict[Any, Any]) -> None:
         jax.tree.map(np.testing.assert_array_equal, a[path], b[path])
 
 
+def test_a_module_fits_again_and_its_weights_keep_their_names(tmp_path: Path) -> None:
+    # The Trainer keys the optimizer by the weights' paths in the module; compiling the learner
+    # must not rename them (a second fit then found no gradient for any weight).
+    m = module(optimizer=braintools.optim.Adam(lr=LR))
+    names = list(m.states(brainstate.ParamState))
+    trainer(tmp_path).fit(m, loader())
+    assert list(m.states(brainstate.ParamState)) == names == [("model", "b"), ("model", "r"), ("model", "w")]
+    first = weights(m)
+    trainer(tmp_path).fit(m, loader())
+    assert all(not np.array_equal(first[p], w) for p, w in weights(m).items())
+
+
+class FailBeforeUpdate(braintools.trainer.Callback):
+    """Raises in the Trainer's ``on_before_optimizer_step`` of training batch ``at`` (after the
+    batch's gradient step has run the learner)."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.calls = at, 0
+
+    def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+        self.calls += 1
+        if self.calls == self.at + 1:
+            raise RuntimeError("injected failure in a callback")
+
+
+def test_a_batch_stopped_between_its_gradient_and_its_update_is_rolled_back_at_the_next_start(tmp_path: Path) -> None:
+    # Carried states: batch 1 runs its forward pass, then a callback raises before the update.
+    # The next fit starts from the states after batch 0 (the weights and the learner's states),
+    # exactly as a run that only ever saw batch 0 before.
+    m = module(states="carry", optimizer=braintools.optim.Adam(lr=LR))
+    with pytest.raises(RuntimeError, match="injected failure"):
+        trainer(tmp_path, callbacks=[FailBeforeUpdate(at=1)]).fit(m, loader())
+    with pytest.warns(UserWarning, match="training batch 1 did not finish"):
+        trainer(tmp_path).fit(m, loader())
+
+    clean = module(states="carry", optimizer=braintools.optim.Adam(lr=LR))
+    xs, labels = data()
+    trainer(tmp_path).fit(clean, loader(xs[:B], labels[:B]))
+    trainer(tmp_path).fit(clean, loader())
+    # Trace keys hold the id of their relation: compare the states in order.
+    for a, b in zip(_state_values(m).values(), _state_values(clean).values(), strict=True):
+        jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
 @pytest.mark.parametrize("stage", ["loss", "optimizer update"])
 def test_a_failed_training_step_leaves_the_learner_as_it_was_and_the_module_usable(stage: str, tmp_path: Path) -> None:
     failing = {"on": True}
@@ -312,12 +356,13 @@ def test_a_failed_training_step_leaves_the_learner_as_it_was_and_the_module_usab
         _assert_same(_state_values(m), before)
     else:
         # The Trainer ran the batch's gradient step before its optimizer step failed: the hidden
-        # states and traces are those of that batch (the next batch resets them); the weights
+        # states and traces are those of that batch until the module starts again; the weights
         # never changed.
         _assert_same(weights(m), weights_before)
 
     failing["on"] = False
-    trainer(tmp_path).fit(m, loader())
+    with pytest.warns(UserWarning, match="training batch 0 did not finish"):
+        trainer(tmp_path).fit(m, loader())
     clean = OnlineModule(LeakyRNN(), "d_rtrl", loss=loss, optimizer=optax.GradientTransformation(
         lambda params: optax.EmptyState(), update))
     trainer(tmp_path).fit(clean, loader())

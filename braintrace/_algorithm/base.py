@@ -191,6 +191,10 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
         return self._split_states()[2]
 
     _supports_scan_descent = False
+    #: Attributes brainstate's graph does not walk: the cache of the model's states by kind would
+    #: otherwise be the first path to them (``'_split_cache'`` sorts before ``'model'``), so
+    #: ``learner.states()`` would name every state by its cache slot once the learner ran.
+    graph_invisible_attrs = ("_split_cache",)
     #: Where the states live on a device mesh (set by ``braintrace.compile(..., sharding=...)``).
     sharding_plan: ShardingPlan | None = None
     #: The learner's coordinate among the learning rules (``None``: a rule outside that space).

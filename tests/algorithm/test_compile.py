@@ -294,3 +294,13 @@ def test_vmap_pp_prop_equals_the_batched_learner(quiet: None) -> None:
     assert set(g_v) == set(g_b)
     for p in g_b:
         np.testing.assert_allclose(g_v[p], g_b[p], rtol=1e-5, atol=1e-6)
+
+
+def test_a_learner_names_its_states_the_same_before_and_after_a_call() -> None:
+    # The learner caches the model's states by kind; the cache is not a path to them (its name
+    # sorts before 'model4compile', and every state was named by its cache slot once it ran).
+    learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), "d_rtrl", jnp.ones(3))
+    before = list(learner.states())
+    learner(jnp.ones(3))
+    assert list(learner.states()) == before
+    assert ("model4compile", "W", "weight") in before
