@@ -1,13 +1,26 @@
-"""Type aliases shared across braintrace."""
+"""The types braintrace's modules share: arrays, parameter transforms and the domain's names.
+
+The domain's names are the ones every layer passes around: a state's :data:`Path`, a relation's
+per-group :data:`TraceKey` and the :data:`Trace` stored under it, and the structural views
+:class:`HiddenGroupLike` and :class:`RelationLike` of the compiler's hidden groups and relations.
+The views let a module read a group or a relation without importing the compiler module that
+builds it (the ``_op`` rules sit below the compiler; the compiler's own analyses sit below the
+classes), so no module imports another that imports it back. This module imports nothing from
+braintrace.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Union
+from typing import Any, Callable, Hashable, Protocol, Sequence, Union
 
 import jax
 import numpy as np
+from jax.extend.core import Jaxpr, Primitive, Var
 
-__all__ = ["Array", "ArrayLike", "WeightFn", "PyTree", "Params"]
+__all__ = [
+    "Array", "ArrayLike", "WeightFn", "PyTree", "Params",
+    "Path", "TraceKey", "Trace", "HiddenGroupLike", "RelationLike",
+]
 
 #: A JAX array (or a tracer standing for one).
 Array = jax.Array
@@ -19,3 +32,66 @@ WeightFn = Callable[[jax.Array], jax.Array]
 PyTree = Any
 #: The static parameters of a primitive equation (``eqn.params``).
 Params = dict[str, Any]
+
+#: A state's path in the model (``brainstate`` attribute names and indices), e.g. ``('layer', 'w')``.
+Path = tuple[Hashable, ...]
+#: The key of a relation's trace for one of its hidden groups: ``(id(relation.y_var), group.index)``.
+TraceKey = tuple[int, int]
+#: One relation's stored trace for one group: the rule's named trace arrays (``'x'``, ``'df'``, ...).
+Trace = dict[str, jax.Array]
+
+
+class HiddenGroupLike(Protocol):
+    """What other modules read of a hidden group (:class:`~braintrace.HiddenGroup`)."""
+
+    @property
+    def index(self) -> int:
+        """Position of the group in the graph."""
+
+    @property
+    def hidden_paths(self) -> Sequence[Path]:
+        """Member paths, in compiled-state order."""
+
+    @property
+    def hidden_invars(self) -> Sequence[Var]:
+        """``h^{t-1}`` variables of the members."""
+
+    @property
+    def transition_jaxpr(self) -> Jaxpr:
+        """``h^{t-1} -> h^t`` of the members."""
+
+    @property
+    def varshape(self) -> tuple[int, ...]:
+        """Shape of one member (without the trailing state axis of a group state)."""
+
+    @property
+    def num_state(self) -> int:
+        """``S``: the number of stacked member states."""
+
+
+class RelationLike(Protocol):
+    """What other modules read of a relation (:class:`~braintrace.HiddenParamOpRelation`)."""
+
+    @property
+    def primitive(self) -> Primitive:
+        """The ETP primitive of the relation's equation."""
+
+    @property
+    def eqn_params(self) -> dict[str, Any]:
+        """The equation's static parameters."""
+
+    @property
+    def y_var(self) -> Var:
+        """The equation's output ``y``."""
+
+    @property
+    def path(self) -> Path | None:
+        """The path of the relation's weight."""
+
+    @property
+    def hidden_groups(self) -> Sequence[HiddenGroupLike]:
+        """The hidden groups ``y`` reaches."""
+
+    @property
+    def y_to_hidden_group_jaxprs(self) -> Sequence[Jaxpr]:
+        """Per group, the ``y -> h`` tail."""

@@ -47,14 +47,18 @@ from braintrace._compiler import (
     local_relation_weights,
 )
 from braintrace._compatible_imports import CustomVJPPrimal, SymbolicZero, ad, call_pullback
+from braintrace._compiler.hid_param_op import HiddenParamOpRelation
+from braintrace._compiler.hidden_group import HiddenGroup
 from braintrace._compiler.operand_chain import OperandChain, operand_chain
 from braintrace._errors import NotSupportedError, internal_error
 from braintrace._op._registries import has_library_rules
 from braintrace._op._rule_helpers import shape_of, sum_leading
+from braintrace._typing import Path, PyTree
 
 __all__ = ["EligibilityTrace", "ETraceAlgorithm", "ETraceVjpAlgorithm"]
 
-Path = tuple[Any, ...]
+#: The model's states by path: ``(params, hidden, other)``.
+SplitStates = tuple[dict[Path, brainstate.ParamState], dict[Path, brainstate.HiddenState], dict[Path, brainstate.State]]
 
 
 class EligibilityTrace(brainstate.ShortTermState):
@@ -134,7 +138,7 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
         self.calls_traced = 0
         #: Set while :meth:`predict` runs: a call runs the model forward only (:meth:`_forward_step`).
         self._forward_only = False
-        self._split_cache: tuple[dict[Path, Any], dict[Path, Any], dict[Path, Any]] | None = None
+        self._split_cache: SplitStates | None = None
         self._trace_shapes: Any = None
         # id(operand var) -> how a relation's trainable operand is computed from parameters.
         self._operand_chains: dict[int, OperandChain] = {}
@@ -165,9 +169,11 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
     def state_id_to_path(self) -> dict[int, Path]:
         return self.graph_executor.state_id_to_path
 
-    def _split_states(self) -> tuple[dict[Path, Any], dict[Path, Any], dict[Path, Any]]:
+    def _split_states(self) -> SplitStates:
         if self._split_cache is None:
-            params, hidden, other = {}, {}, {}
+            params: dict[Path, brainstate.ParamState] = {}
+            hidden: dict[Path, brainstate.HiddenState] = {}
+            other: dict[Path, brainstate.State] = {}
             for path, st in self.graph.module_info.retrieved_model_states.items():
                 if isinstance(st, brainstate.ParamState):
                     params[path] = st
@@ -324,7 +330,7 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
         chained = {path for chain in self._operand_chains.values() for path, _ in chain.leaves}
         return frozenset(direct | chained)
 
-    def _relation_operands(self, rel: Any, weight_vals: dict[Path, Any]) -> dict[str, Any]:
+    def _relation_operands(self, rel: HiddenParamOpRelation, weight_vals: dict[Path, PyTree]) -> dict[str, Any]:
         """The current values of a relation's trainable operands (mantissas)."""
         out = {}
         for key, path in rel.trainable_paths.items():
@@ -334,8 +340,8 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
         return out
 
     def _add_operand_gradient(
-        self, grads: dict[Path, Any], rel: Any, key: str, g: Any, weight_vals: dict[Path, Any]
-    ) -> dict[Path, Any]:
+        self, grads: dict[Path, PyTree], rel: HiddenParamOpRelation, key: str, g: Any, weight_vals: dict[Path, PyTree]
+    ) -> dict[Path, PyTree]:
         """``grads`` plus ``g``, a gradient with respect to the relation's operand ``key``, credited
         to the parameter leaves the operand is computed from.
 
@@ -417,7 +423,7 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
         if self.sharding_plan is not None:
             self.sharding_plan.place()
 
-    def _check_hidden_shapes(self, hidden_vals: dict[Path, Any]) -> None:
+    def _check_hidden_shapes(self, hidden_vals: dict[Path, PyTree]) -> None:
         """Hidden states must keep the shapes the learner was compiled for."""
         compiled = self.graph.module_info.hidden_path_to_invar
         for path, value in hidden_vals.items():
@@ -575,7 +581,7 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
                     found.setdefault((path, group.index), []).append(trace)
         return {key: traces[0] if len(traces) == 1 else tuple(traces) for key, traces in found.items()}
 
-    def _relation_etrace(self, rel: Any, group: Any) -> Any:
+    def _relation_etrace(self, rel: HiddenParamOpRelation, group: HiddenGroup) -> Any:
         """The trace of one relation for one of its groups (see :meth:`named_etraces`)."""
         raise NotImplementedError(f"{type(self).__name__} must implement _relation_etrace().")
 
@@ -834,7 +840,7 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
 
     # --- hooks ----------------------------------------------------------------------------
 
-    def _exit_cotangent(self, aux: Any, new_hidden: dict[Path, Any]) -> dict[Path, Any] | None:
+    def _exit_cotangent(self, aux: Any, new_hidden: dict[Path, PyTree]) -> dict[Path, PyTree] | None:
         """Multi-step: an extra cotangent on the window's exit hidden values (default: none).
 
         A learner that returns ``{path: cotangent}`` (shaped, typed and unit-carrying like
@@ -844,7 +850,7 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         """
         return None
 
-    def _seq_after_gradient(self, grads: dict[Path, Any]) -> None:
+    def _seq_after_gradient(self, grads: dict[Path, PyTree]) -> None:
         """Single step: the new traces whose entering value the gradient reads are written after it.
 
         XLA updates a trace in place only if nothing reads the entering trace after the update:
@@ -875,8 +881,8 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         raise internal_error(f"{type(self).__name__} took a roll sink but rolls no trace in its backward pass")
 
     def _solve_rolled(
-        self, residual: Any, signals: Sequence[Any], weight_vals: dict[Path, Any], grads: dict[Path, Any]
-    ) -> tuple[dict[Path, Any], Any]:
+        self, residual: Any, signals: Sequence[Any], weight_vals: dict[Path, PyTree], grads: dict[Path, PyTree]
+    ) -> tuple[dict[Path, PyTree], Any]:
         """``grads`` and the cotangent of the call's roll sink (``None``: it had none)."""
         return grads, None
 
@@ -891,8 +897,8 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
 
     def _solve_weight_gradients(
         self, running_index: Any, etrace_h2w_at_t: Any, dl_to_hidden_groups: Sequence[Any],
-        weight_vals: dict[Path, Any], dl_to_nonetws_at_t: dict[Path, Any], dl_to_etws_at_t: dict[Path, Any],
-    ) -> dict[Path, Any]:
+        weight_vals: dict[Path, PyTree], dl_to_nonetws_at_t: dict[Path, PyTree], dl_to_etws_at_t: dict[Path, PyTree],
+    ) -> dict[Path, PyTree]:
         raise NotImplementedError
 
     def _trace_for_backward(self, old_etrace: Any, new_etrace: Any, jac: Any, single_step: bool) -> Any:
@@ -924,7 +930,7 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
                     candidates=frozenset(i for i, rel in enumerate(relations) if self._same_step_in_history(rel)))
         return self._local_weights
 
-    def _same_step_in_history(self, rel: Any) -> bool:
+    def _same_step_in_history(self, rel: HiddenParamOpRelation) -> bool:
         """Single step: whether the history term of ``rel`` holds ``⟨∂L/∂h^t, x ⊗ df⟩`` (when
         :attr:`_history_holds_same_step`; a rule may narrow it down per relation)."""
         return True
@@ -1059,7 +1065,9 @@ def _materialised(tree: Any) -> Any:
                         is_leaf=lambda x: isinstance(x, ad.Zero))
 
 
-def _injection_cotangents(d_out: Any, d_hid: Any, d_oth: Any, exit_cotangent: dict[Path, Any]) -> tuple[Any, Any, Any]:
+def _injection_cotangents(
+    d_out: Any, d_hid: Any, d_oth: Any, exit_cotangent: dict[Path, PyTree],
+) -> tuple[Any, Any, Any]:
     """The window's output cotangents with only ``exit_cotangent`` on the new hidden values."""
     def zeros(tree: Any) -> Any:
         return jax.tree.map(_zero_cotangent, tree, is_leaf=lambda x: isinstance(x, ad.Zero))
@@ -1088,7 +1096,7 @@ def _state_at(root: Any, path: Path) -> Any:
     node = root
     for key in path:
         try:
-            node = node[key] if isinstance(key, int) or isinstance(node, dict) else getattr(node, key)
+            node = getattr(node, key) if isinstance(key, str) and not isinstance(node, dict) else node[key]
         except (AttributeError, IndexError, KeyError, TypeError):
             return None
     return node
@@ -1098,12 +1106,12 @@ def _put_at(root: Any, path: Path, obj: Any) -> None:
     """Place ``obj`` at ``path`` (attribute names, list indices, dict keys) under ``root``."""
     node = root
     for key in path[:-1]:
-        node = node[key] if isinstance(key, int) or isinstance(node, dict) else getattr(node, key)
+        node = getattr(node, key) if isinstance(key, str) and not isinstance(node, dict) else node[key]
     last = path[-1]
-    if isinstance(last, int) or isinstance(node, dict):
-        node[last] = obj
-    else:
+    if isinstance(last, str) and not isinstance(node, dict):
         setattr(node, last, obj)
+    else:
+        node[last] = obj
 
 
 def constructor_options(cls: type) -> list[str]:

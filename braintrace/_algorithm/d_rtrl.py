@@ -85,14 +85,16 @@ from braintrace._algorithm.modulator import ModulatorSlot, modulator_signals, wi
 from braintrace._algorithm.snn_helpers import FixedRandomFeedback
 from braintrace._algorithm.trace_storage import computed_once, fresh_zeros, math_dtype, storage_dtype, store, upcast
 from braintrace._compiler import DEFAULT_MAX_JACOBIAN_ELEMENTS, ControlFlowPolicy
+from braintrace._compiler.hid_param_op import HiddenParamOpRelation
+from braintrace._compiler.hidden_group import HiddenGroup
 from braintrace._compiler.snap_pattern import gather_signal
 from braintrace._errors import internal_error
 from braintrace._op import _registries as reg
 from braintrace._op._rule_helpers import SPELLED_OUT_STATES, mix_states
+from braintrace._typing import Path, PyTree, TraceKey
 
 __all__ = ["ParamDimVjpAlgorithm", "D_RTRL", "init_rule_kwargs"]
 
-Path = tuple[Any, ...]
 Trace = dict[str, jax.Array]
 
 
@@ -133,7 +135,7 @@ class BackwardTrace(NamedTuple):
         ``∂L/∂h^{t-1}`` (through every path) that meets the entering trace instead of ``Dᵀ g``.
     """
 
-    traces: dict[Any, Trace]
+    traces: dict[TraceKey, Trace]
     history_jacobians: list[Any] | None
     through_while: dict[Any, tuple[Any, jax.Array]] = {}
     instant: dict[Any, tuple[Any, jax.Array]] = {}
@@ -176,11 +178,11 @@ class BackwardResidual(NamedTuple):
     """
 
     trace: BackwardTrace
-    old_filter: dict[Any, Trace] | None = None
-    learning_trace: dict[Any, Trace] | None = None
-    new_trace: dict[Any, Trace] | None = None
+    old_filter: dict[TraceKey, Trace] | None = None
+    learning_trace: dict[TraceKey, Trace] | None = None
+    new_trace: dict[TraceKey, Trace] | None = None
     same_step: dict[Any, tuple[Any, jax.Array]] = {}
-    swapped: dict[Any, Trace] = {}
+    swapped: dict[TraceKey, Trace] = {}
     roll_jacobians: list[Any] | None = None
     swapped_learn: bool = False
     rolled: list[Any] | None = None
@@ -339,7 +341,7 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
 
     # --- trace storage --------------------------------------------------------------------
 
-    def _fast_path(self, rel: Any) -> reg.FastPathRules | None:
+    def _fast_path(self, rel: HiddenParamOpRelation) -> reg.FastPathRules | None:
         fp = reg.get_fast_path_rules(rel.primitive)
         if self.fast_solve and fp is not None and fp.applicable(rel.eqn_params):
             return fp
@@ -348,7 +350,7 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
     def init_etrace_state(self, *args: Any, **kwargs: Any) -> None:
         """Allocate a zero trace per (relation, hidden group), its filter (``κ > 0``) and the
         random feedback matrices (``learning_signal='random_feedback'``)."""
-        traces: dict[Any, Trace] = {}
+        traces: dict[TraceKey, Trace] = {}
         squeezed: set[Any] = set()
         squeeze = jax.default_backend() == "tpu"  # see _stored
         for rel in self.graph.hidden_param_op_relations:
@@ -404,7 +406,7 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
         state_vals = {p: st.value for p, st in ex.states.items()}
         weight_vals = {p: state_vals[p] for p in self.param_states}
 
-        def one_step() -> dict[Any, Trace]:
+        def one_step() -> dict[TraceKey, Trace]:
             _, _, env = ex.run_step(get_single_step_data(*args), state_vals)
             (xs, dfs), Ds = ex.extract_jacobians(env)
             return self._step_all(self._trace_views(), xs, dfs, Ds, weight_vals)
@@ -417,7 +419,7 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
                 view = {k: jnp.zeros(grown[k].shape, v.dtype) if k in grown else v for k, v in view.items()}
                 st.value = self._stored(key, view)
 
-    def _seq_after_gradient(self, grads: dict[Path, Any]) -> None:
+    def _seq_after_gradient(self, grads: dict[Path, PyTree]) -> None:
         """Single step: the new traces are written after the gradient reads the entering ones
         (see the base class), and a filtered trace the gradient reads entering after its filter.
 
@@ -472,7 +474,7 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
         states = [*self.etrace_bwg.items(), *self._trace_filters.items()]
         return [st for key, st in states if key in self._squeezed]
 
-    def _trace_views(self) -> dict[Any, Trace]:
+    def _trace_views(self) -> dict[TraceKey, Trace]:
         return {k: self._view(k, st.value) for k, st in self.etrace_bwg.items()}
 
     def _get_etrace_data(self) -> Any:
@@ -512,7 +514,7 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
         for key, st in self._trace_filters.items():
             st.value = jax.tree.map(lambda v: fresh_zeros(v.shape, v.dtype), self.etrace_bwg[key].value)
 
-    def get_etrace_of(self, weight: Any) -> dict[Any, Trace]:
+    def get_etrace_of(self, weight: Any) -> dict[TraceKey, Trace]:
         """The traces of every relation that has ``weight`` (a ``ParamState`` or its path) as a key.
 
         Each relation's whole trace: one entry per trainable key (``'weight'``, ``'bias'``, ...),
@@ -538,14 +540,15 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
             )
         return found
 
-    def _relation_etrace(self, rel: Any, group: Any) -> Trace:
+    def _relation_etrace(self, rel: HiddenParamOpRelation, group: HiddenGroup) -> Trace:
         key = trace_key(rel, group)
         return self._view(key, self.etrace_bwg[key].value)
 
     # --- one step of the trace ------------------------------------------------------------
 
     def _step_relation(
-        self, rel: Any, group: Any, old: Trace, diag: jax.Array, x: Any, df: jax.Array, weights: Trace
+        self, rel: HiddenParamOpRelation, group: HiddenGroup, old: Trace, diag: jax.Array, x: Any, df: jax.Array,
+        weights: Trace,
     ) -> Trace:
         diag, df = rel.output_layout(group, diag), rel.output_layout(group, df)
         num_state = diag.shape[-1]  # the trace's trailing width (HiddenGroup.trace_state_width)
@@ -561,7 +564,7 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
         return {k: (recurrent[k] + inst[k]).astype(old[k].dtype) for k in old}
 
     @staticmethod
-    def _general_recurrent(rel: Any, diag: jax.Array, old: Trace, num_state: int) -> Trace:
+    def _general_recurrent(rel: HiddenParamOpRelation, diag: jax.Array, old: Trace, num_state: int) -> Trace:
         """``new[..., a] = Σ_c dt_to_t(D[..., a, c], old[..., c])``.
 
         Up to ``SPELLED_OUT_STATES`` states the ``S²`` terms are written out (they fuse with the
@@ -600,7 +603,7 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
         return {k: jnp.stack([r[k] for r in rows], axis=-1) for k in old}
 
     @staticmethod
-    def _general_instant(rel: Any, x: Any, df: jax.Array, weights: Trace) -> Trace:
+    def _general_instant(rel: HiddenParamOpRelation, x: Any, df: jax.Array, weights: Trace) -> Trace:
         rule = reg.get_instant_drtrl_rule(rel.primitive) or reg.required_rules(rel.primitive).xy_to_dw
 
         def one_state(d: jax.Array) -> Trace:
@@ -612,8 +615,9 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
         return out
 
     def _step_all(
-        self, etrace: dict[Any, Trace], xs: dict[int, Any], dfs: dict[Any, Any], Ds: Sequence[Any], weight_vals: Any
-    ) -> dict[Any, Trace]:
+        self, etrace: dict[TraceKey, Trace], xs: dict[int, Any], dfs: dict[Any, Any], Ds: Sequence[Any],
+        weight_vals: Any,
+    ) -> dict[TraceKey, Trace]:
         new = dict(etrace)
         for rel in self.graph.hidden_param_op_relations:
             weights = self._relation_operands(rel, weight_vals)
@@ -625,7 +629,8 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
         return new
 
     def _fold_substeps(
-        self, rel: Any, group: Any, old: Trace, diag_seq: jax.Array, x_seq: Any, df_seq: jax.Array, weights: Trace
+        self, rel: HiddenParamOpRelation, group: HiddenGroup, old: Trace, diag_seq: jax.Array, x_seq: Any,
+        df_seq: jax.Array, weights: Trace,
     ) -> Trace:
         """One step of a relation inside a descended scan: the trace folded over its ``L`` substeps.
 
@@ -696,7 +701,9 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
         filt = {k: jax.tree.map(filtered, etrace["filt"][k], eps[k]) for k in etrace["filt"]}
         return {"eps": eps, "filt": filt}
 
-    def _roll_window(self, etrace: dict[Any, Trace], xs: Any, dfs: Any, Ds: Any, weight_vals: Any) -> dict[Any, Trace]:
+    def _roll_window(
+        self, etrace: dict[TraceKey, Trace], xs: Any, dfs: Any, Ds: Any, weight_vals: Any,
+    ) -> dict[TraceKey, Trace]:
         """Roll the trace over a window of stacked Jacobians (closed form where possible)."""
         chunkable, rest = self._chunk_split()
         new = dict(etrace)
@@ -708,7 +715,7 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
         if rest:
             keys = [trace_key(r, g) for r in rest for g in r.hidden_groups]
 
-            def body(carry: dict[Any, Trace], jac: Any) -> tuple[dict[Any, Trace], None]:
+            def body(carry: dict[TraceKey, Trace], jac: Any) -> tuple[dict[TraceKey, Trace], None]:
                 (x_t, df_t, D_t) = jac
                 stepped = self._step_all({**etrace, **carry}, x_t, df_t, D_t, weight_vals)
                 return {k: stepped[k] for k in keys}, None
@@ -726,7 +733,9 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
             (chunkable if ok else rest).append(rel)
         return chunkable, rest
 
-    def _chunk_roll(self, etrace: dict[Any, Trace], xs: Any, dfs: Any, Ds: Any, relations: list[Any]) -> dict[Any, Trace]:
+    def _chunk_roll(
+        self, etrace: dict[TraceKey, Trace], xs: Any, dfs: Any, Ds: Any, relations: list[HiddenParamOpRelation],
+    ) -> dict[TraceKey, Trace]:
         suffix: dict[int, tuple[jax.Array, jax.Array]] = {}
         out = {}
         for rel in relations:
@@ -845,7 +854,7 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
                 instant[key] = term
         return BackwardTrace(traces, history, through_while, instant)
 
-    def _same_step_in_history(self, rel: Any) -> bool:
+    def _same_step_in_history(self, rel: HiddenParamOpRelation) -> bool:
         # The history is read off the new trace (ε^t − x ⊗ df) only for plainly rolled traces
         # whose groups contract the signal with D itself.
         return (
@@ -890,8 +899,8 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
 
     def _solve_weight_gradients(
         self, running_index: Any, etrace_h2w_at_t: Any, dl_to_hidden_groups: Sequence[Any],
-        weight_vals: dict[Path, Any], dl_to_nonetws_at_t: dict[Path, Any], dl_to_etws_at_t: dict[Path, Any],
-    ) -> dict[Path, Any]:
+        weight_vals: dict[Path, PyTree], dl_to_nonetws_at_t: dict[Path, PyTree], dl_to_etws_at_t: dict[Path, PyTree],
+    ) -> dict[Path, PyTree]:
         residual = BackwardResidual(*etrace_h2w_at_t)
         if self._modulated:  # ⟨s, ē^t⟩ is the relation weights' whole gradient
             s = [p.learning for p in dl_to_hidden_groups]
@@ -947,9 +956,9 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
         return out
 
     def _solve_traces(
-        self, backward: BackwardTrace, dl_to_hidden_groups: Sequence[Any], weight_vals: dict[Path, Any],
-        dl_to_etws_at_t: dict[Path, Any],
-    ) -> dict[Path, Any]:
+        self, backward: BackwardTrace, dl_to_hidden_groups: Sequence[Any], weight_vals: dict[Path, PyTree],
+        dl_to_etws_at_t: dict[Path, PyTree],
+    ) -> dict[Path, PyTree]:
         """``dl_to_etws_at_t`` plus the contraction of the signals with ``backward``'s traces."""
         etrace, Ds, through_while, instant, read_past = backward
         grads = dict(dl_to_etws_at_t)
@@ -985,7 +994,7 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
         return grads
 
     def _solve_history_from_new(
-        self, rel: Any, signal: jax.Array, new: Trace, x: Any, df: jax.Array, weights: Trace,
+        self, rel: HiddenParamOpRelation, signal: jax.Array, new: Trace, x: Any, df: jax.Array, weights: Trace,
         covered: frozenset[str] = frozenset(),
     ) -> Trace:
         """``⟨g, D ε^{t-1}⟩ = ⟨g, ε^t⟩ − ⟨g, x ⊗ df⟩`` for a plainly rolled trace.
@@ -1006,7 +1015,9 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
         current = self._solve_instant(rel, signal, x, df, weights)
         return {k: v if k in covered else v - current[k] for k, v in total.items()}
 
-    def _solve_instant(self, rel: Any, signal: jax.Array, x: Any, df: jax.Array, weights: Trace) -> Trace:
+    def _solve_instant(
+        self, rel: HiddenParamOpRelation, signal: jax.Array, x: Any, df: jax.Array, weights: Trace,
+    ) -> Trace:
         """``⟨signal, x ⊗ df⟩``, the instantaneous term built by the rule that rolls the trace
         (the fast path's kernel, or the primitive's ``instant_drtrl`` / ``xy_to_dw``)."""
         fp = self._fast_path(rel)
@@ -1022,8 +1033,8 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
 
     def _solve_same_step(
         self, same_step: dict[Any, tuple[Any, jax.Array]], dl_to_hidden_groups: Sequence[Any],
-        weight_vals: dict[Path, Any], grads: dict[Path, Any],
-    ) -> dict[Path, Any]:
+        weight_vals: dict[Path, PyTree], grads: dict[Path, PyTree],
+    ) -> dict[Path, PyTree]:
         """``grads`` plus ``⟨signal, x ⊗ df⟩`` of every key in ``same_step``, except for the weights
         left out of the one-step VJP, whose gradient holds no same-step term."""
         local_keys = self._local_relation_weights().keys
@@ -1041,7 +1052,7 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
                         grads = self._add_operand_gradient(grads, rel, k, v, weight_vals)
         return grads
 
-    def _solve_relation(self, rel: Any, signal: jax.Array, trace: Trace, weights: Trace) -> Trace:
+    def _solve_relation(self, rel: HiddenParamOpRelation, signal: jax.Array, trace: Trace, weights: Trace) -> Trace:
         fp = self._fast_path(rel)
         batched = reg.is_batched_primitive(rel.primitive)
         if fp is not None:

@@ -52,10 +52,10 @@ from braintrace._algorithm.input_data import has_multistep_data, sequence_length
 from braintrace._algorithm.synthetic_gradient import SyntheticGradient
 from braintrace._compiler import DEFAULT_MAX_JACOBIAN_ELEMENTS, ControlFlowPolicy
 from braintrace._errors import internal_error
+from braintrace._typing import Path
 
 __all__ = ["DNI", "window_length"]
 
-Path = tuple[Any, ...]
 
 #: DNI's coordinate: D_RTRL's, with the synthetic future gradient as the learning signal.
 DNI_CONFIG = ETraceConfig(learning_signal="bootstrapped")

@@ -74,8 +74,6 @@ element-wise dependence
 
 from __future__ import annotations
 
-from typing import Any
-
 from braintrace._algorithm.base import ETraceAlgorithm
 from braintrace._algorithm.config import ETraceConfig
 from braintrace._algorithm.osttp import OSTTP
@@ -84,10 +82,10 @@ from braintrace._algorithm.ottt import OTTT
 from braintrace._compiler.exactness_facts import GroupFacts, RelationFacts, plain_weight_facts, relation_facts
 from braintrace._compiler.exactness_label import ExactnessLabel
 from braintrace._compiler.snap_pattern import tail_within_neighbourhoods
+from braintrace._typing import Path
 
 __all__ = ["relation_labels", "plain_weight_labels", "rule_reasons", "structural_reasons"]
 
-Path = tuple[Any, ...]
 
 #: Rules outside (or beside) the coordinate space, and why none of them is exact.
 _RULE_REASONS: tuple[tuple[type, str], ...] = (

@@ -56,8 +56,8 @@ from braintrace._compiler import (
     compile_etrace_graph,
 )
 from braintrace._compiler.control_flow_policy import resolve_policy
-from braintrace._compiler.hid_param_op import tail_constvars
-from braintrace._compiler.hidden_group import calls_custom_vjp, state_basis
+from braintrace._compiler.hid_param_op import HiddenParamOpRelation, tail_constvars
+from braintrace._compiler.hidden_group import HiddenGroup, calls_custom_vjp, state_basis
 from braintrace._compiler.jaxpr_graph import contains_eqn
 from braintrace._compiler.position_dependence import tail_keeps_positions, tail_reach
 from braintrace._compiler.snap_pattern import (
@@ -68,13 +68,13 @@ from braintrace._compiler.snap_pattern import (
 )
 from braintrace._errors import NotSupportedError, internal_error
 from braintrace._op._registries import get_y_outvar_index, has_library_rules, is_etp_primitive
+from braintrace._typing import Path, PyTree, TraceKey
 
 __all__ = [
     "ETraceGraphExecutor", "ETraceVjpGraphExecutor", "StepJacobians", "TransitionPoint", "TailPoint", "df_key",
     "detached_df_key", "trace_key", "history_jacobian_key", "widens",
 ]
 
-Path = tuple[Any, ...]
 #: ``(xs, dfs)`` and the list of per-group ``D`` (or :class:`TransitionPoint`, see
 #: :attr:`ETraceGraphExecutor.transition_points`).
 StepJacobians = tuple[tuple[dict[int, Any], dict[Any, Any]], list[Any]]
@@ -116,12 +116,12 @@ class TailPoint(NamedTuple):
     consts: list[Any]
 
 
-def df_key(relation: Any, group: Any) -> tuple[int, str]:
+def df_key(relation: HiddenParamOpRelation, group: HiddenGroup) -> tuple[int, str]:
     """The key of a relation's ``df`` for one of its groups."""
     return (id(relation.y_var), f"hidden_group_{group.index}")
 
 
-def history_jacobian_key(group: Any) -> tuple[int, str]:
+def history_jacobian_key(group: HiddenGroup) -> tuple[int, str]:
     """The key, among a step's ``dfs``, of a group's partial hidden Jacobian (see
     :meth:`HiddenGroup.history_jacobian`); present only for groups whose members read each
     other's new values within the step. (Negative first entry: never an ``id``; keys of one
@@ -129,7 +129,7 @@ def history_jacobian_key(group: Any) -> tuple[int, str]:
     return (-1 - group.index, "history_jacobian")
 
 
-def trace_key(relation: Any, group: Any) -> tuple[int, int]:
+def trace_key(relation: HiddenParamOpRelation, group: HiddenGroup) -> TraceKey:
     """The key of a relation's D-RTRL trace for one of its groups."""
     return (id(relation.y_var), group.index)
 
@@ -271,7 +271,7 @@ class ETraceGraphExecutor:
             return bind_by_registered_rule(eqn, operands)
         return bind_reversibly(eqn, operands)
 
-    def _flat_inputs(self, args: Sequence[Any], state_vals: dict[Path, Any]) -> list[Any]:
+    def _flat_inputs(self, args: Sequence[Any], state_vals: dict[Path, PyTree]) -> list[Any]:
         minfo = self.graph.module_info
         values = [state_vals[minfo.state_id_to_path[id(st)]] for st in minfo.compiled_model_states]
         return list(jax.tree.leaves((tuple(args), values)))
@@ -279,9 +279,9 @@ class ETraceGraphExecutor:
     def run_step(
         self,
         args: Sequence[Any],
-        state_vals: dict[Path, Any],
+        state_vals: dict[Path, PyTree],
         perturb: Sequence[Any] | None = None,
-    ) -> tuple[Any, dict[Path, Any], dict[Var, Any]]:
+    ) -> tuple[Any, dict[Path, PyTree], dict[Var, Any]]:
         """One step: ``(out, new state values by path, env)``; ``env`` maps step vars to values.
 
         With ``perturb`` the perturbed step runs (hidden outputs shifted by ``perturb``).
@@ -340,7 +340,7 @@ class ETraceGraphExecutor:
                     dfs[df_key(rel, group)] = TailPoint(y, consts)
                     continue
 
-                def fn(y: Any, tail: Any = tail, consts: Any = consts, group: Any = group) -> Any:
+                def fn(y: Any, tail: Any = tail, consts: Any = consts, group: HiddenGroup = group) -> Any:
                     return group.concat_hidden(jax_compat.eval_jaxpr(tail, consts, y))
 
                 dfs[df_key(rel, group)] = _tail_df(fn, y, rel, group, tail)
@@ -366,10 +366,10 @@ class ETraceGraphExecutor:
     def solve_h2w_h2h_jacobian(
         self,
         *args: Any,
-        state_vals: dict[Path, Any] | None = None,
+        state_vals: dict[Path, PyTree] | None = None,
         etrace_stepper: Callable[[Any, Any], tuple[Any, None]] | None = None,
         init_etrace: Any = None,
-    ) -> tuple[Any, dict[Path, Any], dict[Path, Any], Any, Any, Any]:
+    ) -> tuple[Any, dict[Path, PyTree], dict[Path, PyTree], Any, Any, Any]:
         """Run the call (one step, or a scan over :class:`MultiStepData`) and extract Jacobians.
 
         Returns
@@ -385,7 +385,7 @@ class ETraceGraphExecutor:
         h2w, h2h = (None, None) if jac is None else jac
         return out, hidden, other, h2w, h2h, final
 
-    def split_hidden_other(self, vals: dict[Path, Any]) -> tuple[dict[Path, Any], dict[Path, Any]]:
+    def split_hidden_other(self, vals: dict[Path, PyTree]) -> tuple[dict[Path, PyTree], dict[Path, PyTree]]:
         hidden, other = {}, {}
         for path, val in vals.items():
             st = self.states[path]
@@ -398,10 +398,10 @@ class ETraceGraphExecutor:
     def run_call(
         self,
         args: Sequence[Any],
-        state_vals: dict[Path, Any],
+        state_vals: dict[Path, PyTree],
         etrace_stepper: Callable[[Any, Any], tuple[Any, None]] | None = None,
         init_etrace: Any = None,
-    ) -> tuple[Any, dict[Path, Any], StepJacobians | None, Any]:
+    ) -> tuple[Any, dict[Path, PyTree], StepJacobians | None, Any]:
         """``(out, new state values, jacobians or None, rolled trace or None)`` for one call."""
         self._check_call_args(args)
         single, multi, treedef = split_input_data_types(*args)
@@ -447,7 +447,7 @@ class _DetachedValues(Mapping[Var, Any]):
         return len(self._env)
 
 
-def _transition_points(groups: Sequence[Any], env: Mapping[Var, Any]) -> list[TransitionPoint]:
+def _transition_points(groups: Sequence[HiddenGroup], env: Mapping[Var, Any]) -> list[TransitionPoint]:
     """Every group's :class:`TransitionPoint` in one step."""
     points = []
     for group in groups:
@@ -480,7 +480,7 @@ def _describe(signature: tuple[Any, tuple[tuple[int, ...], ...]]) -> str:
     return str(jax.tree.unflatten(treedef, [f"<{s}>" for s in shapes])).replace("'", "")
 
 
-def detached_df_key(relation: Any, group: Any) -> tuple[int, str, str]:
+def detached_df_key(relation: HiddenParamOpRelation, group: HiddenGroup) -> tuple[int, str, str]:
     """The key of the part of a relation's ``df`` that crosses a ``while_loop`` (see below)."""
     return (*df_key(relation, group), "through_while")
 
@@ -491,7 +491,7 @@ def _bind_detaching_whiles(eqn: JaxprEqn, operands: list[Any]) -> list[Any]:
     return bind_eqn(eqn, operands)
 
 
-def _tail_df(fn: Callable[[Any], Any], y: Any, rel: Any, group: Any, tail: Any) -> Any:
+def _tail_df(fn: Callable[[Any], Any], y: Any, rel: HiddenParamOpRelation, group: HiddenGroup, tail: Any) -> Any:
     """``df``: the Jacobian of the ``y -> h`` tail ``fn`` applied to ``ones_like(y)``, ``(*varshape, S)``.
 
     One JVP. A tail calling a ``custom_vjp`` function (which forward mode cannot differentiate)
@@ -528,7 +528,7 @@ def _tail_df(fn: Callable[[Any], Any], y: Any, rel: Any, group: Any, tail: Any) 
     return jnp.moveaxis(rows, 0, -1)
 
 
-def _df_around_whiles(tail: Any, consts: Sequence[Any], y: Any, group: Any) -> Any:
+def _df_around_whiles(tail: Any, consts: Sequence[Any], y: Any, group: HiddenGroup) -> Any:
     """The part of ``df`` that does not cross a ``while_loop`` of the tail.
 
     The perturbed step detaches the inputs of a hidden-producing ``while`` (reverse mode cannot
@@ -542,7 +542,9 @@ def _df_around_whiles(tail: Any, consts: Sequence[Any], y: Any, group: Any) -> A
     return jax.jvp(fn, (y,), (jnp.ones_like(y),))[1]
 
 
-def _extract_descended_relation(rel: Any, env: Mapping[Var, Any], xs: dict[int, Any], dfs: dict[Any, Any]) -> None:
+def _extract_descended_relation(
+    rel: HiddenParamOpRelation, env: Mapping[Var, Any], xs: dict[int, Any], dfs: dict[Any, Any],
+) -> None:
     """``x`` and ``df`` of a relation inside a descended scan, stacked over its substeps ``(L, ...)``.
 
     The relation's variables are body-scoped; their per-substep values are the scan's stacked
@@ -555,7 +557,7 @@ def _extract_descended_relation(rel: Any, env: Mapping[Var, Any], xs: dict[int, 
     for tail, group in zip(rel.y_to_hidden_group_jaxprs, rel.hidden_groups):
         const_seq = [env[stacked[v]] for v in tail_constvars(tail)]
 
-        def df_at(y: Any, consts: list[Any], tail: Any = tail, group: Any = group) -> Any:
+        def df_at(y: Any, consts: list[Any], tail: Any = tail, group: HiddenGroup = group) -> Any:
             def fn(y: Any) -> Any:
                 return group.concat_hidden(jax_compat.eval_jaxpr(tail, consts, y))
 
@@ -564,7 +566,7 @@ def _extract_descended_relation(rel: Any, env: Mapping[Var, Any], xs: dict[int, 
         dfs[df_key(rel, group)] = jax.vmap(df_at)(y_seq, const_seq)
 
 
-def _descended_group_jacobian(group: Any, env: Mapping[Var, Any]) -> Any:
+def _descended_group_jacobian(group: HiddenGroup, env: Mapping[Var, Any]) -> Any:
     """``D`` of a group carried by a descended scan at every substep: ``(L, *varshape, S, S)``."""
     stacked = group.descent.scan.stacked_var_map
     hidden_seq = [env[stacked[v]] for v in group.descent.body_hidden_invars]
@@ -682,7 +684,7 @@ class ETraceVjpGraphExecutor(ETraceGraphExecutor):
         return jax.lax.stop_gradient(((xs, dfs), Ds))
 
 
-def _moved_tail_jacobian(rel: Any, index: int, pattern: SnapPattern, env: Mapping[Var, Any]) -> Any:
+def _moved_tail_jacobian(rel: HiddenParamOpRelation, index: int, pattern: SnapPattern, env: Mapping[Var, Any]) -> Any:
     """SnAp's instantaneous term of a relation whose ``y -> h`` tail moves values between positions.
 
     The tail's Jacobian gathered onto each position's neighbourhood
@@ -709,7 +711,7 @@ def _moved_tail_jacobian(rel: Any, index: int, pattern: SnapPattern, env: Mappin
     return widened_tail_jacobian(fn, y, pattern, kept)
 
 
-def widens(group: Any) -> bool:
+def widens(group: HiddenGroup) -> bool:
     """Whether a group's per-parameter traces are widened (a SnAp pattern with more than one slot)."""
     return group.snap is not None and not group.snap.is_degenerate
 

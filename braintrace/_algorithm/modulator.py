@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from braintrace._compiler import ETraceGraph
+from braintrace._compiler.hidden_group import HiddenGroup
 
 __all__ = ["ModulatorSlot", "expand_modulator", "modulator_signals", "without_etp_gradients"]
 
@@ -100,7 +101,7 @@ def without_etp_gradients(grads: dict[Any, Any], etp_paths: frozenset[Any]) -> d
     return {p: jax.tree.map(jnp.zeros_like, g) if p in etp_paths else g for p, g in grads.items()}
 
 
-def _where(group: Any) -> str:
+def _where(group: HiddenGroup) -> str:
     return f"hidden group {group.index} {list(group.hidden_paths)}"
 
 

@@ -48,12 +48,15 @@ from braintrace._algorithm.ottt import DenseLeakRule, outer_sum
 from braintrace._algorithm.graph_executor import df_key
 from braintrace._algorithm.trace_storage import fresh_zeros
 from braintrace._compiler import ControlFlowPolicy
+from braintrace._compiler.hid_param_op import HiddenParamOpRelation
+from braintrace._compiler.hidden_group import HiddenGroup
+from braintrace._errors import internal_error
 from braintrace._op import _registries as reg
 from braintrace._op._rule_helpers import drtrl_dtype, shape_of, sum_rows
+from braintrace._typing import Path
 
 __all__ = ["OTPE"]
 
-Path = tuple[Any, ...]
 Store = dict[str, jax.Array]
 
 
@@ -132,8 +135,10 @@ class OTPE(DenseLeakRule):
             )
         self._stores = {id(rel.y_var): self._init_store(rel) for rel in relations}
 
-    def _init_store(self, rel: Any) -> dict[str, brainstate.ShortTermState]:
+    def _init_store(self, rel: HiddenParamOpRelation) -> dict[str, brainstate.ShortTermState]:
         # The stores live in the relation's precision (float64 under x64).
+        if rel.x_var is None:
+            raise internal_error(f"OTPE's dense relation {rel.path} has no input variable")
         dtype = drtrl_dtype(rel.x_var, rel.y_var, None)
         x_shape, y_shape = shape_of(rel.x_var), shape_of(rel.y_var)
         has_bias = "bias" in rel.trainable_paths
@@ -162,7 +167,7 @@ class OTPE(DenseLeakRule):
                 shape = (batch_size, *st.value.shape[1:]) if resize else st.value.shape
                 st.value = fresh_zeros(shape, st.value.dtype)
 
-    def _relation_etrace(self, rel: Any, group: Any) -> Store:
+    def _relation_etrace(self, rel: HiddenParamOpRelation, group: HiddenGroup) -> Store:
         return {n: st.value for n, st in self._stores[id(rel.y_var)].items()}
 
     def get_etrace_of(self, weight: Any) -> dict[int, Store]:
@@ -235,7 +240,7 @@ class OTPE(DenseLeakRule):
             grads = self._add_grads(rel, effective, weight_vals, grads)
         return grads
 
-    def _same_step_estimate(self, rel: Any, x: jax.Array, df: jax.Array, signal: jax.Array) -> Store:
+    def _same_step_estimate(self, rel: HiddenParamOpRelation, x: jax.Array, df: jax.Array, signal: jax.Array) -> Store:
         """The estimate read from the stores of one step from zero, ``x ⊗ (L ⊙ df)`` in either
         mode: one product over the batch, without the trace-shaped ``x ⊗ df``."""
         batched = reg.is_batched_primitive(rel.primitive)
@@ -245,7 +250,7 @@ class OTPE(DenseLeakRule):
             out["bias"] = weighted.sum(axis=0) if batched else weighted
         return out
 
-    def _estimate(self, rel: Any, store: Store, signal: jax.Array) -> Store:
+    def _estimate(self, rel: HiddenParamOpRelation, store: Store, signal: jax.Array) -> Store:
         """The estimate read from ``store``, w.r.t. the effective weights ``weight_fn(W)``, ``bias_fn(b)``."""
         batched = reg.is_batched_primitive(rel.primitive)
         has_bias = "bias" in rel.trainable_paths

@@ -47,15 +47,17 @@ from braintrace._algorithm.base import ETraceVjpAlgorithm
 from braintrace._algorithm.input_data import has_multistep_data
 from braintrace._algorithm.snn_helpers import PresynapticTrace
 from braintrace._compiler import ControlFlowPolicy
+from braintrace._compiler.hid_param_op import HiddenParamOpRelation
+from braintrace._compiler.hidden_group import HiddenGroup
 from braintrace._compiler.unit_tail import enters_unscaled
 from braintrace._errors import internal_error
 from braintrace._op import _registries as reg
 from braintrace._op._rule_helpers import dtype_of, shape_of
 from braintrace._op.dense import etp_mm_p, etp_mv_p
+from braintrace._typing import Path
 
 __all__ = ["OTTT", "DenseLeakRule"]
 
-Path = tuple[Any, ...]
 _DENSE = (etp_mm_p, etp_mv_p)
 
 
@@ -126,13 +128,14 @@ class DenseLeakRule(ETraceVjpAlgorithm):
             )
         return super().update(*args, **options)
 
-    def _relation_signal(self, rel: Any, signals: Sequence[jax.Array]) -> jax.Array:
+    def _relation_signal(self, rel: HiddenParamOpRelation, signals: Sequence[jax.Array]) -> jax.Array:
         """``L = Σ_a g[..., a]`` summed over the relation's groups, shaped like ``y``."""
         return sum((signals[g.index].sum(axis=-1) for g in rel.hidden_groups[1:]),
                    signals[rel.hidden_groups[0].index].sum(axis=-1))
 
     def _add_grads(
-        self, rel: Any, effective: dict[str, jax.Array], weight_vals: dict[Path, Any], grads: dict[Path, Any]
+        self, rel: HiddenParamOpRelation, effective: dict[str, jax.Array], weight_vals: dict[Path, Any],
+        grads: dict[Path, Any],
     ) -> dict[Path, Any]:
         """Pull gradients w.r.t. ``weight_fn(W)`` / ``bias_fn(b)`` back to the raw parameters
         and add them to ``grads``."""
@@ -248,7 +251,7 @@ class OTTT(DenseLeakRule):
         if self._bias_trace is not None:
             self._bias_trace.value = jnp.zeros((), self._bias_trace.value.dtype)
 
-    def _relation_etrace(self, rel: Any, group: Any) -> dict[str, jax.Array]:
+    def _relation_etrace(self, rel: HiddenParamOpRelation, group: HiddenGroup) -> dict[str, jax.Array]:
         """``{'x': presynaptic trace}``, plus ``'bias'`` for a relation with a bias."""
         out = {"x": self._pre_traces[id(rel.x_var)].value}
         if self._bias_trace is not None and "bias" in rel.trainable_paths:
@@ -282,7 +285,7 @@ class OTTT(DenseLeakRule):
                 new[key] = (lam * old + xs[key] if self.mode == "A" else xs[key]).astype(old.dtype)
         return new
 
-    def _same_step_in_history(self, rel: Any) -> bool:
+    def _same_step_in_history(self, rel: HiddenParamOpRelation) -> bool:
         # â^t ⊗ L holds x^t ⊗ L, which is the same-step term x^t ⊗ (df ⊙ L) only where df ≡ 1;
         # mode O keeps no history to hold it.
         return self.mode == "A" and enters_unscaled(rel)

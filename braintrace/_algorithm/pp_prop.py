@@ -75,14 +75,17 @@ from braintrace._algorithm.learning_signal import SignalPair, draw_feedback, fee
 from braintrace._algorithm.modulator import ModulatorSlot, modulator_signals, without_etp_gradients
 from braintrace._algorithm.snn_helpers import FixedRandomFeedback
 from braintrace._algorithm.trace_storage import fresh_zeros, math_dtype, storage_dtype
+from braintrace._compatible_imports import Var
 from braintrace._compiler import ControlFlowPolicy
+from braintrace._compiler.hid_param_op import HiddenParamOpRelation
+from braintrace._compiler.hidden_group import HiddenGroup
 from braintrace._op import _registries as reg
-from braintrace._op._rule_helpers import mix_states, shape_of, sum_states
+from braintrace._op._rule_helpers import dtype_of, mix_states, shape_of, sum_states
 from braintrace._op.elemwise import etp_elemwise_p
+from braintrace._typing import Path, PyTree
 
 __all__ = ["IODimVjpAlgorithm", "pp_prop", "ES_D_RTRL", "parse_decay_or_rank", "parse_decay_pair"]
 
-Path = tuple[Any, ...]
 #: A decay (float in ``[0, 1)``) or a rank (int ``>= 1``), or a pair of them ``(x side, f side)``.
 DecayOrRank = float | int | tuple[float | int, float | int] | list[float | int]
 #: The traced state of the rule: ``{'xs': {x key: ε_x}, 'dfs': {df key: ε_f}, 'steps': int}``.
@@ -308,7 +311,7 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         reprs: dict[int, tuple[Any, dict[str, Any]]] = {}
         for rel in self.graph.hidden_param_op_relations:
             if rel.x_var is not None:
-                self._init_x_trace(rel, xs, reprs)
+                self._init_x_trace(rel, rel.x_var, xs, reprs)
             for group in rel.hidden_groups:
                 key = df_key(rel, group)
                 if key in dfs:
@@ -327,16 +330,17 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         return self.trace_dtype
 
     def _init_x_trace(
-        self, rel: Any, xs: dict[int, EligibilityTrace], reprs: dict[int, tuple[Any, dict[str, Any]]]
+        self, rel: HiddenParamOpRelation, x_var: Var, xs: dict[int, EligibilityTrace],
+        reprs: dict[int, tuple[Any, dict[str, Any]]],
     ) -> None:
         avals = {k: v.aval for k, v in rel.trainable_vars.items()}
         rule = reg.get_pp_x_repr(rel.primitive)
-        x_aval = rel.x_var.aval
+        x_spec = jax.ShapeDtypeStruct(shape_of(x_var), dtype_of(x_var))
         if rule is None:
-            spec = jax.ShapeDtypeStruct(x_aval.shape, x_aval.dtype)
+            spec = x_spec
         else:
-            spec = jax.eval_shape(lambda x: rule(x, avals), jax.ShapeDtypeStruct(x_aval.shape, x_aval.dtype))
-        key = id(rel.x_var)
+            spec = jax.eval_shape(lambda x: rule(x, avals), x_spec)
+        key = id(x_var)
         dtype = self._stored_dtype(spec.dtype)
         if key in xs:
             old = xs[key].value
@@ -351,7 +355,7 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         reprs[key] = (rule, avals)
 
     @staticmethod
-    def _init_df_trace(rel: Any, group: Any) -> jax.Array:
+    def _init_df_trace(rel: HiddenParamOpRelation, group: HiddenGroup) -> jax.Array:
         y_shape, varshape = shape_of(rel.y_var), tuple(group.varshape)
         elemwise = rel.primitive is etp_elemwise_p
         # An element-wise weight may broadcast over leading (batch) axes of the hidden state; any
@@ -463,7 +467,7 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
             )
         return xs, dfs
 
-    def _relation_etrace(self, rel: Any, group: Any) -> tuple[jax.Array | None, jax.Array]:
+    def _relation_etrace(self, rel: HiddenParamOpRelation, group: HiddenGroup) -> tuple[jax.Array | None, jax.Array]:
         x_trace = None if rel.x_var is None else self.etrace_xs[id(rel.x_var)].value
         return x_trace, self.etrace_dfs[df_key(rel, group)].value
 
@@ -557,8 +561,8 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
 
     def _solve_weight_gradients(
         self, running_index: Any, etrace_h2w_at_t: Any, dl_to_hidden_groups: Sequence[Any],
-        weight_vals: dict[Path, Any], dl_to_nonetws_at_t: dict[Path, Any], dl_to_etws_at_t: dict[Path, Any],
-    ) -> dict[Path, Any]:
+        weight_vals: dict[Path, PyTree], dl_to_nonetws_at_t: dict[Path, PyTree], dl_to_etws_at_t: dict[Path, PyTree],
+    ) -> dict[Path, PyTree]:
         etrace, instant, entering, read_past = etrace_h2w_at_t
         if self._modulated:  # the estimate meets the modulator and is the relation weights' whole gradient
             return self._solve_modulated(etrace, dl_to_hidden_groups, weight_vals, dl_to_etws_at_t)
@@ -598,8 +602,9 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         return grads
 
     def _solve_modulated(
-        self, etrace: IOTrace, modulators: Sequence[jax.Array], weight_vals: dict[Path, Any], grads: dict[Path, Any],
-    ) -> dict[Path, Any]:
+        self, etrace: IOTrace, modulators: Sequence[jax.Array], weight_vals: dict[Path, PyTree],
+        grads: dict[Path, PyTree],
+    ) -> dict[Path, PyTree]:
         """``⟨expand(m), x̄ ⊗ ε_f / c⟩`` per relation, the ETP parameters' autodiff terms dropped."""
         grads = without_etp_gradients(grads, self._relation_parameter_paths())
         for rel in self.graph.hidden_param_op_relations:
@@ -614,7 +619,8 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         return grads
 
     def _history_from_entering(
-        self, rel: Any, group: Any, entering: IOTrace, previous: jax.Array, weights: dict[str, jax.Array]
+        self, rel: HiddenParamOpRelation, group: HiddenGroup, entering: IOTrace, previous: jax.Array,
+        weights: dict[str, jax.Array],
     ) -> dict[str, jax.Array]:
         """``⟨∂L/∂h^{t-1}, x̄^{t-1} ⊗ df̄^{t-1}⟩``, bias-corrected, from the traces entering the step."""
         x_trace = None if rel.x_var is None else entering["xs"][id(rel.x_var)]
@@ -623,7 +629,7 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         return self._pull_back(rel, group, x_trace, (eps_f / c) * previous, weights)
 
     def _pull_back(
-        self, rel: Any, group: Any, x: Any, delta: jax.Array, weights: dict[str, jax.Array]
+        self, rel: HiddenParamOpRelation, group: HiddenGroup, x: Any, delta: jax.Array, weights: dict[str, jax.Array]
     ) -> dict[str, jax.Array]:
         """``xy_to_dw(x, Σ_a delta[..., a])``: the VJP of the primitive at input ``x``.
 

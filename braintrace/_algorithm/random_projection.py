@@ -68,12 +68,14 @@ from braintrace._algorithm.graph_executor import TailPoint, TransitionPoint, df_
 from braintrace._algorithm.trace_storage import fresh_zeros
 from braintrace._compatible_imports import eval_jaxpr
 from braintrace._compiler import ControlFlowPolicy
+from braintrace._compiler.hid_param_op import HiddenParamOpRelation
+from braintrace._compiler.hidden_group import HiddenGroup
 from braintrace._compiler.jaxpr_graph import contains_eqn
 from braintrace._op import _registries as reg
+from braintrace._typing import Path, PyTree
 
 __all__ = ["RandomProjectionVjpAlgorithm", "ProjectionCarrier", "transition_jvp", "projection_update"]
 
-Path = tuple[Any, ...]
 #: ``(hidden group index, parameter path)``: the key of one parameter factor ``θ̃``.
 FactorKey = tuple[int, Path]
 #: A parameter-shaped pytree of mantissas (the parameter's structure, units removed).
@@ -199,7 +201,7 @@ class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm):
         self.projection_step = brainstate.ShortTermState(jnp.zeros((), jnp.int32))
         self._group_paths: dict[int, list[Path]] = {}
         self._group_relations: dict[int, list[Any]] = {}
-        self._param_treedefs: dict[Path, Any] = {}
+        self._param_treedefs: dict[Path, jax.tree_util.PyTreeDef] = {}
 
     @staticmethod
     def _check_config(config: Any) -> ETraceConfig:
@@ -247,7 +249,7 @@ class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm):
         self.projection_rng.value = jnp.asarray(self._key_data)
         self.projection_step.value = jnp.zeros((), jnp.int32)
 
-    def _credited_paths(self, rel: Any) -> list[Path]:
+    def _credited_paths(self, rel: HiddenParamOpRelation) -> list[Path]:
         """The parameters a relation's operands are computed from (through operand chains)."""
         paths: list[Path] = []
         for key, path in rel.trainable_paths.items():
@@ -314,7 +316,7 @@ class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm):
             )
         return found
 
-    def _relation_etrace(self, rel: Any, group: Any) -> dict[str, Any]:
+    def _relation_etrace(self, rel: HiddenParamOpRelation, group: HiddenGroup) -> dict[str, Any]:
         paths = self._credited_paths(rel)
         return {
             "s_tilde": self.s_tilde[group.index].value,
@@ -337,7 +339,7 @@ class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm):
 
     def _roll(
         self, carrier: ProjectionCarrier, xs: dict[int, Any], dfs: dict[Any, Any],
-        points: Sequence[TransitionPoint], weight_vals: dict[Path, Any],
+        points: Sequence[TransitionPoint], weight_vals: dict[Path, PyTree],
     ) -> ProjectionCarrier:
         """One step of every group's factors (see the module docstring)."""
         groups = self.graph.hidden_groups
@@ -356,7 +358,8 @@ class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm):
         return ProjectionCarrier(s_tilde=s_new, theta_tilde=theta_new, key=keys[0], step=step + 1)
 
     def _group_projection(
-        self, group: Any, nu: jax.Array, xs: dict[int, Any], dfs: dict[Any, Any], weight_vals: dict[Path, Any]
+        self, group: HiddenGroup, nu: jax.Array, xs: dict[int, Any], dfs: dict[Any, Any],
+        weight_vals: dict[Path, PyTree],
     ) -> dict[Path, ParamTree]:
         """``νᵀ J_f`` for every parameter of the group's relations (parameter-shaped mantissas).
 
@@ -404,8 +407,8 @@ class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm):
 
     def _solve_weight_gradients(
         self, running_index: Any, etrace_h2w_at_t: Any, dl_to_hidden_groups: Sequence[Any],
-        weight_vals: dict[Path, Any], dl_to_nonetws_at_t: dict[Path, Any], dl_to_etws_at_t: dict[Path, Any],
-    ) -> dict[Path, Any]:
+        weight_vals: dict[Path, PyTree], dl_to_nonetws_at_t: dict[Path, PyTree], dl_to_etws_at_t: dict[Path, PyTree],
+    ) -> dict[Path, PyTree]:
         carrier, previous = BoundaryTerm(*etrace_h2w_at_t)
         signals = dl_to_hidden_groups if previous is None else previous
         grads = dict(dl_to_etws_at_t)
@@ -432,7 +435,7 @@ RandomProjectionVjpAlgorithm.__module__ = "braintrace"
 # --- the pieces of one step, as functions ------------------------------------------------------
 
 
-def transition_jvp(group: Any, point: TransitionPoint, tangent: jax.Array) -> jax.Array:
+def transition_jvp(group: HiddenGroup, point: TransitionPoint, tangent: jax.Array) -> jax.Array:
     """``D_full · tangent``: the group's whole hidden Jacobian at ``point`` applied to ``tangent``.
 
     One forward-mode pass through the transition, ``(*varshape, S) -> (*varshape, S)``; equal to
@@ -461,7 +464,7 @@ def transition_jvp(group: Any, point: TransitionPoint, tangent: jax.Array) -> ja
 
 
 def relation_projection(
-    rel: Any, group: Any, nu: jax.Array, x: Any, point: TailPoint, weights: dict[str, Any],
+    rel: HiddenParamOpRelation, group: HiddenGroup, nu: jax.Array, x: Any, point: TailPoint, weights: dict[str, Any],
 ) -> dict[str, jax.Array]:
     """``νᵀ J_f`` of one relation for one group, per trainable operand: the primitive's
     ``xy_to_dw`` rule at the cotangent ``νᵀ ∂h/∂y`` of the ``y -> h`` tail evaluated at ``point``."""

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from braintrace._compatible_imports import JaxprEqn
+from braintrace._errors import internal_error
 from braintrace._op import _registries as reg
 
 __all__ = ["bind_by_registered_rule"]
@@ -54,7 +55,10 @@ def bind_by_registered_rule(eqn: JaxprEqn, operands: Sequence[Any]) -> list[Any]
     trainable = reg.get_trainable_invars(primitive, params)
     x_index = reg.get_x_invar_index(primitive)
     y_index = reg.get_y_outvar_index(primitive)
-    rule = reg.required_rules(primitive).xy_to_dw
+    record = reg.get_etp_rules(primitive)
+    rule = None if record is None else record.xy_to_dw
+    if rule is None:
+        raise internal_error(f"a relation of the ETP primitive {primitive.name!r} bound by a rule it lacks (xy_to_dw)")
     trained = set(trainable.values())
 
     def forward(*values: Any) -> list[Any]:

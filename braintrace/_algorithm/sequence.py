@@ -67,10 +67,10 @@ from braintrace._algorithm.layout import check_layout, checked_time_axis, in_dec
 from braintrace._algorithm.train_optimizer import train_optimizer
 from braintrace._compatible_imports import Tracer
 from braintrace._errors import internal_error
+from braintrace._typing import Path
 
 __all__ = ["SequenceDriverMixin", "TrainResult"]
 
-Path = tuple[Any, ...]
 #: ``path -> gradient`` keyed like the ``weights`` that were differentiated.
 Grads = dict[Path, Any]
 #: ``step_fn(*slices) -> loss`` (or ``(loss, aux)``): calls the learner once and scores its output.

@@ -55,10 +55,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from braintrace._algorithm.input_data import ETraceInputData, MultiStepData
 from braintrace._compatible_imports import Tracer
 from braintrace._op._rule_helpers import vectorised_rows
+from braintrace._typing import Path
 
 __all__ = ["Sharding", "ShardingPlan", "plan_sharding", "sharded_call", "rows_follow_sharding"]
 
-Path = tuple[Any, ...]
 #: One mesh axis name, or several whose devices are taken together.
 AxisNames = str | tuple[str, ...]
 

@@ -43,10 +43,10 @@ import jax.numpy as jnp
 from braintrace._algorithm.dni import DNI
 from braintrace._algorithm.input_data import MultiStepData
 from braintrace._algorithm.synthetic_gradient import SyntheticGradient
+from braintrace._typing import Path
 
 __all__ = ["train_synthetic_gradient"]
 
-Path = tuple[Any, ...]
 #: ``update(grads)``: one step on the synthesiser's states.
 Update = Callable[[dict[Any, Any]], None]
 

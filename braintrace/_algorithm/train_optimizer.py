@@ -44,10 +44,10 @@ from typing import Any, Callable, Mapping, NamedTuple
 import jax
 
 from braintrace._compatible_imports import Tracer
+from braintrace._typing import Path
 
 __all__ = ["train_optimizer"]
 
-Path = tuple[Any, ...]
 #: The weights a wrapper is registered on: each path with the ``id`` of its ``ParamState``.
 WeightsKey = frozenset[tuple[Path, int]]
 

@@ -31,9 +31,10 @@ import brainunit as u
 import jax
 import numpy as np
 
+from braintrace._typing import Path
+
 __all__ = ["GradientRow", "GradientAudit", "gradient_figures", "gradient_rows", "overall_row"]
 
-Path = tuple[Any, ...]
 #: ``path -> gradient`` (a pytree for a dict-valued parameter), keyed like the audited weights.
 Grads = Mapping[Path, Any]
 

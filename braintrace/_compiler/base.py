@@ -22,6 +22,7 @@ from braintrace._compatible_imports import CONTROL_FLOW_PRIMITIVES, Jaxpr, Jaxpr
 from braintrace._compiler.control_flow_policy import DEFAULT_CONTROL_FLOW_POLICY, ControlFlowPolicy
 from braintrace._compiler.diagnostics import DiagnosticKind, DiagnosticLevel, emit
 from braintrace._errors import NotSupportedError
+from braintrace._typing import Path
 
 __all__ = [
     "JaxprEvaluation",
@@ -30,7 +31,6 @@ __all__ = [
     "find_element_exist_in_the_set",
 ]
 
-Path = tuple[Any, ...]
 
 
 def find_matched_vars(invars: Iterable[Any], candidates: Any) -> list[Any]:

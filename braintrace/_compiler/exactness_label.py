@@ -19,11 +19,10 @@ Examples
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+
+from braintrace._typing import Path
 
 __all__ = ["ExactnessLabel"]
-
-Path = tuple[Any, ...]
 
 
 @dataclasses.dataclass(frozen=True)

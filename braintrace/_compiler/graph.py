@@ -43,15 +43,15 @@ from braintrace._compiler.hidden_pertubation import (
     report_reads_past_update,
 )
 from braintrace._compiler.module_info import ModuleInfo, Path, extract_module_info
-from braintrace._compiler.position_dependence import warn_relabelling_tails
+from braintrace._compiler.position_dependence import Dependence, warn_relabelling_tails
 from braintrace._compiler.scan_descent import ScanDescentBundle, apply_scan_descent
 from braintrace._compiler.snap_pattern import (
     DEFAULT_MAX_JACOBIAN_ELEMENTS,
-    attach_snap_patterns,
     check_snap_anchors,
     tail_within_neighbourhoods,
     check_snap_arguments,
     reject_snap_descent,
+    trained_group_patterns,
 )
 from braintrace._compiler.untraced_weights import warn_untraced_weights
 
@@ -204,6 +204,23 @@ def _append_descended_groups(
     return relations
 
 
+def _attach_snap_patterns(
+    groups: list[HiddenGroup], hid_path_to_group: dict[Path, HiddenGroup],
+    relations: Sequence[HiddenParamOpRelation], n: int, max_elements: int,
+) -> tuple[HiddenParamOpRelation, ...]:
+    """Give every group a relation trains its SnAp-``n`` pattern (in place); the relations, re-pointed."""
+    for index, pattern in trained_group_patterns(groups, relations, n, max_elements).items():
+        groups[index] = groups[index]._replace(snap=pattern)
+        for path in groups[index].hidden_paths:
+            hid_path_to_group[path] = groups[index]
+    return tuple(rel._replace(hidden_groups=[groups[g.index] for g in rel.hidden_groups]) for rel in relations)
+
+
+def _within_snap(group: HiddenGroup, reach: Dependence) -> bool:
+    """Whether ``group``'s SnAp neighbourhoods hold what a relabelling tail reaches."""
+    return group.snap is not None and tail_within_neighbourhoods(reach, group.snap)
+
+
 def _reject_relations_into_descent(relations: Sequence[HiddenParamOpRelation]) -> None:
     for rel in relations:
         targets = [p for g in rel.hidden_groups if g.descent is not None for p in g.hidden_paths]
@@ -302,13 +319,13 @@ def compile_etrace_graph(
         if sparse_n is not None:
             check_snap_anchors(relations, sparse_n)
             if sparse_n >= 2:
-                relations = tuple(attach_snap_patterns(
-                    groups, hid_path_to_group, relations, sparse_n, snap_max_jacobian_elements))
+                relations = _attach_snap_patterns(
+                    groups, hid_path_to_group, relations, sparse_n, snap_max_jacobian_elements)
         if include_recurrent_mixing and not include_weight_to_weight:
             warn_relabelling_tails(relations)
         elif sparse_n is not None and sparse_n >= 2:
-            warn_relabelling_tails(relations, covered=lambda rel, group, reach: group.snap is not None
-                                   and tail_within_neighbourhoods(reach, group.snap))
+            warn_relabelling_tails(
+                relations, covered=lambda rel, group, reach: _within_snap(groups[group.index], reach))
         warn_untraced_weights(minfo, relations)
         minfo = minfo.add_jaxpr_outs(_hoisted_vars(minfo, groups, relations, bundles))
         perturb = add_hidden_perturbation_from_minfo(minfo, descended) if include_hidden_perturb else None

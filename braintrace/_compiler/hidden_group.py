@@ -32,6 +32,7 @@ from braintrace._compiler.mixing_jacobian import BlockDiagonalPlan, block_diagon
 from braintrace._compiler.position_dependence import group_adjacency
 from braintrace._compiler.snap_pattern import SnapPattern, widened_jacobian
 from braintrace._errors import NotSupportedError
+from braintrace._typing import Path
 
 __all__ = [
     "HiddenGroup",
@@ -43,7 +44,6 @@ __all__ = [
     "state_basis",
 ]
 
-Path = tuple[Any, ...]
 Array = jax.Array
 # The structured-extraction plan of each transition jaxpr (the jaxpr is kept to guard the id).
 _PLANS: dict[int, tuple[Jaxpr, BlockDiagonalPlan | None]] = {}

@@ -47,6 +47,7 @@ from braintrace._compatible_imports import (
 from braintrace._compiler.base import JaxprEvaluation, check_unsupported_op
 from braintrace._compiler.control_flow_policy import DEFAULT_CONTROL_FLOW_POLICY, ControlFlowPolicy
 from braintrace._compiler.diagnostics import DiagnosticKind, DiagnosticLevel, emit
+from braintrace._compiler.hid_param_op import HiddenParamOpRelation
 from braintrace._compiler.hidden_group import HiddenGroup
 from braintrace._compiler.jaxpr_graph import (
     ELEMENTWISE_PRIMITIVES,
@@ -383,7 +384,7 @@ def report_reads_past_update(
 
 def local_relation_weights(
     perturbation: HiddenPerturbation,
-    relations: Sequence[Any],
+    relations: Sequence[HiddenParamOpRelation],
     hidden_groups: Sequence[HiddenGroup],
     minfo: ModuleInfo,
     excluded_groups: frozenset[int] = frozenset(),

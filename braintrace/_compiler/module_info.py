@@ -49,10 +49,10 @@ from braintrace._compiler.control_flow_policy import (
 from braintrace._compiler.diagnostics import DiagnosticKind, DiagnosticLevel, emit
 from braintrace._compiler.jaxpr_graph import fresh_var, inline_jit_calls, new_jaxpr
 from braintrace._errors import ModelTypeError, NotSupportedError
+from braintrace._typing import Path
 
 __all__ = ["ModuleInfo", "extract_module_info", "Path"]
 
-Path = tuple[Any, ...]
 
 
 class ModuleInfo(NamedTuple):

@@ -38,7 +38,7 @@ Examples
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeGuard
+from typing import Any, Callable, Sequence, TypeGuard
 
 import jax
 import numpy as np
@@ -60,10 +60,7 @@ from braintrace._compatible_imports import (
 )
 from braintrace._compiler.diagnostics import DiagnosticKind, DiagnosticLevel, emit
 from braintrace._op._registries import get_snap_adjacency_rule, get_x_invar_index, is_etp_primitive
-
-if TYPE_CHECKING:
-    from braintrace._compiler.hid_param_op import HiddenParamOpRelation
-    from braintrace._compiler.hidden_group import HiddenGroup
+from braintrace._typing import HiddenGroupLike, RelationLike
 
 __all__ = [
     "Dependence",
@@ -284,7 +281,7 @@ def _eqn_dependence(eqn: JaxprEqn, deps: list[Dependence | None], widths: tuple[
     raise _Unreadable(f"`{name}` has no position rule")
 
 
-def group_adjacency(group: HiddenGroup, varshape: Sequence[int] | None = None) -> tuple[AxisPatterns, str | None]:
+def group_adjacency(group: HiddenGroupLike, varshape: Sequence[int] | None = None) -> tuple[AxisPatterns, str | None]:
     """The one-step adjacency of ``group`` per axis of its ``varshape``, and why it is conservative.
 
     The walk starts from the group's hidden inputs with the identity relation and ORs the
@@ -404,10 +401,10 @@ def _element_wise_only(jaxpr: Jaxpr) -> bool:
 
 #: ``covered(relation, group, reach)``: whether a learner's traces hold the influence a
 #: relabelling tail moves (the per-axis ``reach`` of :func:`tail_reach`).
-Coverage = Callable[[Any, Any, Dependence], bool]
+Coverage = Callable[[RelationLike, HiddenGroupLike, Dependence], bool]
 
 
-def warn_relabelling_tails(relations: Sequence[HiddenParamOpRelation], covered: Coverage | None = None) -> None:
+def warn_relabelling_tails(relations: Sequence[RelationLike], covered: Coverage | None = None) -> None:
     """Emit ``TAIL_RELABELS_POSITIONS`` for every relation whose ``y -> h`` tail moves positions
     that the learner's traces do not follow.
 

@@ -18,7 +18,7 @@ This module owns
   (:func:`pad_states`);
 * what ``compile_etrace_graph(..., sparse_n=n)`` checks and attaches: the arguments, the
   anchors of the relations, the refusal of descended scans, the Jacobian budget and the
-  diagnostics (:func:`attach_snap_patterns`).
+  diagnostics (:func:`trained_group_patterns`).
 
 The factorised closure is exact with at most one non-identity axis and a superset otherwise.
 A transition the adjacency walk cannot read makes the whole group all-to-all, flagged
@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Collection, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -50,9 +50,7 @@ from braintrace._compiler.diagnostics import DiagnosticKind, DiagnosticLevel, em
 from braintrace._compiler.position_dependence import AxisPatterns, group_adjacency
 from braintrace._errors import NotSupportedError
 from braintrace._op._registries import is_snap_anchored
-
-if TYPE_CHECKING:
-    from braintrace._compiler.hidden_group import HiddenGroup
+from braintrace._typing import HiddenGroupLike, RelationLike
 
 __all__ = [
     "DEFAULT_MAX_JACOBIAN_ELEMENTS",
@@ -68,7 +66,7 @@ __all__ = [
     "check_snap_arguments",
     "reject_snap_descent",
     "check_snap_anchors",
-    "attach_snap_patterns",
+    "trained_group_patterns",
 ]
 
 #: Default ceiling on the widened block Jacobian ``P·(K·S)²`` (``P = K = 256, S = 1`` fits).
@@ -230,7 +228,7 @@ def _neighbour_table(varshape: tuple[int, ...], axes: AxisPatterns) -> tuple[np.
 # --- a group's pattern ------------------------------------------------------------------
 
 
-def analyse_group(group: HiddenGroup, n: int) -> SnapPattern:
+def analyse_group(group: HiddenGroupLike, n: int) -> SnapPattern:
     """:func:`snap_pattern` of ``group``'s transition at order ``n``."""
     adjacency, reason = group_adjacency(group)
     return snap_pattern(n, group.varshape, adjacency, conservative=reason is not None, reason=reason)
@@ -376,7 +374,7 @@ def reject_snap_descent(sparse_n: int, descended_paths: Collection[Any]) -> None
             f"scan_unroll_limit=N), N at least its length, or learn with D_RTRL.")
 
 
-def check_snap_anchors(relations: Sequence[Any], sparse_n: int) -> None:
+def check_snap_anchors(relations: Sequence[RelationLike], sparse_n: int) -> None:
     """Every relation's traces must land on single hidden positions to be widened (at any order)."""
     for rel in relations:
         if not is_snap_anchored(rel.primitive, rel.eqn_params):
@@ -387,11 +385,10 @@ def check_snap_anchors(relations: Sequence[Any], sparse_n: int) -> None:
                 f"(coupled); a primitive of your own can declare snap_anchor=... in register_etp_rules.")
 
 
-def attach_snap_patterns(
-    groups: list[HiddenGroup], hid_path_to_group: dict[Any, HiddenGroup], relations: Sequence[Any],
-    n: int, max_elements: int,
-) -> list[Any]:
-    """Give every group a relation trains its :class:`SnapPattern` (in place); the relations, re-pointed.
+def trained_group_patterns(
+    groups: Sequence[HiddenGroupLike], relations: Sequence[RelationLike], n: int, max_elements: int,
+) -> dict[int, SnapPattern]:
+    """The :class:`SnapPattern` of every group a relation trains, by group index.
 
     Emits ``SNAP_PATTERN_CONSERVATIVE`` (WARNING) for a group whose adjacency could not be read,
     ``SNAP_PATTERN_DEGENERATE`` (INFO) for a group without neighbours. (A ``y -> h`` tail that
@@ -404,20 +401,18 @@ def attach_snap_patterns(
         If a group's widened block Jacobian ``P·(K·S)²`` exceeds ``max_elements``.
     """
     trained = {g.index for rel in relations for g in rel.hidden_groups}
-    for i, group in enumerate(groups):
+    patterns = {}
+    for group in groups:
         if group.index not in trained:
             continue
         pattern = analyse_group(group, n)
         _report(group, pattern)
         _check_budget(group, pattern, max_elements)
-        groups[i] = group._replace(snap=pattern)
-        for path in group.hidden_paths:
-            hid_path_to_group[path] = groups[i]
-    by_index = {g.index: g for g in groups}
-    return [rel._replace(hidden_groups=[by_index[g.index] for g in rel.hidden_groups]) for rel in relations]
+        patterns[group.index] = pattern
+    return patterns
 
 
-def _report(group: HiddenGroup, pattern: SnapPattern) -> None:
+def _report(group: HiddenGroupLike, pattern: SnapPattern) -> None:
     where = f"hidden group {group.index} {group.hidden_paths}"
     if pattern.conservative:
         emit(DiagnosticKind.SNAP_PATTERN_CONSERVATIVE, DiagnosticLevel.WARNING,
@@ -434,7 +429,7 @@ def _report(group: HiddenGroup, pattern: SnapPattern) -> None:
              hidden_paths=tuple(group.hidden_paths), context={"num_neighbour": 1})
 
 
-def _check_budget(group: HiddenGroup, pattern: SnapPattern, max_elements: int) -> None:
+def _check_budget(group: HiddenGroupLike, pattern: SnapPattern, max_elements: int) -> None:
     positions, size, states = pattern.num_position, pattern.num_neighbour, group.num_state
     count = positions * (size * states) ** 2
     if pattern.is_degenerate or count <= max_elements:

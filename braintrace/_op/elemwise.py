@@ -40,7 +40,7 @@ from braintrace._op._rule_helpers import (
     shape_of,
     sum_over_states,
 )
-from braintrace._typing import Array, ArrayLike, WeightFn
+from braintrace._typing import Array, ArrayLike, HiddenGroupLike, WeightFn
 
 __all__ = ["etp_elemwise_p", "element_wise"]
 
@@ -117,7 +117,7 @@ def _elemwise_init_drtrl(
     y_var: Var,
     weight_vars: dict[str, Var] | None,
     num_hidden_state: int,
-    group: Any = None,
+    group: HiddenGroupLike | None = None,
 ) -> dict[str, Array]:
     shape = tuple(group.varshape) if group is not None else shape_of(y_var)
     dtype = drtrl_dtype(None, y_var, weight_vars)
@@ -129,7 +129,7 @@ def _elemwise_init_pp(
     y_var: Var,
     weight_vars: dict[str, Var] | None,
     num_hidden_state: int,
-    group: Any = None,
+    group: HiddenGroupLike | None = None,
 ) -> Array:
     shape = tuple(group.varshape) if group is not None else shape_of(y_var)
     return jnp.zeros((*shape, num_hidden_state), dtype_of(y_var))
