@@ -6,7 +6,7 @@ per-group :data:`TraceKey` and the :data:`Trace` stored under it, and the struct
 The views let a module read a group or a relation without importing the compiler module that
 builds it (the ``_op`` rules sit below the compiler; the compiler's own analyses sit below the
 classes), so no module imports another that imports it back. This module imports nothing from
-braintrace.
+braintrace but the JAX adapter, which imports nothing from braintrace.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any, Callable, Hashable, Protocol, Sequence, Union
 
 import jax
 import numpy as np
-from jax.extend.core import Jaxpr, Primitive, Var
+
+from braintrace._compatible_imports import Jaxpr, Primitive, Var
 
 __all__ = [
     "Array", "ArrayLike", "WeightFn", "PyTree", "Params",

@@ -227,7 +227,7 @@ class OnlineModule(braintools.trainer.LightningModule):
         self._restore_after_batch: list[tuple[brainstate.State, Any]] = []
         self._restore_after_update: list[tuple[brainstate.State, Any]] = []
         self._pending: list[tuple[int, int, str]] = []
-        #: The batch that started and has not ended, with every state of the module before it.
+        #: The training batch that started and has not ended, with the learner's states before it.
         self._unfinished: tuple[int, list[tuple[brainstate.State, Any]]] | None = None
 
     # ------------------------------------------------------------------ the learner

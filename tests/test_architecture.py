@@ -100,7 +100,10 @@ def test_the_import_graph_sees_type_checking_and_local_imports(tmp_path: Path) -
 
 
 def test_the_domain_types_sit_in_a_leaf() -> None:
-    assert import_graph()["braintrace._typing"] == set()
+    # The domain types read JAX's types through the adapter, which imports nothing of braintrace.
+    graph = import_graph()
+    assert graph["braintrace._typing"] == {"braintrace._compatible_imports"}
+    assert graph["braintrace._compatible_imports"] == set()
 
 
 @pytest.mark.parametrize("package", ACYCLIC_PACKAGES)

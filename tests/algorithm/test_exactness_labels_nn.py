@@ -258,8 +258,8 @@ def test_the_surrogate_spike_is_read_unit_by_unit(f64: None) -> None:
 
 
 class Copied(_Readout):
-    """``h = 0.5 h + matmul([x, c], W)`` and ``c = h``: a second hidden state holding the same
-    variable as ``h``'s new value, fed back through ``W`` at the next step."""
+    """``h = 0.5 h + matmul([x, c], W)`` and ``c = h``: a second hidden state holding ``h``'s new
+    value (a member of ``h``'s group), fed back through ``W`` at the next step."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -280,5 +280,9 @@ def test_a_state_written_with_a_group_s_new_value_is_fed(f64: None) -> None:
     brainstate.random.seed(0)
     learner = braintrace.compile(Copied(), "d_rtrl", jnp.ones(I), vjp_method="multi-step")
     (label,) = learner.report.exactness
-    assert label.reasons == ("hidden group 0 feeds the states ('c',) outside it (cross-group coupling is not traced)",)
+    # c is a member of h's group (a copy of its new value), and it feeds the group back through W.
+    assert label.reasons == (
+        "hidden group 0's recurrence passes through a weight operation (a recurrent weight mixing hidden "
+        "units), which the diagonal scope leaves out of D: it keeps only each unit's own element-wise "
+        "dependence",)
     assert errors_per_weight(audit(learner, 2))[("w",)] > APPROXIMATE
