@@ -9,11 +9,15 @@ receive the rolled trace from the backward pass instead: the driver hands the ca
 and the backward pass rolls them and contracts the history in one pass
 (:func:`braintrace._op.fused_roll.roll_and_contract`, a Pallas kernel) and returns the rolled
 traces as the sink's cotangent, which the driver writes into the trace states. Same maths, the
-sums in another order (float32 rounding); two passes over the trace instead of three.
+sums in another order (float32 rounding); two passes over the trace instead of three. A filtered
+trace (EProp's ``kappa_filter_decay``, ``ē^t = κ ē^{t-1} + ε^t``, whose gradient reads ``ē^t``)
+has its filter rolled by the same pass, the history ``κ ⟨g, ē^{t-1}⟩ + ⟨Dᵀ g, ε^{t-1}⟩``
+contracted from both entering arrays (:func:`braintrace._op.fused_roll.roll_filter_and_contract`):
+one read and one write of each per step instead of five passes.
 
 It applies on a TPU, where traces of one-state groups are stored without their state axis
 (``ParamDimVjpAlgorithm._stored``), to the float32 traces of batched ``matmul`` relations that
-roll plainly (single-step D_RTRL, EProp without a filter, OSTL), outside a mesh. Every other
+roll plainly (single-step D_RTRL, EProp with or without a filter, OSTL), outside a mesh. Every other
 call, and every call of a learner outside its drivers (``learner(x)`` under a user's own
 ``grad``), rolls its traces in the forward pass as before. Inside the driver's ``step_fn``, the
 deferred traces read their entering value until the step's gradient is taken.
@@ -22,7 +26,7 @@ deferred traces read their entering value until the step's gradient is taken.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,10 +43,21 @@ __all__ = ["BackwardRollMixin", "ROLL_MIN_BYTES"]
 #: 9 % slower than XLA's fusion, which keeps traces that small in on-chip memory.
 ROLL_MIN_BYTES = 64 << 20
 
-#: One trace's part of the backward residual: the entering trace (stored form), the group's
-#: Jacobian ``D`` that rolls it, the relation's input ``x`` and its ``df`` (output layout), and
-#: the group's history Jacobian.
-Rolled = tuple[dict[str, jax.Array], jax.Array, jax.Array, jax.Array, jax.Array]
+class Rolled(NamedTuple):
+    """One trace's part of the backward residual."""
+
+    #: The entering trace, in its stored form.
+    old: dict[str, jax.Array]
+    #: The entering filter of a filtered trace (stored form; ``None``: no filter).
+    old_filter: dict[str, jax.Array] | None
+    #: The group's Jacobian ``D`` that rolls the trace.
+    diag: jax.Array
+    #: The relation's input.
+    x: jax.Array
+    #: The relation's ``df`` (output layout).
+    df: jax.Array
+    #: The group's history Jacobian.
+    history_jacobian: jax.Array
 
 
 class BackwardRollMixin:
@@ -59,14 +74,17 @@ class BackwardRollMixin:
     def _find_rolled_relations(self) -> dict[Any, tuple[int, Any, Any]]:
         """The keys of :attr:`_rolled_relations`, found from the stored traces."""
         host: Any = self
-        if not (host._squeezed and host.vjp_method == "single-step" and not host._trace_filters
-                and not host.replaces_signal and host._rolls_plainly()
-                and host._defined_in_library("_trace_for_backward", "_solve_weight_gradients", "_history_trace")):
+        filtered = bool(host._trace_filters)
+        hooks = ("_trace_for_backward", "_solve_weight_gradients", "_history_trace") + (
+            ("_filtered_step",) if filtered else ())
+        if not (host._squeezed and host.vjp_method == "single-step" and not host.replaces_signal
+                and host._rolls_plainly() and host._defined_in_library(*hooks)):
             return {}
         found = {}
         for index, rel in enumerate(host.graph.hidden_param_op_relations):
             fp = host._fast_path(rel)
-            if (fp is None or fp.roll_and_solve is None or not reg.is_batched_primitive(rel.primitive)
+            kernel = None if fp is None else (fp.roll_filter_and_solve if filtered else fp.roll_and_solve)
+            if (kernel is None or not reg.is_batched_primitive(rel.primitive)
                     or rel.control_flow_context is not None or len(shape_of(rel.x_var)) != 2):
                 continue
             for group in rel.hidden_groups:
@@ -89,7 +107,10 @@ class BackwardRollMixin:
                                 if trace["weight"].size * trace["weight"].dtype.itemsize >= ROLL_MIN_BYTES)
         if not self._sink_keys:
             return None
-        return [{k: jnp.zeros(v.shape, v.dtype) for k, v in traces[key].items()} for key in self._sink_keys]
+        sink = [{k: jnp.zeros(v.shape, v.dtype) for k, v in traces[key].items()} for key in self._sink_keys]
+        if host._trace_filters:
+            return [{"eps": zeros, "filt": jax.tree.map(jnp.zeros_like, zeros)} for zeros in sink]
+        return sink
 
     @contextlib.contextmanager
     def _seq_rolling_into(self, sink: list[Any] | None) -> Iterator[None]:
@@ -104,7 +125,12 @@ class BackwardRollMixin:
         """Write the traces the backward pass rolled (``rolled``: the sink's cotangent)."""
         host: Any = self
         for key, value in zip(self._sink_keys, rolled):
-            if key in self._rolled_now:
+            if key not in self._rolled_now:
+                continue
+            if host._trace_filters:
+                host.etrace_bwg[key].value = value["eps"]
+                host._trace_filters[key].value = value["filt"]
+            else:
                 host.etrace_bwg[key].value = value
 
     def _take_roll_sink(self) -> list[Any] | None:
@@ -119,33 +145,46 @@ class BackwardRollMixin:
     ) -> tuple[Any, dict[Any, Any]]:
         """Move the roll of the plainly rolled keys from the forward to the backward pass.
 
-        Returns the residual, whose history no longer reads those traces and whose ``rolled``
-        holds, per key of the sink, what the backward pass needs (for a key
-        rolled in the forward pass: zeros, its sink's cotangent), and the new traces with the
-        deferred keys as they entered.
+        ``entering`` and ``new`` are the traces as the learner passes them (``{'eps', 'filt'}``
+        of a filtered learner). Returns the residual, whose history (and entering filter) no
+        longer reads those traces and whose ``rolled`` holds, per key of the sink, what the
+        backward pass needs (for a key rolled in the forward pass: zeros, its sink's cotangent),
+        and the new traces with the deferred keys as they entered.
         """
         host: Any = self
+        filtered = bool(host._trace_filters)
+        eps_in, eps_new = (entering["eps"], new["eps"]) if filtered else (entering, new)
         history = residual.trace
         plain = host._plain_rolls(jac, history.through_while)
         local_keys = host._local_relation_weights().keys
-        rolled: list[Rolled | dict[str, jax.Array]] = []
-        kept, taken = dict(new), set()
+        rolled: list[Rolled | dict[str, Any]] = []
+        kept, taken = dict(eps_new), set()
+        kept_filter = dict(new["filt"]) if filtered else {}
         for key in self._sink_keys:
             index, _, group = self._rolled_relations[key]
-            stored = host._stored(key, entering[key])
+            stored = host._stored(key, eps_in[key])
+            stored_filter = host._stored(key, entering["filt"][key]) if filtered else None
             # Weights left out of the one-step VJP have a history read off the new trace only.
             if key not in plain or (key not in history.instant and local_keys.get(index)):
-                rolled.append(jax.tree.map(jnp.zeros_like, stored))
+                zeros = jax.tree.map(jnp.zeros_like, stored)
+                rolled.append({"eps": zeros, "filt": jax.tree.map(jnp.zeros_like, stored)} if filtered else zeros)
                 continue
             x, df = plain[key][2]
-            rolled.append((stored, jac[1][group.index], x, df, history.history_jacobians[group.index]))
-            kept[key] = entering[key]
+            rolled.append(Rolled(stored, stored_filter, jac[1][group.index], x, df,
+                                 history.history_jacobians[group.index]))
+            kept[key] = eps_in[key]
+            if filtered:
+                kept_filter[key] = entering["filt"][key]
             taken.add(key)
         self._rolled_now = frozenset(taken)
         history = history._replace(
             traces={k: v for k, v in history.traces.items() if k not in taken},
             instant={k: v for k, v in history.instant.items() if k not in taken})
-        return residual._replace(trace=history, rolled=rolled), kept
+        old_filter = residual.old_filter
+        if old_filter is not None:
+            old_filter = {k: v for k, v in old_filter.items() if k not in taken}
+        residual = residual._replace(trace=history, old_filter=old_filter, rolled=rolled)
+        return residual, ({"eps": kept, "filt": kept_filter} if filtered else kept)
 
     def _solve_rolled(
         self, residual: Any, signals: Sequence[jax.Array], weight_vals: dict[Any, Any], grads: dict[Any, Any],
@@ -154,37 +193,46 @@ class BackwardRollMixin:
 
         The history term is the entering trace met by the signal the forward roll's history
         would have met it with: ``Hᵀ g`` (``H`` the group's history Jacobian, ``D`` where the
-        history was read off the new trace) or, for a group read past its update, ``∂L/∂h^{t-1}``.
-        Returns the gradients and the rolled traces, the roll sink's cotangent (zeros for the
-        keys rolled in the forward pass, which the driver does not write; ``None``: no sink).
+        history was read off the new trace) or, for a group read past its update, ``∂L/∂h^{t-1}``;
+        a filtered trace adds its entering filter met by ``κ g``. Returns the gradients and the
+        rolled traces, the roll sink's cotangent (zeros for the keys rolled in the forward pass,
+        which the driver does not write; ``None``: no sink).
         """
-        rolled: Sequence[Rolled | dict[str, jax.Array]] | None = residual.rolled
+        rolled: Sequence[Rolled | dict[str, Any]] | None = residual.rolled
         if rolled is None:
             return grads, None
         host: Any = self
         local_keys = host._local_relation_weights().keys
         read_past = residual.trace.read_past_update
-        traces = []
+        traces: list[Any] = []
         for key, entry in zip(self._sink_keys, rolled):
             index, rel, group = self._rolled_relations[key]
-            if isinstance(entry, dict):
+            if not isinstance(entry, Rolled):
                 traces.append(entry)
                 continue
-            old, diag, x, df, history_jacobian = entry
             g = signals[group.index]
             if group.index in read_past:
                 history_signal = read_past[group.index]
             else:
-                history_signal = mix_states(jnp.swapaxes(history_jacobian, -1, -2), g)
-            new, history = host._fast_path(rel).roll_and_solve(
-                old, rel.output_layout(group, diag)[..., 0, 0], x, df[..., 0],
-                rel.output_layout(group, history_signal)[..., 0], bool(rel.eqn_params.get("has_bias", False)))
+                history_signal = mix_states(jnp.swapaxes(entry.history_jacobian, -1, -2), g)
+            fp = host._fast_path(rel)
+            diag = rel.output_layout(group, entry.diag)[..., 0, 0]
+            signal = rel.output_layout(group, history_signal)[..., 0]
+            has_bias = bool(rel.eqn_params.get("has_bias", False))
+            if entry.old_filter is None:
+                new, history = fp.roll_and_solve(entry.old, diag, entry.x, entry.df[..., 0], signal, has_bias)
+                traces.append(new)
+            else:
+                filt_signal = rel.output_layout(group, host.kappa * g)[..., 0]
+                new, new_filter, history = fp.roll_filter_and_solve(
+                    entry.old, entry.old_filter, diag, entry.x, entry.df[..., 0], signal, filt_signal,
+                    host.kappa, has_bias)
+                traces.append({"eps": new, "filt": new_filter})
             covered = local_keys.get(index, frozenset())
             if covered:  # weights left out of the one-step VJP: their gradient is the whole ⟨g, ε^t⟩
                 weights = host._relation_operands(rel, weight_vals)
-                same_step = host._solve_instant(rel, rel.output_layout(group, g), x, df, weights)
+                same_step = host._solve_instant(rel, rel.output_layout(group, g), entry.x, entry.df, weights)
                 history = {k: v + same_step[k] if k in covered else v for k, v in history.items()}
             for k, v in history.items():
                 grads = host._add_operand_gradient(grads, rel, k, v, weight_vals)
-            traces.append(new)
         return grads, traces

@@ -83,6 +83,12 @@ class FastPathRules(NamedTuple):
         ``diag ⊙ old + instant`` and the contraction ``Σ_b signal ⊙ old`` in one pass over
         ``old`` (``diag``, ``df``, ``signal``: ``(B, *y)``). ``None``: the engine rolls and
         contracts apart.
+    roll_filter_and_solve : callable or None
+        ``roll_filter_and_solve(old, filt, diag, x, df, signal, filt_signal, kappa, has_bias) ->
+        (new, new_filt, grads)``: ``roll_and_solve`` for a trace with a low-pass filter: also
+        ``new_filt = kappa ⊙ filt + new`` and ``grads`` the contraction
+        ``Σ_b signal ⊙ old + filt_signal ⊙ filt``, in one pass over each. ``None``: the engine
+        rolls, filters and contracts apart.
     """
 
     instant: Rule
@@ -92,6 +98,7 @@ class FastPathRules(NamedTuple):
     chunk: Rule | None = None
     solve_instant: Rule | None = None
     roll_and_solve: Rule | None = None
+    roll_filter_and_solve: Rule | None = None
 
 
 #: The rules every learner needs of a primitive whose weights it traces: ``D_RTRL`` and the

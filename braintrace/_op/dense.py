@@ -47,7 +47,7 @@ from braintrace._op._operands import (
 )
 from braintrace._op._primitive import register_primitive
 from braintrace._op._registries import FastPathRules, register_batched_counterpart, snap_anchored
-from braintrace._op.fused_roll import roll_and_contract
+from braintrace._op.fused_roll import roll_and_contract, roll_filter_and_contract
 from braintrace._op._rule_helpers import (
     apply_hook,
     bias_trainable_invars,
@@ -273,6 +273,21 @@ def _dense_fast_roll_and_solve(
     return new, grads
 
 
+def _dense_fast_roll_filter_and_solve(
+    old: dict[str, Array], filt: dict[str, Array], diag: Array, x: Array, df: Array, signal: Array,
+    filt_signal: Array, kappa: float, has_bias: bool,
+) -> tuple[dict[str, Array], dict[str, Array], dict[str, Array]]:
+    """:func:`_dense_fast_roll_and_solve` of a trace and its filter ``filt`` (shaped as ``old``)."""
+    weight, weight_filt, grad = roll_filter_and_contract(
+        old["weight"], filt["weight"], diag, x, df, signal, filt_signal, kappa)
+    new, new_filt, grads = {"weight": weight}, {"weight": weight_filt}, {"weight": grad}
+    if "bias" in old:
+        new["bias"] = diag * old["bias"] + (df if has_bias else 0.0)
+        new_filt["bias"] = kappa * filt["bias"] + new["bias"]
+        grads["bias"] = jnp.sum(signal * old["bias"] + filt_signal * filt["bias"], axis=0)
+    return new, new_filt, grads
+
+
 _DENSE_FAST_PATH = FastPathRules(
     instant=_dense_fast_instant,
     recurrent=_dense_fast_recurrent,
@@ -281,6 +296,7 @@ _DENSE_FAST_PATH = FastPathRules(
     chunk=_dense_fast_chunk,
     solve_instant=_dense_fast_solve_instant,
     roll_and_solve=_dense_fast_roll_and_solve,
+    roll_filter_and_solve=_dense_fast_roll_filter_and_solve,
 )
 
 def _dense_snap_adjacency(

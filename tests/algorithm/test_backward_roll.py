@@ -51,6 +51,28 @@ def test_the_pallas_kernel_agrees_with_its_xla_reference(shape: tuple[int, int, 
     np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(3, 24, 256), (2, 13, 200)], ids=["tiled", "whole-axes"])
+def test_the_filtering_kernel_agrees_with_its_xla_reference(shape: tuple[int, int, int]) -> None:
+    batch, n_in, n_out = shape
+    trace, filt, x = _random(shape, 0), _random(shape, 5), _random((batch, n_in), 1)
+    diag, df, signal, filt_signal = (_random((batch, n_out), s) for s in (2, 3, 4, 6))
+    want = fused_roll.roll_filter_and_contract_xla(trace, filt, diag, x, df, signal, filt_signal, 0.9)
+    got = fused_roll.roll_filter_and_contract_pallas(trace, filt, diag, x, df, signal, filt_signal, 0.9, interpret=True)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_the_filtering_reference_rolls_filters_and_contracts_both() -> None:
+    trace, filt, x = _random((2, 3, 4), 0), _random((2, 3, 4), 5), _random((2, 3), 1)
+    diag, df, signal, filt_signal = (_random((2, 4), s) for s in (2, 3, 4, 6))
+    new, new_filt, grad = fused_roll.roll_filter_and_contract_xla(trace, filt, diag, x, df, signal, filt_signal, 0.9)
+    rolled = np.einsum("bo,bio->bio", diag, trace) + np.einsum("bi,bo->bio", x, df)
+    np.testing.assert_allclose(new, rolled, rtol=1e-6)
+    np.testing.assert_allclose(new_filt, 0.9 * np.asarray(filt) + rolled, rtol=1e-6)
+    want = np.einsum("bio,bo->io", trace, signal) + np.einsum("bio,bo->io", filt, filt_signal)
+    np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-6)
+
+
 def test_the_xla_reference_is_the_roll_and_the_contraction() -> None:
     trace, x = _random((2, 3, 4), 0), _random((2, 3), 1)
     diag, df, signal = (_random((2, 4), s) for s in (2, 3, 4))
@@ -62,13 +84,21 @@ def test_the_xla_reference_is_the_roll_and_the_contraction() -> None:
 # --- the learners -------------------------------------------------------------------------
 
 
+#: The learners as compiled here: EProp with a filter is ``eprop-kappa``.
+ALGORITHMS: dict[str, tuple[str, dict[str, Any]]] = {
+    "d_rtrl": ("d_rtrl", {}), "eprop": ("eprop", {}), "eprop-kappa": ("eprop", {"kappa_filter_decay": 0.9}),
+    "ostl_recurrent": ("ostl_recurrent", {}),
+}
+
+
 def _compile(model: Any, algorithm: str, monkeypatch: pytest.MonkeyPatch, as_on_tpu: bool = True) -> Any:
     x0 = normal(11, (T, B, I))[0]
+    name, options = ALGORITHMS[algorithm]
     with monkeypatch.context() as patch, warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         if as_on_tpu:
             patch.setattr(jax, "default_backend", lambda: "tpu")
-        return braintrace.compile(model, algorithm, x0, batch_size=B)
+        return braintrace.compile(model, name, x0, batch_size=B, **options)
 
 
 @pytest.fixture
@@ -83,14 +113,15 @@ def _read_past_lif() -> brainstate.nn.Module:
 
 
 MODEL_CASES = {"leaky": MODELS["leaky"], "lif": MODELS["lif"], "gru": MODELS["gru"], "read-past-lif": _read_past_lif}
-CASES = [(m, a) for m in MODEL_CASES for a in ("d_rtrl", "eprop", "ostl_recurrent")]
+CASES = [(m, a) for m in MODEL_CASES for a in ALGORITHMS]
 
 
 def _etrace_grad(learner: Any) -> tuple[Any, list[Any]]:
-    """The summed estimate and the final traces (keyed by compiled variables: listed in order)."""
+    """The summed estimate and the final traces and filters (keyed by compiled variables: listed in order)."""
     xs = normal(11, (T, B, I))
     grads = learner.etrace_grad(xs, jnp.arange(T), step_fn=lambda x, t: target_loss(t, learner(x)), reduction="sum")
-    return _to_numpy(grads), [jax.tree.map(np.asarray, st.value) for st in learner.etrace_bwg.values()]
+    states = [*learner.etrace_bwg.values(), *learner._trace_filters.values()]
+    return _to_numpy(grads), [jax.tree.map(np.asarray, st.value) for st in states]
 
 
 @pytest.mark.parametrize("model, algorithm", CASES, ids=[f"{m}-{a}" for m, a in CASES])
@@ -120,6 +151,22 @@ def test_rolled_by_the_pallas_kernel_the_gradient_matches_bptt(
     assert learner._rolled_now
     ref = bptt_grads(MODELS[model](), normal(11, (T, B, I)), batch_size=B)
     assert max_rel_err(ref, got) <= RTOL
+
+
+def test_a_filtered_trace_rolled_by_the_pallas_kernel_gives_what_the_forward_roll_gives(
+    monkeypatch: pytest.MonkeyPatch, rolls_every_trace: None,
+) -> None:
+    monkeypatch.setattr(dense, "roll_filter_and_contract",
+                        lambda *a: fused_roll.roll_filter_and_contract_pallas(*a, interpret=True))
+    backward = _compile(MODELS["lif"](), "eprop-kappa", monkeypatch)
+    forward = _compile(MODELS["lif"](), "eprop-kappa", monkeypatch)
+    monkeypatch.setattr(forward, "_seq_roll_sink", lambda: None)
+    (got, got_traces), (want, want_traces) = _etrace_grad(backward), _etrace_grad(forward)
+    assert backward._rolled_now
+    assert max_rel_err(want, got) < 1e-6
+    for got_trace, want_trace in zip(got_traces, want_traces, strict=True):
+        for name, value in want_trace.items():
+            np.testing.assert_allclose(got_trace[name], value, rtol=1e-6, atol=1e-7)
 
 
 def test_etrace_train_and_check_finite_roll_in_the_backward_pass_too(

@@ -160,6 +160,39 @@ def test_traces_rolled_in_the_backward_pass_match_bptt(model: str, monkeypatch: 
     assert err <= RTOL, f"D_RTRL rolled in the backward pass on {model}: max rel. err {err:.2e} > {RTOL:.0e}"
 
 
+def test_a_filtered_trace_rolled_in_the_backward_pass_gives_its_forward_roll(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EProp with a filter (approximate, so not against BPTT): the drivers' estimate, with the
+    trace and its filter rolled in the backward pass on a TPU, equals the sum of the learner's
+    one-step gradients taken outside the drivers, which roll in the forward pass everywhere."""
+    monkeypatch.setattr(backward_roll, "ROLL_MIN_BYTES", 0)
+    xs = normal(11, (T, B, I))
+    learners = []
+    for _ in range(2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            learners.append(braintrace.compile(LIF(), "eprop", xs[0], batch_size=B, kappa_filter_decay=0.9))
+    driven, called = learners
+    with jax.default_matmul_precision("highest"):
+        got = driven.etrace_grad(xs, jnp.arange(T), step_fn=lambda x, t: target_loss(t, driven(x)), reduction="sum")
+        want = single_step_grads(called, xs)
+    assert bool(driven._rolled_now) == (jax.default_backend() == "tpu") and not called._rolled_now
+    err = max_rel_err(want, _to_numpy(got))
+    assert err <= RTOL, f"EProp(kappa) rolled in the backward pass: max rel. err {err:.2e} > {RTOL:.0e}"
+
+
+def test_the_filtering_roll_kernel_agrees_with_its_xla_reference() -> None:
+    """:func:`roll_filter_and_contract` (the Pallas kernel on a TPU) against its XLA reference."""
+    keys = jax.random.split(jax.random.PRNGKey(1), 7)
+    trace, filt = (jax.random.normal(k, (8, 272, 1024)) for k in keys[:2])
+    x = jax.random.normal(keys[2], (8, 272))
+    diag, df, signal, filt_signal = (jax.random.normal(k, (8, 1024)) for k in keys[3:])
+    want = fused_roll.roll_filter_and_contract_xla(trace, filt, diag, x, df, signal, filt_signal, 0.9)
+    got = jax.jit(fused_roll.roll_filter_and_contract, static_argnums=7)(
+        trace, filt, diag, x, df, signal, filt_signal, 0.9)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
 def test_the_roll_kernel_agrees_with_its_xla_reference() -> None:
     """:func:`roll_and_contract` (the Pallas kernel on a TPU) against its XLA reference, on a
     trace of several blocks along both axes."""
