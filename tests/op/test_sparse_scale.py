@@ -6,12 +6,16 @@ stored entry, folded by XLA in O(nnz²) at compile time when the pattern is cons
 and VJP still equal the dense product's. Reverse mode through a time loop keeps the inputs,
 not one value per stored entry, per step. With brainevent's numba kernels a batch goes through
 the vector kernel row by row; where its pure-JAX kernels would run (no numba), the product itself
-goes over the host coordinates, for the same reason.
+goes over the host coordinates, for the same reason. Over the coordinates, the connectome's D_RTRL
+step gathers the input at the rows once for the product and its trace (counted in its compiled
+program), and equals BPTT where the recurrence is diagonal.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import re
+import warnings
 from typing import Any
 
 import brainevent
@@ -20,9 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import braintrace
+from benchmarks import connectome
 from braintrace._op import sparse as sp
 from braintrace._op.sparse import sparse_matmul
-from tests.algorithm.bptt import x64
+from tests.algorithm.bptt import bptt_grads, max_rel_err, normal, single_step_grads, x64
 from tests.op.cases.sparse import CSC, CSR, MASK, I, O
 from tests.op.opcase import close
 
@@ -183,3 +189,73 @@ def test_off_the_cpu_products_go_over_the_coordinates_unless_a_backend_is_named(
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     monkeypatch.setattr(sp, "_NUMBA_AVAILABLE", True)
     assert not sp._by_coordinates(CSR)  # numba's kernels on CPU
+
+
+# --- the connectome steps, by coordinates ------------------------------------------------------
+
+CONNECTOME_NEURONS, CONNECTOME_SYNAPSES = 300, 3_000
+#: The per-entry gathers and scatter-adds of the connectome's forward and D_RTRL steps, per
+#: platform XLA compiles them for (a TPU's XLA also folds the gather of ``df``, a constant here).
+CONNECTOME_ENTRY_OPS = {"cpu": {"forward": 2, "D_RTRL": 5}, "tpu": {"forward": 2, "D_RTRL": 4}}
+
+
+def _entry_gathers_and_scatters(text: str, nnz: int) -> int:
+    """The gathers of one value per stored entry and the scatter-adds of such values in an
+    optimised HLO module (what a TPU does one index at a time)."""
+    shapes = dict(re.findall(r"%([\w.\-]+) = (\w+\[[\d,]*\])", text))
+
+    def per_entry(shape: str) -> bool:
+        return nnz in [int(d) for d in re.findall(r"\d+", shape.split("[", 1)[1])]
+
+    count = 0
+    for shape, op, operands in re.findall(r"= (\w+\[[\d,]*\])\S* (gather|scatter)\(([^)]*)\)", text):
+        read = shape if op == "gather" else shapes[operands.split(",")[2].strip().lstrip("%")]
+        count += per_entry(read)
+    return count
+
+
+def _connectome_step_entry_ops(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Per step of ``benchmarks/connectome.py`` (forward, one-step D_RTRL) on a small connectome,
+    compiled as on a TPU (the products over the host coordinates): its per-entry gathers and
+    scatter-adds (:func:`_entry_gathers_and_scatters`)."""
+    monkeypatch.setattr(sp, "_by_coordinates", lambda mat: True)
+    indptr, indices = connectome.generate_connectome(CONNECTOME_NEURONS, CONNECTOME_SYNAPSES, seed=1)
+
+    def model() -> connectome.ConnectomeLIF:
+        return connectome.ConnectomeLIF(indptr, indices, n_sensory=16, n_readout=16)
+
+    xs, ys = jnp.ones((4, 1, 16)), jnp.ones((4, 1, 8))
+    steps = {"forward": connectome.forward_step(model(), 1), "D_RTRL": connectome.online_step(model(), 1, "d_rtrl")[0]}
+    return {name: _entry_gathers_and_scatters(step.lower(xs, ys).compile().as_text(), indices.size)
+            for name, step in steps.items()}
+
+
+@pytest.mark.skipif(jax.default_backend() not in CONNECTOME_ENTRY_OPS, reason="counts read on CPU and TPU only")
+def test_the_connectome_d_rtrl_step_gathers_the_input_at_the_rows_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a TPU a gather or scatter costs about one access per index, and the connectome's steps
+    are mostly these. The forward step gathers the spikes at the rows and scatter-adds to the
+    columns; D_RTRL's adds the Jacobian and ``df`` at the columns (the roll) and the signal at the
+    columns (the gradient). Its instantaneous term reads the product's own gather of the
+    spikes: gathering them again (through the product's rematerialised VJP) cost one more, and
+    on a TPU v5e the fly-sized step took 3.4× the forward one instead of 2.05×."""
+    assert _connectome_step_entry_ops(monkeypatch) == CONNECTOME_ENTRY_OPS[jax.default_backend()]
+
+
+def test_sparse_d_rtrl_by_coordinates_equals_bptt(x64: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connectome's LIF network with detached spikes (a diagonal hidden Jacobian, where one-step
+    D-RTRL is exact), the products over the host coordinates as on a TPU."""
+    monkeypatch.setattr(sp, "_by_coordinates", lambda mat: True)
+    indptr, indices = connectome.generate_connectome(40, 400, seed=2)
+
+    def model() -> connectome.ConnectomeLIF:
+        return connectome.ConnectomeLIF(indptr, indices, n_in=3, n_sensory=8, n_readout=8, n_out=2,
+                                        detach_spikes=True)
+
+    xs = 2.0 * normal(3, (5, 2, 3))
+    ref = bptt_grads(model(), xs, batch_size=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        learner = braintrace.compile(model(), braintrace.D_RTRL, xs[0], batch_size=2)
+    got = single_step_grads(learner, xs)
+    assert set(got) == set(ref) and all(np.any(ref[p] != 0) for p in ref)
+    assert max_rel_err(ref, got) < 1e-10
