@@ -80,6 +80,7 @@ OTTT_METHODS = ("BPTT", "D_RTRL single", "OTTT single", "OTPE single")
 SETTINGS = {
     "leaky64": Setting("leaky64", LeakyRNN, 64, by_hand=True),
     "leaky256": Setting("leaky256", LeakyRNN, 256),
+    "gru64": Setting("gru64", GRU, 64),
     "gru256": Setting("gru256", GRU, 256),
     "lif256": Setting("lif256", LIF, 256),
     "lif1024": Setting("lif1024", LIF, 1024),

@@ -97,6 +97,10 @@ __all__ = ["ParamDimVjpAlgorithm", "D_RTRL", "init_rule_kwargs"]
 
 Trace = dict[str, jax.Array]
 
+#: The most bytes of per-step terms a window rolled in closed form off the fast path sums at once
+#: (``ParamDimVjpAlgorithm._general_chunk``): a group of steps whose terms fit, one group after another.
+CHUNK_TERM_BYTES = 64 << 20
+
 
 def init_rule_kwargs(rule: Any, **available: Any) -> dict[str, Any]:
     """The optional context (``group=``, ``eqn_params=``) an init rule declares it accepts."""
@@ -231,7 +235,9 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
         operation without closed-form kernels, ``fast_solve=False``) keeps its trace in the
         parameters' dtype. :meth:`get_etrace_of` shows each trace's dtype.
     chunked_trace : bool
-        Roll multi-step windows in closed form where the kernels allow it.
+        Roll multi-step windows in closed form (one write of each trace per window): by the
+        fast path's kernel, or through the operation's own rules where it has none (conv,
+        sparse, einsum ...; a trace inside control flow is rolled step by step).
     control_flow : ControlFlowPolicy, optional
     config : ETraceConfig, optional
         The coordinate (``trace_factorization='per_param'``); default the class's, D-RTRL's
@@ -708,7 +714,7 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
         chunkable, rest = self._chunk_split()
         new = dict(etrace)
         if self.chunked_trace and chunkable:
-            new.update(self._chunk_roll(etrace, xs, dfs, Ds, chunkable))
+            new.update(self._chunk_roll(etrace, xs, dfs, Ds, chunkable, weight_vals))
         else:
             rest = rest + chunkable
 
@@ -725,23 +731,30 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
         return new
 
     def _chunk_split(self) -> tuple[list[Any], list[Any]]:
+        """The relations a window rolls in closed form, and the rest (rolled step by step).
+
+        Closed form: a fast path's ``chunk`` kernel, or else the library's own rules of the
+        operation (:meth:`_general_chunk`); never inside control flow, nor where a subclass
+        rolls the traces its own way.
+        """
         chunkable: list[Any] = []
         rest: list[Any] = []
+        plain = self._rolls_plainly()
         for rel in self.graph.hidden_param_op_relations:
             fp = self._fast_path(rel)
-            ok = fp is not None and fp.chunk is not None and rel.control_flow_context is None
+            ok = rel.control_flow_context is None and (
+                (fp is not None and fp.chunk is not None) or (plain and reg.has_library_rules(rel.primitive)))
             (chunkable if ok else rest).append(rel)
         return chunkable, rest
 
     def _chunk_roll(
         self, etrace: dict[TraceKey, Trace], xs: Any, dfs: Any, Ds: Any, relations: list[HiddenParamOpRelation],
+        weight_vals: Any,
     ) -> dict[TraceKey, Trace]:
         suffix: dict[int, tuple[jax.Array, jax.Array]] = {}
         out = {}
         for rel in relations:
             fp = self._fast_path(rel)
-            if fp is None or fp.chunk is None:
-                raise internal_error("a relation without a chunked fast path was chosen for the chunk roll")
             x_seq = None if rel.x_var is None else xs[id(rel.x_var)]
             for group in rel.hidden_groups:
                 if group.index not in suffix:
@@ -750,10 +763,58 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
                 key = trace_key(rel, group)
                 old = etrace[key]
                 df_seq = rel.output_layout(group, dfs[df_key(rel, group)], lead=1)
-                new = fp.chunk(x_seq, df_seq, rel.output_layout(group, p_seq, lead=1),
-                               rel.output_layout(group, m_full), upcast(old, df_seq.dtype), df_seq.shape[-1])
+                p_seq, m_full = rel.output_layout(group, p_seq, lead=1), rel.output_layout(group, m_full)
+                if fp is None or fp.chunk is None:
+                    weights = self._relation_operands(rel, weight_vals)
+                    out[key] = self._general_chunk(rel, old, x_seq, df_seq, p_seq, m_full, weights)
+                    continue
+                new = fp.chunk(x_seq, df_seq, p_seq, m_full, upcast(old, df_seq.dtype), df_seq.shape[-1])
                 out[key] = store(new, old)
         return out
+
+    def _general_chunk(
+        self, rel: HiddenParamOpRelation, old: Trace, x_seq: Any, df_seq: jax.Array, p_seq: jax.Array,
+        m_full: jax.Array, weights: Trace,
+    ) -> Trace:
+        """A window in closed form through the operation's own rules: ``M ε + Σ_s instant(x_s, P_s df_s)``.
+
+        The D-RTRL roll ``ε_s = D_s ε_{s-1} + instant(x_s, df_s)`` is linear, its Jacobians act
+        on each output position alone and ``instant`` is linear in ``df`` (what the library's
+        rules satisfy, ``tests/op/test_rule_oracles.py``), so the window's end is the entering
+        trace under the product ``M`` of the Jacobians plus each step's term carried by the
+        Jacobians after it (``P_s``): one write of the trace per window instead of one per
+        step. The per-step terms are summed in groups of at most
+        :data:`CHUNK_TERM_BYTES` so the window's length does not set the memory.
+        """
+        num_state = df_seq.shape[-1]
+        # A trace stored in a lower precision (``trace_dtype``) is rolled in the math dtype.
+        work = upcast(old, math_dtype(*[w.dtype for w in weights.values()], df_seq.dtype))
+        recurrent = self._general_recurrent(rel, m_full, work, num_state)
+        carried = mix_states(p_seq, df_seq)
+        x_axis = None if x_seq is None else 0
+
+        def terms(x_part: Any, df_part: jax.Array) -> Trace:
+            per_step = jax.vmap(lambda x, d: self._general_instant(rel, x, d, weights), in_axes=(x_axis, 0))
+            return {k: v.sum(axis=0) for k, v in per_step(x_part, df_part).items()}
+
+        steps = df_seq.shape[0]
+        trace_bytes = sum(v.size * v.dtype.itemsize for v in work.values())
+        group = max(1, min(steps, CHUNK_TERM_BYTES // max(trace_bytes, 1)))
+        while steps % group:
+            group -= 1
+        if group == steps:
+            summed = terms(x_seq, carried)
+        else:
+            def fold(acc: Trace, part: Any) -> tuple[Trace, None]:
+                more = terms(*part)
+                return {k: acc[k] + more[k] for k in acc}, None
+
+            def split(a: Any) -> Any:
+                return None if a is None else a.reshape(steps // group, group, *a.shape[1:])
+
+            zero = {k: jnp.zeros_like(v) for k, v in recurrent.items()}
+            summed, _ = jax.lax.scan(fold, zero, (split(x_seq), split(carried)))
+        return store({k: recurrent[k] + summed[k] for k in old}, old)
 
     def _make_etrace_stepper(self, weight_vals: Any) -> Any:
         # The filter needs every step's trace, so filtered windows always roll step by step.
@@ -1130,7 +1191,9 @@ class D_RTRL(ParamDimVjpAlgorithm):
         Storage dtype of fast-path traces (e.g. ``jnp.bfloat16``); the arithmetic stays in the
         parameters' precision (see :class:`ParamDimVjpAlgorithm`).
     chunked_trace : bool
-        Roll multi-step windows in closed form where the kernels allow it.
+        Roll multi-step windows in closed form (one write of each trace per window): by the
+        fast path's kernel, or through the operation's own rules where it has none (conv,
+        sparse, einsum ...; a trace inside control flow is rolled step by step).
     control_flow : ControlFlowPolicy, optional
     config : ETraceConfig, optional
         The coordinate (default ``ETraceConfig()``; see :class:`ParamDimVjpAlgorithm`).

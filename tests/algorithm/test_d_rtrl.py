@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import braintrace
+from braintrace._algorithm import d_rtrl
 from tests.algorithm.bptt import (
     bptt_grads,
     cosine,
@@ -329,6 +330,23 @@ def test_windows_equal_bptt_for_diagonal_model(x64: None, batched: bool) -> None
     ref = bptt_grads(make(), xs, batch_size=batch)
     learner = compile_quiet(make(), xs[0], batch, vjp_method="multi-step")
     assert max_rel_err(ref, window_grads(learner, xs, [2, 1, 1])) < EXACT
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[row.id for row in ROWS])
+def test_every_operation_rolls_a_window_in_closed_form_and_equals_bptt(
+    x64: None, row: Row, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Off the fast path the window is rolled through the operation's own rules in closed form
+    (``_general_chunk``), its per-step terms summed all at once or, past ``CHUNK_TERM_BYTES``,
+    one step at a time; both equal BPTT."""
+    make, xs, batch = _setup(row, row.batched[0])
+    ref = bptt_grads(make(), xs, batch_size=batch)
+    for term_bytes in (d_rtrl.CHUNK_TERM_BYTES, 1):
+        monkeypatch.setattr(d_rtrl, "CHUNK_TERM_BYTES", term_bytes)
+        learner = compile_quiet(make(), xs[0], batch, vjp_method="multi-step")
+        chunked, stepped = learner._chunk_split()
+        assert not stepped and any(learner._fast_path(rel) is None for rel in chunked)
+        assert max_rel_err(ref, window_grads(learner, xs, [3, 1])) < EXACT
 
 
 def test_multi_step_learner_called_step_by_step_equals_bptt(x64: None) -> None:
