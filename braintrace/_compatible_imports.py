@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence, TypeGuard, Union
 
 import jax
 import jax.extend.core as _extend_core
@@ -41,6 +41,7 @@ from jax.interpreters import ad, batching, mlir
 
 __all__ = [
     # names
+    "Atom",
     "ClosedJaxpr",
     "CustomVJPPrimal",
     "DebugInfo",
@@ -54,6 +55,7 @@ __all__ = [
     "Tracer",
     "Var",
     "ad",
+    "is_var",
     "batching",
     "mlir",
     "new_jaxpr_eqn",
@@ -117,6 +119,23 @@ else:
     new_jaxpr_eqn = _core_name("new_jaxpr_eqn")
 
 _eval_jaxpr: Callable[..., Any] = getattr(_extend_core, "eval_jaxpr", None) or jax.core.eval_jaxpr
+
+#: An operand of an equation: a variable, or a literal constant.
+Atom = Union[Var, Literal]
+
+
+def is_var(atom: object) -> TypeGuard[Var]:
+    """Whether ``atom`` is a jaxpr variable, not a literal constant (JAX keeps the two classes apart).
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp
+    >>> from braintrace._compatible_imports import is_var
+    >>> eqn = jax.make_jaxpr(lambda x: x + 1.0)(jnp.ones(2)).jaxpr.eqns[0]
+    >>> [is_var(atom) for atom in eqn.invars]
+    [True, False]
+    """
+    return isinstance(atom, Var) and not isinstance(atom, Literal)
 
 
 # --- evaluation ---------------------------------------------------------------------------

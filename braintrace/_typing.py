@@ -5,14 +5,18 @@ per-group :data:`TraceKey` and the :data:`Trace` stored under it, and the struct
 :class:`HiddenGroupLike` and :class:`RelationLike` of the compiler's hidden groups and relations.
 The views let a module read a group or a relation without importing the compiler module that
 builds it (the ``_op`` rules sit below the compiler; the compiler's own analyses sit below the
-classes), so no module imports another that imports it back. This module imports nothing from
-braintrace but the JAX adapter, which imports nothing from braintrace.
+classes), so no module imports another that imports it back. The layers of :mod:`braintrace.nn`
+share the names of their physical values (:data:`Value`, :data:`Constant`, :data:`Initializer`,
+:data:`Size`, :data:`ValueFn`). This module imports nothing from braintrace but the JAX adapter,
+which imports nothing from braintrace.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Hashable, Protocol, Sequence, Union
 
+import brainstate
+import brainunit as u
 import jax
 import numpy as np
 
@@ -21,6 +25,7 @@ from braintrace._compatible_imports import Jaxpr, Primitive, Var
 __all__ = [
     "Array", "ArrayLike", "WeightFn", "PyTree", "Params",
     "Path", "TraceKey", "Trace", "HiddenGroupLike", "RelationLike",
+    "Value", "Constant", "Initializer", "Size", "ValueFn",
 ]
 
 #: A JAX array (or a tracer standing for one).
@@ -40,6 +45,17 @@ Path = tuple[Hashable, ...]
 TraceKey = tuple[int, int]
 #: One relation's stored trace for one group: the rule's named trace arrays (``'x'``, ``'df'``, ...).
 Trace = dict[str, jax.Array]
+
+#: A physical value of a layer: an array, a number, or a ``brainunit`` quantity (``5.0 * u.ms``).
+Value = Union[jax.Array, float, u.Quantity]
+#: A constant of a layer: a value, or a ``brainstate.ParamState`` holding one to train it online.
+Constant = Union[Value, brainstate.ParamState]
+#: An initial value: a ``braintools.init`` initializer (called with a shape), or the value itself.
+Initializer = Union[Callable[..., Value], Value]
+#: A population's shape: one int or a tuple of them.
+Size = Union[int, Sequence[int]]
+#: An element-wise function of a value: an activation, or a spike function with a surrogate gradient.
+ValueFn = Callable[[Value], Value]
 
 
 class HiddenGroupLike(Protocol):

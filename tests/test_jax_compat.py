@@ -58,6 +58,8 @@ def test_the_jaxpr_types_are_what_make_jaxpr_builds() -> None:
     assert isinstance(eqn, compat.JaxprEqn) and isinstance(eqn.primitive, compat.Primitive)
     assert isinstance(eqn.outvars[0], compat.Var)
     assert any(isinstance(a, compat.Literal) for a in eqn.invars)  # the 1.0
+    assert [compat.is_var(a) for a in eqn.invars] == [True, False]  # the product, the 1.0
+    assert compat.is_var(eqn.outvars[0]) and not compat.is_var(1.0)
     assert isinstance(jax.typeof(W), compat.ShapedArray)
 
 

@@ -35,6 +35,7 @@ from braintrace._algorithm.graph_executor import ETraceGraphExecutor, ETraceVjpG
 from braintrace._algorithm.input_data import has_multistep_data
 from braintrace._algorithm.call_lock import serialised
 from braintrace._algorithm.eager_calls import watched_call
+from braintrace._algorithm.exactness_reasons import label_plain_weights, label_relations
 from braintrace._algorithm.predict import forward_step, predict_sequences
 from braintrace._algorithm.sequence import SequenceDriverMixin
 from braintrace._algorithm.sharding import ShardingPlan, rows_follow_sharding, sharded_call
@@ -157,9 +158,8 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
     def report(self) -> CompilationReport:
         if not self.is_compiled:
             raise RuntimeError("The learner is not compiled yet: call compile_graph(example_input) first.")
-        from braintrace._algorithm.exactness import plain_weight_labels, relation_labels  # they import this module
-
-        return CompilationReport(self.graph, labels=relation_labels(self), plain_labels=plain_weight_labels(self))
+        labels = label_relations(self.graph, self.rule_approximations, self.config)
+        return CompilationReport(self.graph, labels=labels, plain_labels=label_plain_weights(self.graph))
 
     @property
     def path_to_states(self) -> dict[Path, brainstate.State]:
@@ -205,6 +205,9 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
     sharding_plan: ShardingPlan | None = None
     #: The learner's coordinate among the learning rules (``None``: a rule outside that space).
     config: ETraceConfig | None = None
+    #: Why the rule differs from BPTT's gradient whatever the model, beyond what ``config`` says
+    #: (a rule outside ETraceConfig's space names its own); read by the exactness labels.
+    rule_approximations: tuple[str, ...] = ()
 
     def compile_graph(self, *args: Any) -> None:
         """Compile the model step for example inputs and allocate the traces (once)."""

@@ -103,6 +103,7 @@ class OSTTP(ParamDimVjpAlgorithm):
     (7, 4)
     """
 
+    rule_approximations = ("the target projection replaces ∂L/∂h (OSTTP's y_target @ B, not the loss gradient)",)
     _default_config = ETraceConfig(recurrence_scope="coupled")
 
     def __init__(

@@ -94,6 +94,7 @@ class OTPE(DenseLeakRule):
     (7, 4)
     """
 
+    rule_approximations = ("fixed leak (OTPE's λ stands in for the hidden Jacobian)",)
     _modes = ("full", "approx")
 
     def __init__(

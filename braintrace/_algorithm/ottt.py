@@ -191,6 +191,7 @@ class OTTT(DenseLeakRule):
     (7, 4)
     """
 
+    rule_approximations = ("presynaptic trace (OTTT's leaky input trace ignores the hidden Jacobian and df)",)
     _modes = ("A", "O")
     # Mode A's new trace â^t = λ â^{t-1} + x^t holds x^t ⊗ L, the same-step term where df ≡ 1
     # (see _same_step_in_history).

@@ -16,9 +16,18 @@ True
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Container, Iterable
 
-from braintrace._compatible_imports import CONTROL_FLOW_PRIMITIVES, Jaxpr, JaxprEqn, Literal, Var, is_jit, source_line
+from braintrace._compatible_imports import (
+    CONTROL_FLOW_PRIMITIVES,
+    Atom,
+    Jaxpr,
+    JaxprEqn,
+    Var,
+    is_jit,
+    is_var,
+    source_line,
+)
 from braintrace._compiler.control_flow_policy import DEFAULT_CONTROL_FLOW_POLICY, ControlFlowPolicy
 from braintrace._compiler.diagnostics import DiagnosticKind, DiagnosticLevel, emit
 from braintrace._errors import NotSupportedError
@@ -33,15 +42,15 @@ __all__ = [
 
 
 
-def find_matched_vars(invars: Iterable[Any], candidates: Any) -> list[Any]:
+def find_matched_vars(invars: Iterable[Atom], candidates: Container[Var]) -> list[Var]:
     """The entries of ``invars`` that are ``Var``s found in ``candidates`` (order kept)."""
-    return [v for v in invars if isinstance(v, Var) and not isinstance(v, Literal) and v in candidates]
+    return [v for v in invars if is_var(v) and v in candidates]
 
 
-def find_element_exist_in_the_set(elements: Iterable[Any], candidates: Any) -> Any:
+def find_element_exist_in_the_set(elements: Iterable[Atom], candidates: Container[Var]) -> Var | None:
     """The first entry of ``elements`` that is a ``Var`` in ``candidates``, or ``None``."""
     for v in elements:
-        if isinstance(v, Var) and not isinstance(v, Literal) and v in candidates:
+        if is_var(v) and v in candidates:
             return v
     return None
 
@@ -90,7 +99,7 @@ class JaxprEvaluation:
         raise NotImplementedError(f"{type(self).__name__} must define _eval_eqn.")
 
 
-def check_unsupported_op(self: Any, eqn: JaxprEqn, op_name: str) -> None:
+def check_unsupported_op(self: JaxprEvaluation, eqn: JaxprEqn, op_name: str) -> None:
     """Apply the opaque-control-flow policy to one ``jit``/``scan``/``while``/``cond`` equation.
 
     Raises
@@ -103,13 +112,13 @@ def check_unsupported_op(self: Any, eqn: JaxprEqn, op_name: str) -> None:
     ValueError
         For an invalid ``while_hidden`` policy value.
     """
-    if op_name == "scan" and id(eqn) in getattr(self, "descended_scan_eqn_ids", frozenset()):
+    if op_name == "scan" and id(eqn) in self.descended_scan_eqn_ids:
         return
-    policy: ControlFlowPolicy = getattr(self, "control_flow", DEFAULT_CONTROL_FLOW_POLICY)
+    policy = self.control_flow
     weight = find_element_exist_in_the_set(eqn.invars, self.weight_invars)
     if weight is not None:
         _reject_weight(eqn, op_name)
-    hidden = _first_hidden_outvar(eqn.outvars, self.hidden_outvars)
+    hidden = find_element_exist_in_the_set(eqn.outvars, self.hidden_outvars)
     if hidden is None:
         return
     path = self.outvar_to_hidden_path.get(hidden)
@@ -148,8 +157,3 @@ def _reject_weight(eqn: JaxprEqn, op_name: str) -> None:
     )
     emit(DiagnosticKind.WEIGHT_IN_CONTROL_FLOW, DiagnosticLevel.ERROR, message, also_warn=False)
     raise NotImplementedError(message)
-
-
-def _first_hidden_outvar(outvars: Sequence[Any], hidden_outvars: Any) -> Var | None:
-    found = find_element_exist_in_the_set(outvars, hidden_outvars)
-    return found if isinstance(found, Var) else None

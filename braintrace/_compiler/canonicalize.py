@@ -37,14 +37,15 @@ from typing import Any, Callable, Iterable, Sequence
 import jax
 
 from braintrace._compatible_imports import (
+    Atom,
     ClosedJaxpr,
     DropVar,
     Jaxpr,
     JaxprEqn,
-    Literal,
     Var,
     closed_jaxpr_constvars,
     cond_branches,
+    is_var,
     new_jaxpr_eqn,
     scan_params,
     source_line,
@@ -60,6 +61,7 @@ from braintrace._compiler.jaxpr_graph import (
 )
 from braintrace._errors import CompilationError, internal_error
 from braintrace._op._registries import is_etp_primitive
+from braintrace._op._rule_helpers import dtype_of, shape_of
 
 __all__ = [
     "ControlFlowPolicy",
@@ -70,12 +72,8 @@ __all__ = [
 ]
 
 
-def _is_var(a: Any) -> bool:
-    return isinstance(a, Var) and not isinstance(a, Literal)
-
-
-def _read(subst: dict[Var, Any], a: Any) -> Any:
-    return subst.get(a, a) if _is_var(a) else a
+def _read(subst: dict[Var, Atom], a: Atom) -> Atom:
+    return subst.get(a, a) if is_var(a) else a
 
 
 class _Context:
@@ -90,11 +88,11 @@ class _Context:
         self.deferred: list[tuple[DiagnosticKind, DiagnosticLevel, str, dict[str, Any]]] = []
 
     def relevance(self, eqn: JaxprEqn) -> str | None:
-        if any(_is_var(a) and a in self.weights for a in eqn.invars):
+        if any(is_var(a) and a in self.weights for a in eqn.invars):
             return "consumes a weight"
-        if any(_is_var(a) and a in self.hidden_in for a in eqn.invars):
+        if any(is_var(a) and a in self.hidden_in for a in eqn.invars):
             return "consumes a hidden state"
-        if any(_is_var(v) and v in self.hidden_out for v in eqn.outvars):
+        if any(is_var(v) and v in self.hidden_out for v in eqn.outvars):
             return "produces a hidden state"
         if any(contains_eqn(s, lambda e: is_etp_primitive(e.primitive)) for s in subjaxprs(eqn)):
             return "contains an ETP primitive"
@@ -111,7 +109,7 @@ class _Context:
         self.deferred.clear()
 
 
-def _clone(eqns: Sequence[JaxprEqn], subst: dict[Var, Any], out: list[JaxprEqn],
+def _clone(eqns: Sequence[JaxprEqn], subst: dict[Var, Atom], out: list[JaxprEqn],
            rename: Callable[[Var], Var] = fresh_var) -> None:
     """Append ``eqns`` to ``out`` reading through ``subst``, with outvars renamed by ``rename``."""
     for eqn in eqns:
@@ -125,14 +123,14 @@ def _clone(eqns: Sequence[JaxprEqn], subst: dict[Var, Any], out: list[JaxprEqn],
         out.append(eqn.replace(invars=invars, outvars=outvars))
 
 
-def _splice_fn(fn: Callable[..., Any], inputs: Sequence[Any], outvars: Sequence[Var] | None,
-               out: list[JaxprEqn]) -> list[Any]:
+def _splice_fn(fn: Callable[..., Any], inputs: Sequence[Atom], outvars: Sequence[Var] | None,
+               out: list[JaxprEqn]) -> list[Atom]:
     """Append the equations of ``fn`` applied to ``inputs``; results written to ``outvars`` if given."""
-    avals = [jax.ShapeDtypeStruct(a.aval.shape, a.aval.dtype) for a in inputs]
+    avals = [jax.ShapeDtypeStruct(shape_of(a), dtype_of(a)) for a in inputs]
     closed = jax.make_jaxpr(fn)(*avals)
     if closed.consts:
         raise internal_error("a spliced helper closes over arrays")
-    subst: dict[Var, Any] = dict(zip(closed.jaxpr.invars, inputs))
+    subst: dict[Var, Atom] = dict(zip(closed.jaxpr.invars, inputs))
     targets = dict(zip(closed.jaxpr.outvars, outvars)) if outvars is not None else {}
 
     def rename(v: Var) -> Var:
@@ -168,7 +166,7 @@ def _convert_cond(eqn: JaxprEqn, out: list[JaxprEqn], constvars: list[Var], cons
     index, operands = eqn.invars[0], eqn.invars[1:]
     branch_outs = []
     for branch in cond_branches(eqn):
-        subst: dict[Var, Any] = dict(zip(branch.jaxpr.invars, operands))
+        subst: dict[Var, Atom] = dict(zip(branch.jaxpr.invars, operands))
         for cv, c in zip(closed_jaxpr_constvars(branch), branch.consts, strict=True):
             nv = fresh_var(cv)
             constvars.append(nv)
@@ -232,9 +230,9 @@ def _scan_static_blocker(eqn: JaxprEqn, ctx: _Context) -> str | None:
 
 def _xs_from_weight(eqn: JaxprEqn, producers: dict[Var, JaxprEqn], weights: set[Var]) -> bool:
     p = scan_params(eqn)
-    xs = [a for a in eqn.invars[p.num_consts + p.num_carry:] if _is_var(a)]
+    xs = [a for a in eqn.invars[p.num_consts + p.num_carry:] if is_var(a)]
     seen: set[Var] = set()
-    stack: list[Any] = list(xs)
+    stack: list[Var] = list(xs)
     while stack:
         v = stack.pop()
         if v in seen:
@@ -244,7 +242,7 @@ def _xs_from_weight(eqn: JaxprEqn, producers: dict[Var, JaxprEqn], weights: set[
             return True
         producer = producers.get(v)
         if producer is not None:
-            stack.extend(a for a in producer.invars if _is_var(a))
+            stack.extend(a for a in producer.invars if is_var(a))
     return False
 
 
@@ -252,23 +250,23 @@ def _unroll(eqn: JaxprEqn, out: list[JaxprEqn], constvars: list[Var], consts: li
     p = scan_params(eqn)
     body, length, nc, nk = p.body, p.length, p.num_consts, p.num_carry
     const_ops, carry, xs = eqn.invars[:nc], list(eqn.invars[nc:nc + nk]), eqn.invars[nc + nk:]
-    hoisted: dict[Var, Any] = {}
+    hoisted: dict[Var, Atom] = {}
     for cv, c in zip(closed_jaxpr_constvars(body), body.consts, strict=True):
         nv = fresh_var(cv)
         constvars.append(nv)
         consts.append(c)
         hoisted[cv] = nv
     carry_out, ys_out = eqn.outvars[:nk], eqn.outvars[nk:]
-    ys_parts: list[list[Any]] = [[None] * length for _ in ys_out]
+    ys_parts: list[dict[int, Atom]] = [{} for _ in ys_out]
     order = range(length - 1, -1, -1) if p.reverse else range(length)
     for step_i, t in enumerate(order):
         last = step_i == length - 1
-        subst: dict[Var, Any] = dict(hoisted)
+        subst: dict[Var, Atom] = dict(hoisted)
         subst.update(zip(body.jaxpr.invars[:nc], const_ops))
         subst.update(zip(body.jaxpr.invars[nc:nc + nk], carry))
         slices = [
             _splice_fn(lambda a, t=t: jax.lax.squeeze(jax.lax.slice_in_dim(a, t, t + 1, axis=0), (0,)), [x], None, out)[0]
-            if _is_var(x) else x
+            if is_var(x) else x
             for x in xs
         ]
         subst.update(zip(body.jaxpr.invars[nc + nk:], slices))
@@ -278,19 +276,19 @@ def _unroll(eqn: JaxprEqn, out: list[JaxprEqn], constvars: list[Var], consts: li
         for k, v in enumerate(body.jaxpr.outvars[nk:]):
             ys_parts[k][t] = _read(subst, v)
     for target, value in zip(carry_out, carry):
-        if _is_var(target) and target in consumed and value is not target:
+        if is_var(target) and target in consumed and value is not target:
             out.append(new_jaxpr_eqn([value], [target], jax.lax.copy_p, {}, set()))
     for target, parts in zip(ys_out, ys_parts):
-        if _is_var(target) and target in consumed:
-            _splice_fn(lambda *a: jax.numpy.stack(a), parts, [target], out)
+        if is_var(target) and target in consumed:
+            _splice_fn(lambda *a: jax.numpy.stack(a), [parts[t] for t in range(length)], [target], out)
 
 
-def _direct_carry_targets(body: Jaxpr, carry_out: Sequence[Any], consumed: set[Var]) -> dict[Var, Var]:
+def _direct_carry_targets(body: Jaxpr, carry_out: Sequence[Var], consumed: set[Var]) -> dict[Var, Var]:
     """Final-iteration body outputs written straight into the scan's carry outvars."""
-    produced = {v for e in body.eqns for v in e.outvars if _is_var(v)}
+    produced = {v for e in body.eqns for v in e.outvars if is_var(v)}
     targets: dict[Var, Var] = {}
     for body_v, outer in zip(body.outvars, carry_out):
-        if _is_var(outer) and outer in consumed and _is_var(body_v) and body_v in produced and body_v not in targets:
+        if is_var(outer) and outer in consumed and is_var(body_v) and body_v in produced and body_v not in targets:
             targets[body_v] = outer
     return targets
 
@@ -298,7 +296,7 @@ def _direct_carry_targets(body: Jaxpr, carry_out: Sequence[Any], consumed: set[V
 def _scan_sweep(closed: ClosedJaxpr, ctx: _Context) -> ClosedJaxpr:
     jaxpr = closed.jaxpr
     producers = build_producer_map(jaxpr)
-    consumed = {a for e in jaxpr.eqns for a in e.invars if _is_var(a)} | {v for v in jaxpr.outvars if _is_var(v)}
+    consumed = {a for e in jaxpr.eqns for a in e.invars if is_var(a)} | {v for v in jaxpr.outvars if is_var(v)}
     constvars, consts = closed_jaxpr_constvars(closed), list(closed.consts)
     out: list[JaxprEqn] = []
     changed = False

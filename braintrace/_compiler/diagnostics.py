@@ -25,6 +25,9 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Iterator
 
+from braintrace._compatible_imports import Primitive
+from braintrace._typing import Path
+
 __all__ = [
     "DiagnosticLevel",
     "DiagnosticKind",
@@ -131,15 +134,15 @@ class CompilationRecord:
     kind: DiagnosticKind
     level: DiagnosticLevel
     message: str
-    primitive: Any = None
-    weight_path: tuple[Any, ...] | None = None
-    hidden_paths: tuple[tuple[Any, ...], ...] = ()
+    primitive: Primitive | None = None
+    weight_path: Path | None = None
+    hidden_paths: tuple[Path, ...] = ()
     context: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
         parts = [f"kind={self.kind.name}", f"level={self.level.name}"]
         if self.primitive is not None:
-            parts.append(f"primitive={getattr(self.primitive, 'name', self.primitive)}")
+            parts.append(f"primitive={self.primitive.name}")
         if self.weight_path is not None:
             parts.append(f"weight_path={self.weight_path}")
         if self.hidden_paths:
@@ -196,9 +199,9 @@ def emit(
     level: DiagnosticLevel,
     message: str,
     *,
-    primitive: Any = None,
-    weight_path: tuple[Any, ...] | None = None,
-    hidden_paths: tuple[tuple[Any, ...], ...] = (),
+    primitive: Primitive | None = None,
+    weight_path: Path | None = None,
+    hidden_paths: tuple[Path, ...] = (),
     context: dict[str, Any] | None = None,
     also_warn: bool = True,
     stacklevel: int = 3,

@@ -38,13 +38,13 @@ Examples
 
 from __future__ import annotations
 
-from typing import Any, Collection, Iterable, NamedTuple
+from typing import Collection, Iterable, NamedTuple
 
 import brainstate
 import jax
 import numpy as np
 
-from braintrace._compatible_imports import Jaxpr, Literal, Var
+from braintrace._compatible_imports import Atom, Jaxpr, Var, is_var
 from braintrace._compiler.graph import ETraceGraph
 from braintrace._compiler.hid_param_op import HiddenParamOpRelation, PathClassification
 from braintrace._compiler.hidden_group import HiddenGroup
@@ -147,17 +147,13 @@ def moves_positions(patterns: Iterable[np.ndarray]) -> bool:
     return any(bool(np.any(a & ~np.eye(len(a), dtype=bool))) for a in patterns)
 
 
-def _is_var(atom: Any) -> bool:
-    return isinstance(atom, Var) and not isinstance(atom, Literal)
-
-
-def _carries_gradient(var: Any) -> bool:
+def _carries_gradient(var: Atom) -> bool:
     dtype = getattr(getattr(var, "aval", None), "dtype", None)
-    return _is_var(var) and dtype is not None and bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))
+    return is_var(var) and dtype is not None and bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))
 
 
 def differentiable_reach(
-    jaxpr: Jaxpr, seeds: Iterable[Any], blocked: Collection[int] = (), stop: Collection[Var] = ()
+    jaxpr: Jaxpr, seeds: Iterable[Atom], blocked: Collection[int] = (), stop: Collection[Var] = ()
 ) -> set[Var]:
     """The variables of ``jaxpr`` a gradient can reach from ``seeds`` (the seeds included).
 
@@ -174,11 +170,11 @@ def differentiable_reach(
     >>> [v in reached for v in jaxpr.outvars]
     [True, False]
     """
-    reached = {v for v in seeds if _is_var(v)}
+    reached = {v for v in seeds if is_var(v)}
     for eqn in jaxpr.eqns:
         if id(eqn) in blocked or eqn.primitive.name == "stop_gradient":
             continue
-        if any(_is_var(a) and a in reached and a not in stop for a in eqn.invars):
+        if any(is_var(a) and a in reached and a not in stop for a in eqn.invars):
             reached.update(v for v in eqn.outvars if _carries_gradient(v))
     return reached
 
@@ -194,7 +190,7 @@ def _state_outvars(graph: ETraceGraph) -> StateWrites:
     table: StateWrites = {}
     for path, tree in (*hidden.items(), *other.items()):
         for leaf in jax.tree.leaves(tree):
-            if _is_var(leaf):
+            if is_var(leaf):
                 table[leaf] = (*table.get(leaf, ()), path)
     return table
 
@@ -270,7 +266,7 @@ def _facts_of(graph: ETraceGraph, rel: HiddenParamOpRelation, eqn_ids: dict[Path
     tails = rel.y_to_hidden_group_jaxprs
     groups = tuple(_group_facts(graph, g, tail, states) for g, tail in zip(rel.hidden_groups, tails))
     inside = [p for g in rel.hidden_groups for p in g.hidden_paths]
-    new_values = {v for g in rel.hidden_groups for v in g.hidden_outvars if _is_var(v)}
+    new_values = {v for g in rel.hidden_groups for v in g.hidden_outvars if is_var(v)}
     # A state written with a group's new value is reached through it, which the group's feeds report.
     reached = differentiable_reach(graph.module_info.jaxpr, [rel.y_var], stop=new_values) - new_values
     indirect = not rel.crossed_weight_paths and PathClassification.MIXED in rel.path_classification.values()

@@ -31,7 +31,7 @@ from typing import Any, Iterator, NamedTuple, Sequence
 import brainstate
 import jax
 
-from braintrace._compatible_imports import Literal, Var, jaxpr_all_invars
+from braintrace._compatible_imports import Atom, Var, is_var, jaxpr_all_invars
 from braintrace._compiler.control_flow_policy import ControlFlowPolicy
 from braintrace._compiler.diagnostics import CompilationRecord, DiagnosticKind, diagnostic_context
 from braintrace._compiler.hid_param_op import HiddenParamOpRelation, find_hidden_param_op_relations_from_minfo
@@ -42,7 +42,7 @@ from braintrace._compiler.hidden_pertubation import (
     add_hidden_perturbation_from_minfo,
     report_reads_past_update,
 )
-from braintrace._compiler.module_info import ModuleInfo, Path, extract_module_info
+from braintrace._compiler.module_info import ModuleInfo, Path, StepOutputs, extract_module_info
 from braintrace._compiler.position_dependence import Dependence, warn_relabelling_tails
 from braintrace._compiler.scan_descent import ScanDescentBundle, apply_scan_descent
 from braintrace._compiler.snap_pattern import (
@@ -54,6 +54,7 @@ from braintrace._compiler.snap_pattern import (
     trained_group_patterns,
 )
 from braintrace._compiler.untraced_weights import warn_untraced_weights
+from braintrace._typing import PyTree
 
 __all__ = ["ETraceGraph", "compile_etrace_graph", "DEFAULT_MAX_JACOBIAN_ELEMENTS"]
 
@@ -105,8 +106,8 @@ class ETraceGraph(NamedTuple):
         )
 
     def call_hidden_perturb(
-        self, args: Any, perturb_data: Sequence[Any], old_state_vals: Sequence[Any] | None = None
-    ) -> tuple[Any, ...]:
+        self, args: PyTree, perturb_data: Sequence[jax.Array], old_state_vals: Sequence[PyTree] | None = None
+    ) -> StepOutputs:
         """Run the perturbed step; returns what :meth:`ModuleInfo.jaxpr_call` returns."""
         if self.hidden_perturb is None:
             raise ValueError("This graph was compiled with include_hidden_perturb=False.")
@@ -156,7 +157,7 @@ def _hoisted_vars(
 
     Descended relations and groups are read through their scans' stacked outputs instead.
     """
-    candidates: list[Any] = []
+    candidates: list[Atom] = []
     for rel in relations:
         if rel.control_flow_context is not None:
             continue
@@ -170,9 +171,7 @@ def _hoisted_vars(
     for bundle in bundles:
         candidates.extend(bundle.stacked_outer_vars)
     existing = set(v for v in minfo.jaxpr.outvars if isinstance(v, Var))
-    hoisted = dict.fromkeys(
-        v for v in candidates if isinstance(v, Var) and not isinstance(v, Literal) and v not in existing
-    )
+    hoisted = dict.fromkeys(v for v in candidates if is_var(v) and v not in existing)
     return list(hoisted)
 
 

@@ -33,13 +33,23 @@ Examples
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, NamedTuple
+from typing import Any, Container, Mapping, NamedTuple
 
 import brainstate
 import jax
 import jax.numpy as jnp
 
-from braintrace._compatible_imports import Jaxpr, JaxprEqn, Literal, Var, eval_jaxpr, source_line, split_jaxpr_invars
+from braintrace._compatible_imports import (
+    Atom,
+    Jaxpr,
+    JaxprEqn,
+    Primitive,
+    Var,
+    eval_jaxpr,
+    is_var,
+    source_line,
+    split_jaxpr_invars,
+)
 from braintrace._compiler.control_flow_policy import DEFAULT_CONTROL_FLOW_POLICY, ControlFlowPolicy
 from braintrace._compiler.diagnostics import DiagnosticKind, DiagnosticLevel, emit
 from braintrace._compiler.hidden_group import HiddenGroup
@@ -64,6 +74,7 @@ from braintrace._op._registries import (
     required_rules,
 )
 from braintrace._op._rule_helpers import shape_of
+from braintrace._typing import Params
 
 __all__ = [
     "HiddenParamOpRelation",
@@ -131,19 +142,19 @@ class HiddenParamOpRelation(NamedTuple):
     ('etp_mv', {'weight': ('W', 'weight'), 'bias': ('W', 'weight')}, [('h',)])
     """
 
-    primitive: Any
+    primitive: Primitive
     x_var: Var | None
     y_var: Var
     hidden_groups: list[HiddenGroup]
     y_to_hidden_group_jaxprs: list[Jaxpr]
     connected_hidden_paths: list[Path]
-    eqn_params: dict[str, Any]
+    eqn_params: Params
     path_classification: dict[Path, str] = {}
     trainable_vars: dict[str, Var] = {}
     trainable_paths: dict[str, Path] = {}
     trainable_leaf_indices: dict[str, int] = {}
     trainable_param_states: dict[str, brainstate.ParamState] = {}
-    trainable_processing_chains: dict[str, tuple[Any, ...]] = {}
+    trainable_processing_chains: dict[str, tuple[Primitive, ...]] = {}
     control_flow_context: Any = None
     crossed_weight_paths: tuple[Path, ...] = ()
 
@@ -161,16 +172,16 @@ class HiddenParamOpRelation(NamedTuple):
         return next(iter(self.trainable_paths.values()), None)
 
     def y_to_hidden_groups(
-        self, y_val: Any, const_vals: dict[Var, Any], concat_hidden_vals: bool = True
-    ) -> list[Any]:
+        self, y_val: jax.Array, const_vals: Mapping[Var, jax.Array], concat_hidden_vals: bool = True
+    ) -> list[jax.Array | list[jax.Array]]:
         """Evaluate every ``y -> h`` tail; stacked per group when ``concat_hidden_vals``."""
-        outs = []
+        outs: list[jax.Array | list[jax.Array]] = []
         for group, jaxpr in zip(self.hidden_groups, self.y_to_hidden_group_jaxprs):
             hs = eval_jaxpr(jaxpr, [const_vals[v] for v in tail_constvars(jaxpr)], y_val)
             outs.append(group.concat_hidden(hs) if concat_hidden_vals else hs)
         return outs
 
-    def output_layout(self, group: HiddenGroup, value: Any, lead: int = 0) -> Any:
+    def output_layout(self, group: HiddenGroup, value: jax.Array, lead: int = 0) -> jax.Array:
         """``value``, laid out over ``group``'s positions, re-laid over the positions of ``y``.
 
         ``value`` is ``(*lead axes, *group.varshape, *rest)`` (a ``df``, a hidden Jacobian, a
@@ -260,10 +271,6 @@ def _lays_over_hidden(y_shape: tuple[int, ...], varshape: tuple[int, ...], resiz
     return resized or joint == varshape or _adds_unit_axes(y_shape, varshape)
 
 
-def _is_var(a: Any) -> bool:
-    return isinstance(a, Var) and not isinstance(a, Literal)
-
-
 def _blocks(eqn: JaxprEqn) -> bool:
     """A trainable ETP equation: the tail walk does not cross it."""
     return is_etp_primitive(eqn.primitive) and not is_etp_enable_gradient_primitive(eqn.primitive)
@@ -277,7 +284,9 @@ class _Graph:
         self.producers = build_producer_map(jaxpr)
         self.consumers = build_consumer_map(jaxpr)
 
-    def reach(self, start: Var, source: JaxprEqn, stop: Any, restricted: bool) -> tuple[list[Var], list[JaxprEqn]]:
+    def reach(
+        self, start: Var, source: JaxprEqn, stop: Container[Var], restricted: bool
+    ) -> tuple[list[Var], list[JaxprEqn]]:
         """Vars reachable forward from ``start`` (not expanding through ``stop`` vars)."""
         seen: dict[Var, None] = {start: None}
         blocked: dict[int, JaxprEqn] = {}
@@ -293,7 +302,7 @@ class _Graph:
                     blocked.setdefault(id(eqn), eqn)
                     continue
                 for out in eqn.outvars:
-                    if _is_var(out) and out not in seen:
+                    if is_var(out) and out not in seen:
                         seen[out] = None
                         queue.append(out)
         return list(seen), list(blocked.values())
@@ -345,16 +354,16 @@ class _Trainable(NamedTuple):
     var: Var
     path: Path
     leaf_index: int
-    chain: tuple[Any, ...]
+    chain: tuple[Primitive, ...]
 
 
 def _resolve(
-    graph: _Graph, start: Any, invar_to_weight_path: dict[Var, Path], weight_path_to_invars: dict[Path, list[Var]]
+    graph: _Graph, start: Atom, invar_to_weight_path: dict[Var, Path], weight_path_to_invars: dict[Path, list[Var]]
 ) -> _Trainable | None:
     """Backward BFS from an operand to the first ``ParamState`` leaf it is computed from."""
-    if not _is_var(start):
+    if not is_var(start):
         return None
-    chain: dict[Any, None] = {}
+    chain: dict[Primitive, None] = {}
     seen = {start}
     queue = deque([start])
     while queue:
@@ -375,31 +384,31 @@ def _resolve(
             continue
         chain.setdefault(eqn.primitive)
         for a in eqn.invars:
-            if _is_var(a) and a not in seen:
+            if is_var(a) and a not in seen:
                 seen.add(a)
                 queue.append(a)
     return None
 
 
-def _tail_jaxpr(graph: _Graph, y_var: Var, source: JaxprEqn, outvars: list[Any], restricted: bool) -> Jaxpr:
+def _tail_jaxpr(graph: _Graph, y_var: Var, source: JaxprEqn, outvars: list[Var], restricted: bool) -> Jaxpr:
     """``y -> outvars`` over the equations between them; everything else is a constvar.
 
     ``restricted``: the tail stops at trainable ETP equations (else it crosses them).
     """
     forward, _ = graph.reach(y_var, source, stop=(), restricted=restricted)
     downstream = set(forward)
-    needed = {v for v in outvars if _is_var(v)}
+    needed = {v for v in outvars if is_var(v)}
     kept: list[JaxprEqn] = []
     for eqn in reversed(graph.jaxpr.eqns):
         if eqn is source or (restricted and _blocks(eqn)):
             continue
-        outs = [v for v in eqn.outvars if _is_var(v)]
-        if any(v in needed for v in outs) and any(_is_var(a) and a in downstream for a in eqn.invars):
+        outs = [v for v in eqn.outvars if is_var(v)]
+        if any(v in needed for v in outs) and any(is_var(a) and a in downstream for a in eqn.invars):
             kept.append(eqn)
-            needed.update(a for a in eqn.invars if _is_var(a))
+            needed.update(a for a in eqn.invars if is_var(a))
     kept.reverse()
-    produced = {v for e in kept for v in e.outvars if _is_var(v)}
-    referenced = [a for e in kept for a in e.invars if _is_var(a)] + [v for v in outvars if _is_var(v)]
+    produced = {v for e in kept for v in e.outvars if is_var(v)}
+    referenced = [a for e in kept for a in e.invars if is_var(a)] + [v for v in outvars if is_var(v)]
     constvars = list(dict.fromkeys(v for v in referenced if v not in produced and v is not y_var))
     return new_jaxpr(constvars, [y_var], outvars, kept, name="y_to_hidden")
 
@@ -407,7 +416,7 @@ def _tail_jaxpr(graph: _Graph, y_var: Var, source: JaxprEqn, outvars: list[Any],
 def find_hidden_param_op_relations_from_jaxpr(
     jaxpr: Jaxpr,
     invar_to_weight_path: dict[Var, Path],
-    path_to_state: dict[Path, Any],
+    path_to_state: dict[Path, brainstate.State],
     outvar_to_hidden_path: dict[Var, Path],
     hid_path_to_group: dict[Path, HiddenGroup],
     weight_path_to_invars: dict[Path, list[Var]] | None = None,
@@ -425,7 +434,7 @@ def find_hidden_param_op_relations_from_jaxpr(
             raise ValueError(f"Hidden state {path} has no hidden group; compute the groups of this jaxpr first.")
     for group in hid_path_to_group.values():
         for out in group.hidden_outvars:
-            if _is_var(out) and out not in outvar_to_hidden_path:
+            if is_var(out) and out not in outvar_to_hidden_path:
                 raise ValueError(f"Hidden group {group.index} does not belong to this jaxpr (unknown output {out}).")
     weight_path_to_invars = weight_path_to_invars or {}
     graph = _Graph(jaxpr)
@@ -440,7 +449,7 @@ def find_hidden_param_op_relations_from_jaxpr(
 
 def _relation_of(
     eqn: JaxprEqn, graph: _Graph, invar_to_weight_path: dict[Var, Path],
-    weight_path_to_invars: dict[Path, list[Var]], path_to_state: dict[Path, Any],
+    weight_path_to_invars: dict[Path, list[Var]], path_to_state: dict[Path, brainstate.State],
     outvar_to_hidden_path: dict[Var, Path], hid_path_to_group: dict[Path, HiddenGroup],
     include_weight_to_weight: bool,
 ) -> HiddenParamOpRelation | None:
@@ -448,7 +457,7 @@ def _relation_of(
     restricted = not include_weight_to_weight
     xi = get_x_invar_index(prim)
     x_atom = eqn.invars[xi] if xi is not None else None
-    x_var = x_atom if isinstance(x_atom, Var) and not isinstance(x_atom, Literal) else None
+    x_var = x_atom if is_var(x_atom) else None
     y_var = eqn.outvars[get_y_outvar_index(prim)]
     if len(eqn.outvars) > 1:
         emit(DiagnosticKind.MULTI_OUTPUT_PRIMITIVE_DETECTED, DiagnosticLevel.INFO,
@@ -561,7 +570,7 @@ def _classify(graph: _Graph, eqn: JaxprEqn, y_var: Var, h: Var) -> str:
     forward, _ = graph.reach(y_var, eqn, stop=(), restricted=False)
     fwd = set(forward)
     backward: set[Var] = set()
-    queue: deque[Any] = deque([h])
+    queue: deque[Var] = deque([h])
     while queue:
         v = queue.popleft()
         if v in backward:
@@ -569,10 +578,10 @@ def _classify(graph: _Graph, eqn: JaxprEqn, y_var: Var, h: Var) -> str:
         backward.add(v)
         producer = graph.producers.get(v)
         if producer is not None:
-            queue.extend(a for a in producer.invars if _is_var(a))
+            queue.extend(a for a in producer.invars if is_var(a))
     mid = [
         e for e in graph.jaxpr.eqns
-        if e is not eqn and any(_is_var(v) and v in fwd and v in backward for v in e.outvars)
+        if e is not eqn and any(is_var(v) and v in fwd and v in backward for v in e.outvars)
     ]
     if not any(_blocks(e) for e in mid):
         return PathClassification.ALL_DIRECT
@@ -580,7 +589,9 @@ def _classify(graph: _Graph, eqn: JaxprEqn, y_var: Var, h: Var) -> str:
     return PathClassification.MIXED if h in direct else PathClassification.ALL_THROUGH_OTHER_ETP
 
 
-def _emit_no_target(prim: Any, weight_path: Path, blocked: list[JaxprEqn], trainables: dict[str, _Trainable]) -> None:
+def _emit_no_target(
+    prim: Primitive, weight_path: Path, blocked: list[JaxprEqn], trainables: dict[str, _Trainable]
+) -> None:
     if blocked:
         emit(DiagnosticKind.RELATION_EXCLUDED_WEIGHT_TO_WEIGHT, DiagnosticLevel.WARNING,
              f"The output of {prim.name} with weight {weight_path} reaches hidden states only "

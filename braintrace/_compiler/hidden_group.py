@@ -19,12 +19,13 @@ Array([[0.5, 0. ],
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Hashable, NamedTuple, Sequence, TypeVar
 
 import brainstate
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from braintrace._compatible_imports import CUSTOM_VJP_PRIMITIVES, Jaxpr, Var, eval_jaxpr, split_jaxpr_invars
 from braintrace._compiler.jaxpr_graph import contains_eqn
@@ -45,6 +46,8 @@ __all__ = [
 ]
 
 Array = jax.Array
+#: What a merged group holds (a hidden path, a variable).
+Member = TypeVar("Member", bound=Hashable)
 # The structured-extraction plan of each transition jaxpr (the jaxpr is kept to guard the id).
 _PLANS: dict[int, tuple[Jaxpr, BlockDiagonalPlan | None]] = {}
 # The axes along which each transition mixes positions (``None``: read conservatively).
@@ -58,7 +61,7 @@ def calls_custom_vjp(jaxpr: Jaxpr) -> bool:
     return contains_eqn(jaxpr, lambda e: e.primitive.name in CUSTOM_VJP_PRIMITIVES)
 
 
-def state_basis(shape: tuple[int, ...], num_state: int, dtype: Any) -> Array:
+def state_basis(shape: tuple[int, ...], num_state: int, dtype: DTypeLike) -> Array:
     """Cotangents/tangents ``e_a`` broadcast over every position: ``(S, *varshape, S)``."""
     eye = jnp.eye(num_state, dtype=dtype)
     eye = eye.reshape(num_state, *([1] * len(shape)), num_state)
@@ -178,7 +181,7 @@ class HiddenGroup(NamedTuple):
     hidden_paths: list[Path]
     hidden_states: list[brainstate.HiddenState]
     hidden_invars: list[Var]
-    hidden_outvars: list[Any]
+    hidden_outvars: list[Var]
     transition_jaxpr: Jaxpr
     transition_jaxpr_constvars: list[Var]
     is_diagonal_recurrence: bool = True
@@ -417,11 +420,11 @@ class HiddenGroup(NamedTuple):
 HiddenGroup.__module__ = "braintrace"
 
 
-def group_merging(groups: Sequence[Sequence[Any]], version: int = 1) -> list[frozenset[Any]]:
+def group_merging(groups: Sequence[Sequence[Member]], version: int = 1) -> list[frozenset[Member]]:
     """Transitive union of intersecting groups (versions 0 and 1 give the same result)."""
     if version not in (0, 1):
         raise ValueError(f"group_merging: version must be 0 or 1, got {version!r}.")
-    merged: list[set[Any]] = []
+    merged: list[set[Member]] = []
     for group in groups:
         current = set(group)
         rest = []

@@ -28,17 +28,18 @@ Examples
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Container, Iterable
 
 import brainstate
 
 from braintrace._compatible_imports import (
     CONTROL_FLOW_PRIMITIVES,
+    Atom,
     Jaxpr,
     JaxprEqn,
-    Literal,
     Var,
     cond_branches,
+    is_var,
     scan_params,
     subjaxprs,
     while_params,
@@ -55,8 +56,8 @@ __all__ = ["find_hidden_groups_from_minfo", "find_hidden_groups_from_module", "J
 _MIXING = ("dot_general", "conv_general_dilated")
 
 
-def _vars(atoms: Iterable[Any]) -> list[Var]:
-    return [a for a in atoms if isinstance(a, Var) and not isinstance(a, Literal)]
+def _vars(atoms: Iterable[Atom]) -> list[Var]:
+    return [a for a in atoms if is_var(a)]
 
 
 class _Tracer:
@@ -68,7 +69,7 @@ class _Tracer:
         self.needed: dict[Var, None] = {}
         self.connected: dict[Var, None] = {}
 
-    def add(self, eqn: JaxprEqn, hidden_outvars: Any, include_hidden_outvars: bool) -> None:
+    def add(self, eqn: JaxprEqn, hidden_outvars: Container[Var], include_hidden_outvars: bool) -> None:
         self.eqns.setdefault(id(eqn), eqn)
         for v in _vars(eqn.outvars):
             if v in hidden_outvars:
@@ -106,7 +107,7 @@ class JaxprEvalForHiddenGroup(JaxprEvaluation):
             return False
         if is_etp_primitive(eqn.primitive) and not is_etp_enable_gradient_primitive(eqn.primitive):
             return True
-        taint = [isinstance(a, Var) and not isinstance(a, Literal) and self._hidden_derived(a) for a in eqn.invars]
+        taint = [is_var(a) and self._hidden_derived(a) for a in eqn.invars]
         if eqn.primitive.name in _MIXING:
             return any(taint)
         if any(taint) and any(True for _ in subjaxprs(eqn)) and _eqn_mixes(eqn, taint)[0]:
@@ -139,7 +140,7 @@ def _jaxpr_mixes(jaxpr: Jaxpr, taint_in: list[bool]) -> tuple[bool, list[bool]]:
     """Whether ``jaxpr`` applies a mixing op to a value derived from a tainted input."""
     tainted = {v for v, t in zip(jaxpr.invars, taint_in) if t}
     for eqn in jaxpr.eqns:
-        in_t = [isinstance(a, Var) and not isinstance(a, Literal) and a in tainted for a in eqn.invars]
+        in_t = [is_var(a) and a in tainted for a in eqn.invars]
         if not any(in_t):
             continue
         if eqn.primitive.name in _MIXING:
@@ -283,7 +284,7 @@ def _topological(eqns: list[JaxprEqn], available: set[Var]) -> list[JaxprEqn]:
     raise RuntimeError("Topological sort failed: the hidden-group transition has a dependency cycle.")
 
 
-def _group_transition(eqns: list[JaxprEqn], invars: list[Var], outvars: list[Any]) -> tuple[Jaxpr, list[Var]]:
+def _group_transition(eqns: list[JaxprEqn], invars: list[Var], outvars: list[Var]) -> tuple[Jaxpr, list[Var]]:
     unique: list[JaxprEqn] = []
     produced: set[Var] = set()
     for eqn in eqns:
@@ -302,7 +303,7 @@ def _group_transition(eqns: list[JaxprEqn], invars: list[Var], outvars: list[Any
 
 def _fallback_group(index: int, path: Path, minfo: ModuleInfo) -> HiddenGroup:
     h_in, h_out = minfo.hidden_path_to_invar[path], minfo.hidden_path_to_outvar[path]
-    passthrough = h_out is h_in or not isinstance(h_out, Var) or isinstance(h_out, Literal)
+    passthrough = h_out is h_in or not is_var(h_out)
     constvars = [] if passthrough else [h_out]
     jaxpr = new_jaxpr(constvars, [h_in], [h_out], [], name="transition")
     return HiddenGroup(

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from braintrace._compatible_imports import (
+    Atom,
     CONTROL_FLOW_PRIMITIVES,
     ClosedJaxpr,
     Jaxpr,
@@ -40,6 +41,7 @@ from braintrace._compatible_imports import (
     Var,
     closed_jaxpr_constvars,
     eval_jaxpr,
+    is_var,
     jaxpr_all_invars,
     new_jaxpr_eqn,
 )
@@ -100,7 +102,7 @@ class HiddenPerturbation(NamedTuple):
     perturb_hidden_states: list[brainstate.HiddenState]
     perturb_jaxpr: ClosedJaxpr
 
-    def eval_jaxpr(self, inputs: Sequence[Any], perturb_data: Sequence[Any]) -> list[Any]:
+    def eval_jaxpr(self, inputs: Sequence[jax.Array], perturb_data: Sequence[jax.Array]) -> list[jax.Array]:
         """Evaluate the perturbed step on flat ``inputs`` and ``perturb_data``."""
         jaxpr = self.perturb_jaxpr
         return eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *inputs, *perturb_data)
@@ -110,7 +112,7 @@ class HiddenPerturbation(NamedTuple):
         return [jnp.zeros(shape_of(v), dtype_of(v)) for v in self.perturb_vars]
 
     def perturb_data_to_hidden_group_data(
-        self, perturb_data: Sequence[Any], hidden_groups: Sequence[HiddenGroup]
+        self, perturb_data: Sequence[jax.Array], hidden_groups: Sequence[HiddenGroup]
     ) -> list[jax.Array]:
         """Per group, the member perturbations (or their cotangents) stacked on a trailing state axis.
 
@@ -133,7 +135,7 @@ class HiddenPerturbation(NamedTuple):
             stacked.append(group.concat_hidden([by_path[p] for p in group.hidden_paths]))
         return stacked
 
-    def _values_by_path(self, perturb_data: Sequence[Any]) -> dict[Path, Any]:
+    def _values_by_path(self, perturb_data: Sequence[jax.Array]) -> dict[Path, jax.Array]:
         """``path -> value`` (mantissa) of ``perturb_data``, checked against the perturbation inputs."""
         values = list(perturb_data)
         if len(values) != len(self.perturb_hidden_paths):
@@ -161,7 +163,7 @@ class HiddenPerturbation(NamedTuple):
 HiddenPerturbation.__module__ = "braintrace"
 
 
-def _add_eqn(a: Any, b: Any, out: Var, like: JaxprEqn | None) -> JaxprEqn:
+def _add_eqn(a: Atom, b: Atom, out: Var, like: JaxprEqn | None) -> JaxprEqn:
     return new_jaxpr_eqn([a, b], [out], jax.lax.add_p, {}, set(),
                          None if like is None else like.source_info, None if like is None else like.ctx)
 
@@ -176,7 +178,7 @@ class JaxprEvalForHiddenPerturbation(JaxprEvaluation):
         weight_invars: Sequence[Var],
         invar_to_hidden_path: dict[Var, Path],
         outvar_to_hidden_path: dict[Var, Path],
-        path_to_state: dict[Path, Any],
+        path_to_state: dict[Path, brainstate.State],
         control_flow: ControlFlowPolicy = DEFAULT_CONTROL_FLOW_POLICY,
         descended_scan_eqn_ids: frozenset[int] = frozenset(),
     ) -> None:
@@ -253,10 +255,10 @@ class JaxprEvalForHiddenPerturbation(JaxprEvaluation):
     def _detach_inputs(self, eqn: JaxprEqn) -> JaxprEqn:
         """Feed a while that a hidden update reads through ``stop_gradient``: reverse mode cannot
         enter it (the learners take what crosses it in forward mode, see ``detached_df_key``)."""
-        invars: list[Any] = []
+        invars: list[Atom] = []
         n_detached = 0
         for a in eqn.invars:
-            if isinstance(a, Var) and not isinstance(a, Literal):
+            if is_var(a):
                 detached = fresh_var(a)
                 self.eqns.append(new_jaxpr_eqn([a], [detached], _STOP_GRADIENT, {}, set(), eqn.source_info, eqn.ctx))
                 invars.append(detached)
@@ -305,11 +307,7 @@ def _step_outputs(perturbation: HiddenPerturbation, minfo: ModuleInfo) -> set[Va
     outvars = perturbation.perturb_jaxpr.jaxpr.outvars
     states = [v for v, st in zip(outvars[minfo.num_var_out:], minfo.compiled_model_states)
               if not isinstance(st, brainstate.ParamState)]
-    return {v for v in [*outvars[: minfo.num_var_out], *states] if _is_var(v)}
-
-
-def _is_var(v: Any) -> bool:
-    return isinstance(v, Var) and not isinstance(v, Literal)
+    return {v for v in [*outvars[: minfo.num_var_out], *states] if is_var(v)}
 
 
 def groups_read_past_update(
@@ -334,7 +332,7 @@ def groups_read_past_update(
         v: frozenset({member_of[path]}) for v, path in minfo.invar_to_hidden_path.items() if path in member_of
     }
     for eqn in jaxpr.eqns:
-        found = frozenset().union(*(marks.get(v, frozenset()) for v in eqn.invars if _is_var(v)
+        found = frozenset().union(*(marks.get(v, frozenset()) for v in eqn.invars if is_var(v)
                                     and v not in perturb_vars))
         cut = update_group.get(id(eqn))
         if cut is not None:
@@ -422,7 +420,7 @@ def local_relation_weights(
     jaxpr = perturbation.perturb_jaxpr.jaxpr
     path_of_update = _update_paths(perturbation)
     outputs = _step_outputs(perturbation, minfo)
-    local: dict[int, Any] = {}
+    local: dict[int, HiddenParamOpRelation] = {}
     for i, rel in enumerate(relations):
         groups = {g.index for g in rel.hidden_groups}
         if (
@@ -461,7 +459,7 @@ def _updates_reached_elementwise(
     marked = {y}
     reached: set[Path] = set()
     for eqn in jaxpr.eqns:
-        if not any(_is_var(v) and v in marked for v in eqn.invars):
+        if not any(is_var(v) and v in marked for v in eqn.invars):
             continue
         if id(eqn) in path_of_update:
             reached.add(path_of_update[id(eqn)])

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable
 
 from braintrace._compatible_imports import (
     CONTROL_FLOW_PRIMITIVES,
+    Atom,
     ClosedJaxpr,
     DebugInfo,
     DropVar,
@@ -129,7 +130,7 @@ def fresh_var(like: Var) -> Var:
 def new_jaxpr(
     constvars: Iterable[Var],
     invars: Iterable[Var],
-    outvars: Iterable[Any],
+    outvars: Iterable[Atom],
     eqns: Iterable[JaxprEqn],
     effects: Any = None,
     name: str = "braintrace",
@@ -170,7 +171,7 @@ def inline_jit_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
     if not _has_inlinable_jit(jaxpr):
         return closed
     constvars, consts = closed_jaxpr_constvars(closed), list(closed.consts)
-    subst: dict[Var, Any] = {}
+    subst: dict[Var, Atom] = {}
     eqns: list[JaxprEqn] = []
     _splice(jaxpr.eqns, subst, eqns, constvars, consts, freshen=False)
     outvars = [_read(subst, v) for v in jaxpr.outvars]
@@ -178,7 +179,7 @@ def inline_jit_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
     return ClosedJaxpr(new, consts)
 
 
-def _read(subst: dict[Var, Any], atom: Any) -> Any:
+def _read(subst: dict[Var, Atom], atom: Atom) -> Atom:
     if isinstance(atom, Literal) or not isinstance(atom, Var):
         return atom
     return subst.get(atom, atom)
@@ -186,7 +187,7 @@ def _read(subst: dict[Var, Any], atom: Any) -> Any:
 
 def _splice(
     src: Iterable[JaxprEqn],
-    subst: dict[Var, Any],
+    subst: dict[Var, Atom],
     out: list[JaxprEqn],
     constvars: list[Var],
     consts: list[Any],
@@ -197,7 +198,7 @@ def _splice(
         invars = [_read(subst, a) for a in eqn.invars]
         if is_jit(eqn):
             body = jit_body(eqn)
-            inner: dict[Var, Any] = {}
+            inner: dict[Var, Atom] = {}
             for cv, c in zip(closed_jaxpr_constvars(body), body.consts, strict=True):
                 nv = fresh_var(cv)
                 constvars.append(nv)

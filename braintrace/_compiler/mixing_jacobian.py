@@ -65,7 +65,7 @@ Array([[6.25  , 6.0625]], dtype=float32)
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple, Sequence, TypeGuard
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +80,7 @@ from braintrace._compatible_imports import (
     Var,
     bind_equation,
     dot_general_dims,
+    is_var,
     reduction_axes,
     split_jaxpr_invars,
     subjaxprs,
@@ -204,10 +205,6 @@ def _shape(v: Any) -> tuple[int, ...]:
     return tuple(v.aval.shape)
 
 
-def _is_var(v: Any) -> TypeGuard[Var]:
-    return isinstance(v, Var) and not isinstance(v, Literal)
-
-
 def block_diagonal_plan(
     jaxpr: Jaxpr, member_has_state_axis: Sequence[bool], varshape: tuple[int, ...]
 ) -> BlockDiagonalPlan | None:
@@ -243,7 +240,7 @@ def block_diagonal_plan(
     except _Unsupported:
         return None
     for v, want in zip(jaxpr.outvars, expected):
-        got = labels.get(v) if _is_var(v) else None
+        got = labels.get(v) if is_var(v) else None
         if got is not None and not np.all((got.ids == want) | (got.ids < 0)):
             return None
     return BlockDiagonalPlan(analysis.rules, analysis.series, analysis.slots)
@@ -251,7 +248,7 @@ def block_diagonal_plan(
 
 def _analyse(jaxpr: Jaxpr, labels: dict[Var, _Label], analysis: _Analysis) -> None:
     for eqn in jaxpr.eqns:
-        ins = [labels.get(v) if _is_var(v) else None for v in eqn.invars]
+        ins = [labels.get(v) if is_var(v) else None for v in eqn.invars]
         if all(lab is None for lab in ins):
             continue
         for v, lab in zip(eqn.outvars, _eqn_labels(eqn, ins, analysis)):
@@ -670,7 +667,7 @@ def structured_block_diagonal(
 
         for eqn in jaxpr.eqns:
             invals = [read(v) for v in eqn.invars]
-            parts = [tangents.get(v, {}) if _is_var(v) else {} for v in eqn.invars]
+            parts = [tangents.get(v, {}) if is_var(v) else {} for v in eqn.invars]
             rule = plan.rules.get(id(eqn))
             if not any(parts):
                 outs = bind_equation(eqn, invals)
@@ -683,7 +680,7 @@ def structured_block_diagonal(
             env.update(zip(eqn.outvars, outs))
 
         def total(v: Any) -> Array:
-            parts = tangents.get(v, {}) if _is_var(v) else {}
+            parts = tangents.get(v, {}) if is_var(v) else {}
             kept = [parts[k] for k in (_PURE, _SAME_POSITION) if k in parts]
             return sum(kept[1:], kept[0]) if kept else jnp.zeros_like(read(v))
 

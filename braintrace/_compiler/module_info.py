@@ -34,10 +34,10 @@ from braintrace._compatible_imports import (
     ClosedJaxpr,
     Jaxpr,
     JaxprEqn,
-    Literal,
     Var,
     closed_jaxpr_constvars,
     eval_jaxpr,
+    is_var,
     new_jaxpr_eqn,
 )
 from braintrace._compiler.canonicalize import canonicalize_control_flow
@@ -49,10 +49,22 @@ from braintrace._compiler.control_flow_policy import (
 from braintrace._compiler.diagnostics import DiagnosticKind, DiagnosticLevel, emit
 from braintrace._compiler.jaxpr_graph import fresh_var, inline_jit_calls, new_jaxpr
 from braintrace._errors import ModelTypeError, NotSupportedError
-from braintrace._typing import Path
+from braintrace._typing import Path, PyTree
 
-__all__ = ["ModuleInfo", "extract_module_info", "Path"]
+__all__ = ["ModuleInfo", "StepOutputs", "extract_module_info", "Path"]
 
+
+class StepOutputs(NamedTuple):
+    """One evaluated step: the model's output, the new state values by path, and the step's variables.
+
+    ``temps`` holds the value of every variable the step outputs and of every hidden state's
+    input variable (what the executors look up).
+    """
+
+    out: PyTree
+    hidden_vals: dict[Path, jax.Array]
+    other_vals: dict[Path, PyTree]
+    temps: dict[Var, jax.Array]
 
 
 class ModuleInfo(NamedTuple):
@@ -100,13 +112,13 @@ class ModuleInfo(NamedTuple):
     ([('h',)], [('W', 'weight')], 1)
     """
 
-    stateful_model: Any
+    stateful_model: brainstate.transform.StatefulFunction
     closed_jaxpr: ClosedJaxpr
     retrieved_model_states: dict[Path, brainstate.State]
     compiled_model_states: tuple[brainstate.State, ...]
     state_id_to_path: dict[int, Path]
-    state_tree_invars: list[Any]
-    state_tree_outvars: list[Any]
+    state_tree_invars: list[PyTree]
+    state_tree_outvars: list[PyTree]
     hidden_path_to_invar: dict[Path, Var]
     hidden_path_to_outvar: dict[Path, Var]
     invar_to_hidden_path: dict[Var, Path]
@@ -126,18 +138,18 @@ class ModuleInfo(NamedTuple):
     def add_jaxpr_outs(self, jax_vars: Sequence[Var]) -> ModuleInfo:
         """A copy whose jaxpr also returns ``jax_vars`` (after the existing outputs)."""
         for v in jax_vars:
-            if not isinstance(v, Var) or isinstance(v, Literal):
+            if not is_var(v):
                 raise TypeError(f"add_jaxpr_outs: expected jaxpr variables, got {type(v).__name__}.")
         jaxpr = self.jaxpr
         constvars = closed_jaxpr_constvars(self.closed_jaxpr)
         new = new_jaxpr(constvars, jaxpr.invars, [*jaxpr.outvars, *jax_vars], jaxpr.eqns, jaxpr.effects)
         return self._replace(closed_jaxpr=ClosedJaxpr(new, self.closed_jaxpr.consts))
 
-    def split_state_outvars(self) -> tuple[dict[Path, Any], dict[Path, Any], dict[Path, Any]]:
-        """The output variables of the states, split into (weight, hidden, other) by path."""
-        weights: dict[Path, Any] = {}
-        hiddens: dict[Path, Any] = {}
-        others: dict[Path, Any] = {}
+    def split_state_outvars(self) -> tuple[dict[Path, PyTree], dict[Path, PyTree], dict[Path, PyTree]]:
+        """The output variables of the states (a pytree per state), split into (weight, hidden, other) by path."""
+        weights: dict[Path, PyTree] = {}
+        hiddens: dict[Path, PyTree] = {}
+        others: dict[Path, PyTree] = {}
         for st, tree in zip(self.compiled_model_states, self.state_tree_outvars):
             path = self.state_id_to_path[id(st)]
             table = weights if isinstance(st, brainstate.ParamState) else (
@@ -145,7 +157,7 @@ class ModuleInfo(NamedTuple):
             table[path] = tree
         return weights, hiddens, others
 
-    def jaxpr_call(self, *args: Any, old_state_vals: Sequence[Any] | None = None) -> tuple[Any, ...]:
+    def jaxpr_call(self, *args: PyTree, old_state_vals: Sequence[PyTree] | None = None) -> StepOutputs:
         """Evaluate the step; returns ``(out, hidden_vals, other_state_vals, temps)``."""
         if old_state_vals is None:
             old_state_vals = [st.value for st in self.compiled_model_states]
@@ -153,27 +165,25 @@ class ModuleInfo(NamedTuple):
         outs = eval_jaxpr(self.jaxpr, self.closed_jaxpr.consts, *flat)
         return self._process(*args, jaxpr_outs=outs)
 
-    def _process(self, *args: Any, jaxpr_outs: Sequence[Any]) -> tuple[Any, ...]:
+    def _process(self, *args: PyTree, jaxpr_outs: Sequence[jax.Array]) -> StepOutputs:
         """Split raw step outputs into ``(out, hidden_vals, other_state_vals, temps)``."""
         n_main = self.num_var_out + self.num_var_state
         treedef = self.stateful_model.get_out_treedef(*args)
         out, state_vals = jax.tree.unflatten(treedef, list(jaxpr_outs[:n_main]))
         # Every variable output by the step (hoisted intermediates, and weight/state variables
         # that pass through) can be looked up by the executors.
-        temps: dict[Any, Any] = {
-            v: val for v, val in zip(self.jaxpr.outvars, jaxpr_outs) if isinstance(v, Var) and not isinstance(v, Literal)
-        }
+        temps: dict[Var, jax.Array] = {v: val for v, val in zip(self.jaxpr.outvars, jaxpr_outs) if is_var(v)}
         for path, invar in self.hidden_path_to_invar.items():
             temps[invar] = u.get_mantissa(self.retrieved_model_states[path].value)
-        hidden_vals: dict[Path, Any] = {}
-        other_vals: dict[Path, Any] = {}
+        hidden_vals: dict[Path, jax.Array] = {}
+        other_vals: dict[Path, PyTree] = {}
         for st, val in zip(self.compiled_model_states, state_vals):
             path = self.state_id_to_path[id(st)]
             if isinstance(st, brainstate.HiddenState):
                 hidden_vals[path] = val
             elif not isinstance(st, brainstate.ParamState):
                 other_vals[path] = val
-        return out, hidden_vals, other_vals, temps
+        return StepOutputs(out, hidden_vals, other_vals, temps)
 
     def dict(self) -> dict[str, Any]:
         return self._asdict()
@@ -292,7 +302,7 @@ def _own_hidden_outvars(closed: ClosedJaxpr, compiled: tuple[brainstate.State, .
         position += size
         for i in hidden:
             v = outvars[i]
-            if isinstance(v, Literal) or not isinstance(v, Var):
+            if not is_var(v):
                 continue
             if v in claimed:
                 outvars[i] = fresh_var(v)
@@ -306,7 +316,7 @@ def _own_hidden_outvars(closed: ClosedJaxpr, compiled: tuple[brainstate.State, .
 
 
 def _build_tables(
-    stateful: Any, closed: ClosedJaxpr, retrieved: dict[Path, brainstate.State],
+    stateful: brainstate.transform.StatefulFunction, closed: ClosedJaxpr, retrieved: dict[Path, brainstate.State],
     compiled: tuple[brainstate.State, ...], path_of: dict[int, Path],
     args: tuple[Any, ...], kwargs: dict[str, Any], policy: ControlFlowPolicy,
 ) -> ModuleInfo:

@@ -24,13 +24,14 @@ Array([2., 2., 0.], dtype=float32)
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import jax
 
-from braintrace._compatible_imports import ClosedJaxpr, Jaxpr, Literal, Var, closed_jaxpr_constvars, eval_jaxpr
+from braintrace._compatible_imports import ClosedJaxpr, Jaxpr, Var, closed_jaxpr_constvars, eval_jaxpr, is_var
 from braintrace._compiler.jaxpr_graph import build_producer_map, new_jaxpr
 from braintrace._compiler.module_info import Path
+from braintrace._typing import PyTree
 
 __all__ = ["OperandChain", "operand_chain"]
 
@@ -52,17 +53,17 @@ class OperandChain(NamedTuple):
     consts: list[Any]
     leaves: list[tuple[Path, int]]
 
-    def _leaf_values(self, weight_vals: dict[Path, Any]) -> list[Any]:
+    def _leaf_values(self, weight_vals: Mapping[Path, PyTree]) -> list[jax.Array]:
         return [jax.tree.leaves(weight_vals[path])[index] for path, index in self.leaves]
 
-    def _apply(self, *leaves: Any) -> Any:
+    def _apply(self, *leaves: jax.Array) -> jax.Array:
         return eval_jaxpr(self.jaxpr, self.consts, *leaves)[0]
 
-    def value(self, weight_vals: dict[Path, Any]) -> Any:
+    def value(self, weight_vals: Mapping[Path, PyTree]) -> jax.Array:
         """The operand computed from the current parameter values."""
         return self._apply(*self._leaf_values(weight_vals))
 
-    def pullback(self, weight_vals: dict[Path, Any], cotangent: Any) -> list[tuple[Path, int, Any]]:
+    def pullback(self, weight_vals: Mapping[Path, PyTree], cotangent: jax.Array) -> list[tuple[Path, int, jax.Array]]:
         """``(path, leaf index, gradient)`` of every leaf for a gradient ``cotangent`` of the operand."""
         operand, vjp = jax.vjp(self._apply, *self._leaf_values(weight_vals))
         grads = vjp(cotangent.astype(operand.dtype))
@@ -101,7 +102,7 @@ def operand_chain(
         elif v in producers:
             eqn = producers[v]
             kept.add(id(eqn))
-            stack.extend(a for a in eqn.invars if isinstance(a, Var) and not isinstance(a, Literal))
+            stack.extend(a for a in eqn.invars if is_var(a))
         else:
             return None
     eqns = [eqn for eqn in jaxpr.eqns if id(eqn) in kept]

@@ -38,21 +38,22 @@ Examples
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence, TypeGuard
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
 
 from braintrace._compatible_imports import (
     CALL_PRIMITIVES,
+    Atom,
     DropVar,
     Jaxpr,
     JaxprEqn,
-    Literal,
     Var,
     bind_equation,
     concatenate_axis,
     dot_general_dims,
+    is_var,
     rev_axes,
     slice_params,
     split_jaxpr_invars,
@@ -99,12 +100,8 @@ _ELEMENTWISE = frozenset({
 _CALLS = CALL_PRIMITIVES
 
 
-def _shape(atom: Any) -> tuple[int, ...]:
+def _shape(atom: Atom) -> tuple[int, ...]:
     return tuple(getattr(atom.aval, "shape", ()))
-
-
-def _is_var(atom: Any) -> TypeGuard[Var]:
-    return isinstance(atom, Var) and not isinstance(atom, Literal)
 
 
 def _or(deps: Sequence[Dependence]) -> Dependence:
@@ -203,7 +200,7 @@ def _walk_from(jaxpr: Jaxpr, seeds: dict[Var, Dependence], widths: tuple[int, ..
     """:func:`_walk` from the dependence of some of ``jaxpr``'s inputs (the others: none)."""
     env: dict[Var, Dependence] = dict(seeds)
     for eqn in jaxpr.eqns:
-        deps = [env.get(a) if _is_var(a) else None for a in eqn.invars]
+        deps = [env.get(a) if is_var(a) else None for a in eqn.invars]
         if all(d is None for d in deps):
             continue
         outs = _eqn_dependence(eqn, deps, widths, through_jvp)
@@ -212,7 +209,7 @@ def _walk_from(jaxpr: Jaxpr, seeds: dict[Var, Dependence], widths: tuple[int, ..
                 if len(_shape(v)) != len(widths):
                     raise _Unreadable(f"`{eqn.primitive.name}` gives a hidden-derived value of shape {_shape(v)}")
                 env[v] = d
-    return [env.get(v) if _is_var(v) else None for v in jaxpr.outvars]
+    return [env.get(v) if is_var(v) else None for v in jaxpr.outvars]
 
 
 def _through_jvp(eqn: JaxprEqn, deps: list[Dependence | None], widths: tuple[int, ...]) -> list[Dependence | None]:
@@ -227,7 +224,7 @@ def _through_jvp(eqn: JaxprEqn, deps: list[Dependence | None], widths: tuple[int
         raise no_rule
     avals = [jax.ShapeDtypeStruct(_shape(a), d) for a, d in zip(eqn.invars, dtypes)]
 
-    def jvp(primals: list[Any], tangents: list[Any]) -> Any:
+    def jvp(primals: list[jax.Array], tangents: list[jax.Array]) -> tuple[list[jax.Array], list[jax.Array]]:
         return jax.jvp(lambda *args: bind_equation(eqn, args), primals, tangents)
 
     try:

@@ -58,10 +58,11 @@ True
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 from braintrace._compatible_imports import (
     CONTROL_FLOW_PRIMITIVES,
+    Atom,
     ClosedJaxpr,
     Jaxpr,
     JaxprEqn,
@@ -69,6 +70,7 @@ from braintrace._compatible_imports import (
     ShapedArray,
     Var,
     closed_jaxpr_constvars,
+    is_var,
     jaxpr_all_invars,
     replace_scan_body,
     scan_params,
@@ -80,6 +82,7 @@ from braintrace._compiler.hidden_group_discovery import find_hidden_groups_from_
 from braintrace._compiler.jaxpr_graph import contains_eqn, inline_jit_calls, new_jaxpr
 from braintrace._compiler.module_info import ModuleInfo, Path
 from braintrace._op._registries import is_etp_primitive
+from braintrace._op._rule_helpers import dtype_of, shape_of
 
 __all__ = [
     "ScanDescentInfo",
@@ -160,15 +163,11 @@ class ScanDescentBundle(NamedTuple):
     stacked_outer_vars: list[Var]
 
 
-def _is_var(a: Any) -> bool:
-    return isinstance(a, Var) and not isinstance(a, Literal)
-
-
 def _is_etp_relevant(eqn: JaxprEqn, minfo: ModuleInfo) -> bool:
     """A scan consuming a weight directly, or whose body (at any depth) holds an ETP primitive."""
     if eqn.primitive.name != "scan":
         return False
-    if any(_is_var(a) and a in minfo.invar_to_weight_path for a in eqn.invars):
+    if any(is_var(a) and a in minfo.invar_to_weight_path for a in eqn.invars):
         return True
     return contains_eqn(scan_params(eqn).body.jaxpr, lambda e: is_etp_primitive(e.primitive))
 
@@ -188,12 +187,12 @@ def _descent_blockers(eqn: JaxprEqn, minfo: ModuleInfo) -> str | None:
     if nested:
         return f"its body contains control flow ({nested[0]})"
     xs = eqn.invars[p.num_consts + p.num_carry:]
-    if any(_is_var(a) and a in minfo.invar_to_weight_path for a in xs):
+    if any(is_var(a) and a in minfo.invar_to_weight_path for a in xs):
         return "a trainable weight is scanned over as xs"
     return None
 
 
-def add_scan_ys(eqn: JaxprEqn, extra_body_outvars: Sequence[Any]) -> tuple[JaxprEqn, list[Var]]:
+def add_scan_ys(eqn: JaxprEqn, extra_body_outvars: Sequence[Atom]) -> tuple[JaxprEqn, list[Var]]:
     """The scan ``eqn`` rewritten to also stack ``extra_body_outvars`` over its substeps.
 
     Each distinct body variable (body inputs included) becomes one more ``ys`` output with a
@@ -220,9 +219,9 @@ def add_scan_ys(eqn: JaxprEqn, extra_body_outvars: Sequence[Any]) -> tuple[Jaxpr
     closed = scan_params(eqn).body
     body = closed.jaxpr
     length = scan_params(eqn).length
-    extra = list(dict.fromkeys(v for v in extra_body_outvars if _is_var(v)))
+    extra = list(dict.fromkeys(v for v in extra_body_outvars if is_var(v)))
     stacked = [
-        Var(ShapedArray((length, *v.aval.shape), v.aval.dtype, weak_type=getattr(v.aval, "weak_type", False)))
+        Var(ShapedArray((length, *shape_of(v)), dtype_of(v), weak_type=getattr(v.aval, "weak_type", False)))
         for v in extra
     ]
     constvars = closed_jaxpr_constvars(closed)
@@ -246,7 +245,7 @@ def _carried_hidden(eqn: JaxprEqn, minfo: ModuleInfo) -> dict[int, Path]:
     return {
         c: minfo.outvar_to_hidden_path[v]
         for c, v in enumerate(eqn.outvars[:nk])
-        if _is_var(v) and v in minfo.outvar_to_hidden_path
+        if is_var(v) and v in minfo.outvar_to_hidden_path
     }
 
 
@@ -272,7 +271,7 @@ def _body_scope(eqn: JaxprEqn, body: Jaxpr, minfo: ModuleInfo, carried: dict[int
     leaves: dict[Path, list[Var]] = {}
     for k in range(nc):  # weights scanned as xs block descent; carried weights do not learn
         outer = eqn.invars[k]
-        if _is_var(outer) and outer in minfo.invar_to_weight_path:
+        if is_var(outer) and outer in minfo.invar_to_weight_path:
             path = minfo.invar_to_weight_path[outer]
             aliases[body.invars[k]] = path
             order_ = leaves.setdefault(path, list(minfo.weight_path_to_invars[path]))
@@ -298,7 +297,7 @@ def _body_minfo(minfo: ModuleInfo, body: ClosedJaxpr, scope: _BodyScope) -> Modu
 
 def _hoist_list(groups: Sequence[HiddenGroup], relations: Sequence[HiddenParamOpRelation]) -> list[Var]:
     """Body variables whose per-substep values the executor reads (ordered, deduplicated)."""
-    found: list[Any] = []
+    found: list[Atom] = []
     for rel in relations:
         if rel.x_var is not None:
             found.append(rel.x_var)
@@ -306,7 +305,7 @@ def _hoist_list(groups: Sequence[HiddenGroup], relations: Sequence[HiddenParamOp
             found.extend(jaxpr_all_invars(tail))
     for group in groups:
         found.extend([*group.hidden_invars, *group.transition_jaxpr_constvars])
-    return list(dict.fromkeys(v for v in found if _is_var(v)))
+    return list(dict.fromkeys(v for v in found if is_var(v)))
 
 
 def _warn_skipped(message: str, blocker: str, length: int, paths: Sequence[Path] = ()) -> None:

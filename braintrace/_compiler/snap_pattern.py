@@ -50,7 +50,7 @@ from braintrace._compiler.diagnostics import DiagnosticKind, DiagnosticLevel, em
 from braintrace._compiler.position_dependence import AxisPatterns, group_adjacency
 from braintrace._errors import NotSupportedError
 from braintrace._op._registries import is_snap_anchored
-from braintrace._typing import HiddenGroupLike, RelationLike
+from braintrace._typing import HiddenGroupLike, Path, RelationLike
 
 __all__ = [
     "DEFAULT_MAX_JACOBIAN_ELEMENTS",
@@ -365,7 +365,7 @@ def check_snap_arguments(sparse_n: Any, include_recurrent_mixing: bool, max_elem
             "recurrent mixing, which the diagonal scope cuts out of the transitions.")
 
 
-def reject_snap_descent(sparse_n: int, descended_paths: Collection[Any]) -> None:
+def reject_snap_descent(sparse_n: int, descended_paths: Collection[Path]) -> None:
     """SnAp needs the within-group Jacobian of a whole step; a descended scan folds substeps."""
     if descended_paths:
         raise NotImplementedError(

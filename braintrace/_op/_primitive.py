@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from braintrace._compatible_imports import Primitive, ShapedArray, ad, batching, mlir
 from braintrace._op import _registries as reg
 from braintrace._op._rule_record import EtpRules, FastPathRules, Rule, add_primitive, update_rules
-from braintrace._typing import Params
+from braintrace._typing import Array, Params
 
 __all__ = ["ETPPrimitive", "register_primitive"]
 
@@ -144,7 +144,7 @@ class ETPPrimitive(Primitive):
 
 def register_primitive(
     name: str,
-    impl_fn: Callable[..., Any],
+    impl_fn: Callable[..., Array],
     *,
     batched: bool = False,
     gradient_enabled: bool = False,
@@ -246,23 +246,23 @@ def register_primitive(
     return prim
 
 
-def _is_index(value: Any) -> bool:
+def _is_index(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _impl(impl_fn: Callable[..., Any], *args: Any, **params: Any) -> Any:
+def _impl(impl_fn: Callable[..., Array], *args: Array, **params: Any) -> Array:
     return impl_fn(*args, **params)
 
 
-def _abstract_eval(impl_fn: Callable[..., Any], *avals: Any, **params: Any) -> ShapedArray:
+def _abstract_eval(impl_fn: Callable[..., Array], *avals: ShapedArray, **params: Any) -> ShapedArray:
     structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
     out = jax.eval_shape(partial(impl_fn, **params), *structs)
     return ShapedArray(out.shape, out.dtype)
 
 
 def _jvp(
-    impl_fn: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any], **params: Any
-) -> tuple[Any, Any]:
+    impl_fn: Callable[..., Array], primals: Sequence[Array], tangents: Sequence[Array], **params: Any
+) -> tuple[Array, Array]:
     # Symbolic zeros become real zeros (float0 for integer/boolean operands) so that jax.jvp
     # sees one tangent per primal.
     tangents = [ad.instantiate_zeros(t) for t in tangents]
@@ -271,11 +271,11 @@ def _jvp(
 
 def _batch(
     prim: ETPPrimitive,
-    impl_fn: Callable[..., Any],
-    args: Sequence[Any],
+    impl_fn: Callable[..., Array],
+    args: Sequence[Array],
     dims: Sequence[int | None],
     **params: Any,
-) -> tuple[Any, int]:
+) -> tuple[Array, int]:
     counterpart = reg.get_batched_counterpart(prim)
     xi = reg.get_x_invar_index(prim)
     if counterpart is not None and xi is not None:

@@ -21,8 +21,9 @@ from typing import Any, Callable, Iterator, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from braintrace._compatible_imports import ShapedArray, Var
+from braintrace._compatible_imports import Atom, ShapedArray, Var
 from braintrace._typing import Array, Params, WeightFn
 
 __all__ = [
@@ -156,17 +157,17 @@ def materialised(value: Array) -> Array:
     return jax.lax.platform_dependent(value, cpu=through_product, default=lambda v: v)
 
 
-def shape_of(var: Var) -> tuple[int, ...]:
-    """The static shape of a jaxpr variable."""
+def shape_of(var: Atom) -> tuple[int, ...]:
+    """The static shape of a jaxpr variable (or literal)."""
     return tuple(cast(ShapedArray, var.aval).shape)
 
 
-def dtype_of(var: Var) -> Any:
-    """The dtype of a jaxpr variable."""
+def dtype_of(var: Atom) -> np.dtype[Any]:
+    """The dtype of a jaxpr variable (or literal)."""
     return cast(ShapedArray, var.aval).dtype
 
 
-def drtrl_dtype(x_var: Var | None, y_var: Var, weight_vars: dict[str, Var] | None) -> Any:
+def drtrl_dtype(x_var: Var | None, y_var: Var, weight_vars: dict[str, Var] | None) -> np.dtype[Any]:
     """The dtype of a D-RTRL trace: the promotion of every operand's and the output's dtype."""
     dtypes = [dtype_of(y_var)]
     if x_var is not None:

@@ -50,7 +50,7 @@ from braintrace._op._rule_helpers import (
     strip_hooks,
     zeros_pp,
 )
-from braintrace._typing import Array, ArrayLike, WeightFn
+from braintrace._typing import Array, ArrayLike, Params, WeightFn
 
 __all__ = ["etp_emb_p", "etp_emb_v_p", "embedding"]
 
@@ -69,7 +69,7 @@ def _one_hot_lookup(
     return one_hot @ apply_hook(weight_fn, weight)
 
 
-def _emb_trainable_invars(eqn_params: dict[str, Any]) -> dict[str, int]:
+def _emb_trainable_invars(eqn_params: Params) -> dict[str, int]:
     return {"weight": 1}
 
 

@@ -35,6 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from braintrace._compatible_imports import Var
 from braintrace._errors import OperandShapeError, internal_error
@@ -202,7 +203,7 @@ def _lora_solve_drtrl(
 
 
 def _trace_leaves(
-    lead: tuple[int, ...], weight_vars: dict[str, Var], num_hidden_state: int, dtype: Any
+    lead: tuple[int, ...], weight_vars: dict[str, Var], num_hidden_state: int, dtype: DTypeLike
 ) -> dict[str, Array]:
     in_size, rank = shape_of(weight_vars["lora_b"])
     out_size = shape_of(weight_vars["lora_a"])[1]

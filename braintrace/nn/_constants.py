@@ -16,13 +16,12 @@ read from the brainstate environment at every update.
 
 from __future__ import annotations
 
-from typing import Any
-
 import brainstate
 import braintools
 import brainunit as u
 
 from braintrace._op import element_wise
+from braintrace._typing import Constant, Size, Value
 from braintrace.nn._arguments import check_time_constant, size_tuple
 from braintrace.nn._initial import StatesFromInitState
 
@@ -43,7 +42,7 @@ class ConstantsDynamics(StatesFromInitState, brainstate.nn.Dynamics):
         If ``in_size`` is not a positive int or a tuple of them.
     """
 
-    def __init__(self, in_size: Any, name: str | None = None) -> None:
+    def __init__(self, in_size: Size, name: str | None = None) -> None:
         super().__init__(size_tuple(type(self).__name__, "in_size", in_size), name=name)
         self._trainable: tuple[str, ...] = ()
 
@@ -52,7 +51,7 @@ class ConstantsDynamics(StatesFromInitState, brainstate.nn.Dynamics):
         """The names of the constants given as ``brainstate.ParamState`` (trained online)."""
         return self._trainable
 
-    def _constant(self, arg: str, value: Any, trainable: bool = True, time_constant: bool = False) -> Any:
+    def _constant(self, arg: str, value: Constant, trainable: bool = True, time_constant: bool = False) -> Constant:
         """Store ``value`` for the constant ``arg``: a checked ``ParamState`` or a fixed value.
 
         A ``time_constant`` must be positive everywhere (checked on the stored value, so an
@@ -83,14 +82,14 @@ class ConstantsDynamics(StatesFromInitState, brainstate.nn.Dynamics):
         return stored
 
     @staticmethod
-    def _read(stored: Any) -> Any:
+    def _read(stored: Constant) -> Value:
         """The constant's value in this step; a ``ParamState`` goes through ``element_wise``."""
         if isinstance(stored, brainstate.ParamState):
             return element_wise(stored.value)
         return stored
 
     @staticmethod
-    def _peek(stored: Any) -> Any:
+    def _peek(stored: Constant) -> Value:
         """The constant's current value without a relation, for reads outside ``update``.
 
         A read outside the update (``get_spike()`` feeding recurrent weights, a readout) acts
@@ -101,7 +100,7 @@ class ConstantsDynamics(StatesFromInitState, brainstate.nn.Dynamics):
         """
         return stored.value if isinstance(stored, brainstate.ParamState) else stored
 
-    def _dt(self) -> Any:
+    def _dt(self) -> Value:
         try:
             return brainstate.environ.get_dt()
         except KeyError as err:
@@ -111,7 +110,7 @@ class ConstantsDynamics(StatesFromInitState, brainstate.nn.Dynamics):
                 f"brainstate.environ.context(dt=...)."
             ) from err
 
-    def _step_fraction(self, tau: Any, arg: str = "tau") -> Any:
+    def _step_fraction(self, tau: Value, arg: str = "tau") -> Value:
         """``1 − e^{−dt/τ}``: the fraction of the way to ``x_∞`` covered in one step."""
         dt = self._dt()
         ratio = u.maybe_decimal(dt / tau)

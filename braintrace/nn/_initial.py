@@ -33,16 +33,18 @@ import braintools
 import brainunit as u
 import jax
 
+from braintrace._typing import Initializer, Size, Value
+
 __all__ = ["initial_state", "StatesFromInitState"]
 
 
-def initial_state(init: Any, shape: Any, batch_size: int | None = None) -> Any:
+def initial_state(init: Initializer, shape: Size, batch_size: int | None = None) -> Value:
     """``braintools.init.param(init, shape, batch_size)`` with every leaf strongly typed."""
     value = braintools.init.param(init, shape, batch_size)
     return jax.tree.map(_strong, value, is_leaf=lambda x: isinstance(x, u.Quantity))
 
 
-def _strong(leaf: Any) -> Any:
+def _strong(leaf: Value) -> Value:
     if isinstance(leaf, u.Quantity):
         return u.Quantity(_strong(leaf.mantissa), unit=leaf.unit)
     if isinstance(leaf, jax.Array) and leaf.weak_type:

@@ -9,13 +9,12 @@ instead of brainunit's error from the middle of the update.
 
 from __future__ import annotations
 
-from typing import Any
-
 import brainunit as u
 import jax.numpy as jnp
 import numpy as np
 
 from braintrace._compatible_imports import Tracer
+from braintrace._typing import Value
 
 __all__ = ["InputUnitError", "check_step_input", "check_broadcast_input", "check_input_unit"]
 
@@ -28,11 +27,11 @@ class InputUnitError(u.UnitMismatchError, ValueError):
     """
 
 
-def _shape(x: Any) -> tuple[int, ...]:
+def _shape(x: Value) -> tuple[int, ...]:
     return tuple(jnp.shape(u.get_mantissa(x)))
 
 
-def check_step_input(layer: str, x: Any, expected: tuple[int, ...], state: str, state_shape: tuple[int, ...]) -> None:
+def check_step_input(layer: str, x: Value, expected: tuple[int, ...], state: str, state_shape: tuple[int, ...]) -> None:
     """``x`` must have exactly the shape ``expected`` (its features, with ``state``'s leading axes).
 
     Raises
@@ -50,7 +49,7 @@ def check_step_input(layer: str, x: Any, expected: tuple[int, ...], state: str, 
         )
 
 
-def check_broadcast_input(layer: str, x: Any, state: str, state_shape: tuple[int, ...]) -> None:
+def check_broadcast_input(layer: str, x: Value, state: str, state_shape: tuple[int, ...]) -> None:
     """``x`` must broadcast onto the hidden state ``state`` without changing its shape.
 
     Raises
@@ -72,7 +71,7 @@ def check_broadcast_input(layer: str, x: Any, state: str, state_shape: tuple[int
         )
 
 
-def _is_concrete_zero(x: Any) -> bool:
+def _is_concrete_zero(x: Value) -> bool:
     mantissa = u.get_mantissa(x)
     if isinstance(mantissa, Tracer):
         return False
@@ -103,7 +102,7 @@ def _unit_fix(got: u.Unit, expected: u.Unit) -> str:
     )
 
 
-def check_input_unit(layer: str, x: Any, expected: u.Unit, enters: str) -> Any:
+def check_input_unit(layer: str, x: Value, expected: u.Unit, enters: str) -> Value:
     """``x`` must be in a unit of ``expected``'s dimension; return it, ready for the update.
 
     A plain zero known at the call (not a tracer) fits every unit, as in brainunit's own

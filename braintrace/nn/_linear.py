@@ -23,21 +23,22 @@ import jax
 import jax.numpy as jnp
 
 from braintrace._op import matmul
+from braintrace._typing import Value
 from braintrace.nn._arguments import ArgumentCheck, check_constructor_arguments, size_tuple
 
 __all__ = ["Linear", "SignedWLinear", "ScaledWSLinear"]
 
-Unfold = Callable[[Any], Any]
+Unfold = Callable[[Value], Value]
 
 #: The dense layers' sizes, checked before brainstate's constructor runs.
 _DENSE_SIZES: dict[str, ArgumentCheck] = {"in_size": size_tuple, "out_size": size_tuple}
 
 
-def _identity(y: Any) -> Any:
+def _identity(y: Value) -> Value:
     return y
 
 
-def _fold_leading_axes(x: Any) -> tuple[Any, Unfold]:
+def _fold_leading_axes(x: Value) -> tuple[Value, Unfold]:
     """Fold every axis but the last into one batch axis; return the input and its inverse.
 
     Parameters
@@ -62,16 +63,17 @@ def _fold_leading_axes(x: Any) -> tuple[Any, Unfold]:
     """
     if u.math.ndim(x) <= 2:
         return x, _identity
-    lead = tuple(x.shape[:-1])
-    x2 = u.math.reshape(x, (-1, x.shape[-1]))
+    shape = u.math.shape(x)
+    lead = tuple(shape[:-1])
+    x2 = u.math.reshape(x, (-1, shape[-1]))
 
-    def unfold(y: Any) -> Any:
-        return u.math.reshape(y, (*lead, y.shape[-1]))
+    def unfold(y: Value) -> Value:
+        return u.math.reshape(y, (*lead, u.math.shape(y)[-1]))
 
     return x2, unfold
 
 
-def _mask_fn(mask: Any) -> Callable[[jax.Array], jax.Array]:
+def _mask_fn(mask: Value) -> Callable[[jax.Array], jax.Array]:
     """``w -> w * mask`` on the weight's mantissa (the mask is a plain array)."""
     mask_m = jnp.asarray(u.get_mantissa(mask))
 
@@ -138,7 +140,7 @@ class Linear(brainstate.nn.Linear):
         check_constructor_arguments(type(self).__name__, super().__init__, args, kwargs, _DENSE_SIZES)
         super().__init__(*args, **kwargs)
 
-    def update(self, x: Any) -> Any:
+    def update(self, x: Value) -> Value:
         params = self.weight.value
         weight_fn = None if self.w_mask is None else _mask_fn(self.w_mask)
         x2, unfold = _fold_leading_axes(x)
@@ -189,7 +191,7 @@ class SignedWLinear(brainstate.nn.SignedWLinear):
         check_constructor_arguments(type(self).__name__, super().__init__, args, kwargs, _DENSE_SIZES)
         super().__init__(*args, **kwargs)
 
-    def update(self, x: Any) -> Any:
+    def update(self, x: Value) -> Value:
         sign = None if self.w_sign is None else jnp.asarray(u.get_mantissa(self.w_sign))
 
         def signed(w: jax.Array) -> jax.Array:
@@ -267,7 +269,7 @@ class ScaledWSLinear(brainstate.nn.ScaledWSLinear):
         check_constructor_arguments(type(self).__name__, super().__init__, args, kwargs, _DENSE_SIZES)
         super().__init__(*args, **kwargs)
 
-    def update(self, x: Any) -> Any:
+    def update(self, x: Value) -> Value:
         params = self.weight.value
         mask = None if self.w_mask is None else jnp.asarray(u.get_mantissa(self.w_mask))
         eps = self.eps

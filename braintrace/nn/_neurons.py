@@ -20,13 +20,14 @@ and every coupling is per neuron, so a layer driven by ETP operations (e.g.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import brainstate
 import braintools
 import brainunit as u
 import jax
 
+from braintrace._typing import Constant, Initializer, Size, Value, ValueFn
 from braintrace.nn._constants import ConstantsDynamics
 from braintrace.nn._initial import initial_state
 from braintrace.nn._input_check import check_broadcast_input, check_input_unit
@@ -46,7 +47,7 @@ class _SpikingNeuron(ConstantsDynamics):
     state_names: tuple[str, ...] = ("V",)
 
     def __init__(
-        self, in_size: Any, spk_fun: Callable[[Any], Any], spk_reset: str, name: str | None
+        self, in_size: Size, spk_fun: ValueFn, spk_reset: str, name: str | None
     ) -> None:
         super().__init__(in_size, name=name)
         if spk_reset not in _RESETS:
@@ -61,7 +62,7 @@ class _SpikingNeuron(ConstantsDynamics):
         self.spk_fun = spk_fun
         self.spk_reset = spk_reset
 
-    def _init_V(self, batch_size: int | None) -> Any:
+    def _init_V(self, batch_size: int | None) -> Value:
         return initial_state(self.V_initializer, self.varshape, batch_size)
 
     def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
@@ -72,14 +73,14 @@ class _SpikingNeuron(ConstantsDynamics):
         """Re-initialise ``V`` in place (the state object is kept)."""
         self.V.value = self._init_V(batch_size)
 
-    def _reset_level(self, v: Any, threshold: Any) -> Any:
+    def _reset_level(self, v: Value, threshold: Value) -> Value:
         """The potential a spike subtracts from: the threshold (soft) or ``V`` itself (hard)."""
         return threshold if self.spk_reset == "soft" else jax.lax.stop_gradient(v)
 
-    def _relax(self, v: Any, v_inf: Any, tau: Any) -> Any:
+    def _relax(self, v: Value, v_inf: Value, tau: Value) -> Value:
         return v + self._step_fraction(tau) * (v_inf - v)
 
-    def _input(self, x: Any) -> Any:
+    def _input(self, x: Value) -> Value:
         """The step input, checked: it broadcasts onto ``V`` and ``R · x`` is in ``V``'s unit.
 
         Raises
@@ -162,12 +163,12 @@ class IF(_SpikingNeuron):
 
     def __init__(
         self,
-        in_size: Any,
-        R: Any = 1.0 * u.ohm,
-        tau: Any = 5.0 * u.ms,
-        V_th: Any = 1.0 * u.mV,
-        V_initializer: Any = braintools.init.Constant(0.0 * u.mV),
-        spk_fun: Callable[[Any], Any] = braintools.surrogate.ReluGrad(),
+        in_size: Size,
+        R: Value = 1.0 * u.ohm,
+        tau: Constant = 5.0 * u.ms,
+        V_th: Constant = 1.0 * u.mV,
+        V_initializer: Initializer = braintools.init.Constant(0.0 * u.mV),
+        spk_fun: ValueFn = braintools.surrogate.ReluGrad(),
         spk_reset: str = "soft",
         name: str | None = None,
     ) -> None:
@@ -177,10 +178,10 @@ class IF(_SpikingNeuron):
         self.V_th = self._constant("V_th", V_th)
         self.V_initializer = V_initializer
 
-    def _spike(self, v: Any, threshold: Any) -> Any:
+    def _spike(self, v: Value, threshold: Value) -> Value:
         return self.spk_fun((v - threshold) / threshold)
 
-    def get_spike(self, V: Any = None) -> Any:
+    def get_spike(self, V: Value | None = None) -> Value:
         """The spikes of ``V`` (default: the current potential), e.g. to feed them back.
 
         Outside ``update`` the threshold is read as it is, not through ``element_wise``: that
@@ -188,7 +189,7 @@ class IF(_SpikingNeuron):
         """
         return self._spike(self.V.value if V is None else V, self._peek(self.V_th))
 
-    def update(self, x: Any = _NO_INPUT) -> Any:
+    def update(self, x: Value = _NO_INPUT) -> Value:
         """Advance one step with input current ``x``; return the spikes of the new potential.
 
         ``x`` broadcasts onto ``V`` and is in ``V``'s unit divided by ``R``'s (``mA`` with the
@@ -276,14 +277,14 @@ class LIF(_SpikingNeuron):
 
     def __init__(
         self,
-        in_size: Any,
-        R: Any = 1.0 * u.ohm,
-        tau: Any = 5.0 * u.ms,
-        V_th: Any = 1.0 * u.mV,
-        V_reset: Any = 0.0 * u.mV,
-        V_rest: Any = 0.0 * u.mV,
-        V_initializer: Any = braintools.init.Constant(0.0 * u.mV),
-        spk_fun: Callable[[Any], Any] = braintools.surrogate.ReluGrad(),
+        in_size: Size,
+        R: Value = 1.0 * u.ohm,
+        tau: Constant = 5.0 * u.ms,
+        V_th: Constant = 1.0 * u.mV,
+        V_reset: Constant = 0.0 * u.mV,
+        V_rest: Constant = 0.0 * u.mV,
+        V_initializer: Initializer = braintools.init.Constant(0.0 * u.mV),
+        spk_fun: ValueFn = braintools.surrogate.ReluGrad(),
         spk_reset: str = "soft",
         name: str | None = None,
     ) -> None:
@@ -295,10 +296,10 @@ class LIF(_SpikingNeuron):
         self.V_reset = self._constant("V_reset", V_reset, trainable=False)
         self.V_initializer = V_initializer
 
-    def _spike(self, v: Any, threshold: Any) -> Any:
+    def _spike(self, v: Value, threshold: Value) -> Value:
         return self.spk_fun((v - threshold) / (threshold - self.V_reset))
 
-    def get_spike(self, V: Any = None) -> Any:
+    def get_spike(self, V: Value | None = None) -> Value:
         """The spikes of ``V`` (default: the current potential), e.g. to feed them back.
 
         Outside ``update`` the threshold is read as it is, not through ``element_wise``: that
@@ -306,7 +307,7 @@ class LIF(_SpikingNeuron):
         """
         return self._spike(self.V.value if V is None else V, self._peek(self.V_th))
 
-    def update(self, x: Any = _NO_INPUT) -> Any:
+    def update(self, x: Value = _NO_INPUT) -> Value:
         """Advance one step with input current ``x``; return the spikes of the new potential.
 
         ``x`` broadcasts onto ``V`` and is in ``V``'s unit divided by ``R``'s (``mA`` with the
@@ -395,18 +396,18 @@ class ALIF(_SpikingNeuron):
 
     def __init__(
         self,
-        in_size: Any,
-        R: Any = 1.0 * u.ohm,
-        tau: Any = 5.0 * u.ms,
-        tau_a: Any = 100.0 * u.ms,
-        V_th: Any = 1.0 * u.mV,
-        V_reset: Any = 0.0 * u.mV,
-        V_rest: Any = 0.0 * u.mV,
-        beta: Any = 0.1 * u.mV,
-        spk_fun: Callable[[Any], Any] = braintools.surrogate.ReluGrad(),
+        in_size: Size,
+        R: Value = 1.0 * u.ohm,
+        tau: Constant = 5.0 * u.ms,
+        tau_a: Constant = 100.0 * u.ms,
+        V_th: Constant = 1.0 * u.mV,
+        V_reset: Constant = 0.0 * u.mV,
+        V_rest: Constant = 0.0 * u.mV,
+        beta: Constant = 0.1 * u.mV,
+        spk_fun: ValueFn = braintools.surrogate.ReluGrad(),
         spk_reset: str = "soft",
-        V_initializer: Any = braintools.init.Constant(0.0 * u.mV),
-        a_initializer: Any = braintools.init.Constant(0.0),
+        V_initializer: Initializer = braintools.init.Constant(0.0 * u.mV),
+        a_initializer: Initializer = braintools.init.Constant(0.0),
         name: str | None = None,
     ) -> None:
         super().__init__(in_size, spk_fun, spk_reset, name)
@@ -420,7 +421,7 @@ class ALIF(_SpikingNeuron):
         self.V_initializer = V_initializer
         self.a_initializer = a_initializer
 
-    def _init_a(self, batch_size: int | None) -> Any:
+    def _init_a(self, batch_size: int | None) -> Value:
         return initial_state(self.a_initializer, self.varshape, batch_size)
 
     def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
@@ -433,10 +434,10 @@ class ALIF(_SpikingNeuron):
         super().reset_state(batch_size)
         self.a.value = self._init_a(batch_size)
 
-    def _spike(self, v: Any, a: Any, threshold: Any, beta: Any) -> Any:
+    def _spike(self, v: Value, a: Value, threshold: Value, beta: Value) -> Value:
         return self.spk_fun((v - threshold - beta * a) / (threshold - self.V_reset))
 
-    def get_spike(self, V: Any = None, a: Any = None) -> Any:
+    def get_spike(self, V: Value | None = None, a: Value | None = None) -> Value:
         """The spikes of ``(V, a)`` (default: the current state), e.g. to feed them back.
 
         Outside ``update`` the thresholds are read as they are, not through ``element_wise``.
@@ -445,7 +446,7 @@ class ALIF(_SpikingNeuron):
         a = self.a.value if a is None else a
         return self._spike(V, a, self._peek(self.V_th), self._peek(self.beta))
 
-    def update(self, x: Any = _NO_INPUT) -> Any:
+    def update(self, x: Value = _NO_INPUT) -> Value:
         """Advance one step with input current ``x``; return the spikes of the new state.
 
         ``x`` broadcasts onto ``V`` and is in ``V``'s unit divided by ``R``'s (``mA`` with the

@@ -6,22 +6,22 @@ through :func:`braintrace.matmul` and the compiler links them to the cell's hidd
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import brainstate
 import braintools
 import brainunit as u
 
+from braintrace._typing import Initializer, Value, ValueFn
 from braintrace.nn._arguments import size_tuple
 from braintrace.nn._initial import StatesFromInitState, initial_state
 from braintrace.nn._input_check import check_step_input
 
 __all__ = ["CellBase", "resolve_activation", "concat"]
 
-Activation = Callable[[Any], Any]
 
 
-def resolve_activation(activation: str | Activation, cell: str, arg: str = "activation") -> Activation:
+def resolve_activation(activation: str | ValueFn, cell: str, arg: str = "activation") -> ValueFn:
     """A callable activation: a ``brainstate.nn`` function name (``'tanh'``) or a callable.
 
     Raises
@@ -47,7 +47,7 @@ def resolve_activation(activation: str | Activation, cell: str, arg: str = "acti
     return activation
 
 
-def concat(*parts: Any) -> Any:
+def concat(*parts: Value) -> Value:
     """Concatenate on the feature (last) axis, keeping units."""
     return u.math.concatenate(parts, axis=-1)
 
@@ -76,7 +76,7 @@ class CellBase(StatesFromInitState, brainstate.nn.RNNCell):
         self,
         in_size: int | tuple[int, ...],
         out_size: int | tuple[int, ...],
-        state_init: Any,
+        state_init: Initializer,
         name: str | None,
     ) -> None:
         super().__init__(name=name)
@@ -95,10 +95,10 @@ class CellBase(StatesFromInitState, brainstate.nn.RNNCell):
         """The hidden feature count (last entry of ``out_size``)."""
         return int(self.out_size[-1])
 
-    def _initial(self, batch_size: int | None) -> Any:
+    def _initial(self, batch_size: int | None) -> Value:
         return initial_state(self._state_initializer, self.out_size, batch_size)
 
-    def _check_input(self, x: Any) -> None:
+    def _check_input(self, x: Value) -> None:
         """``x`` must be ``(*leading axes of the hidden state, num_in)``, checked before any gate runs."""
         name = self.state_names[0]
         state_shape = tuple(u.math.shape(getattr(self, name).value))

@@ -10,19 +10,19 @@ eligibility-trace graph and give it only its one-step (or in-window) gradient.
 
 from __future__ import annotations
 
-from typing import Any, Callable
 
 import brainstate
 import braintools
+import jax
 import jax.numpy as jnp
 
 from braintrace._op import element_wise
+from braintrace._typing import Initializer, Value, ValueFn
 from braintrace.nn._linear import Linear
 from braintrace.nn._rnn_base import CellBase, concat, resolve_activation
 
 __all__ = ["ValinaRNNCell", "GRUCell", "MGUCell", "LSTMCell", "URLSTMCell", "CFNCell"]
 
-Init = Callable[..., Any] | Any
 sigmoid = brainstate.nn.sigmoid
 
 
@@ -63,17 +63,17 @@ class ValinaRNNCell(CellBase):
         self,
         in_size: int | tuple[int, ...],
         out_size: int | tuple[int, ...],
-        state_init: Init = braintools.init.ZeroInit(),
-        w_init: Init = braintools.init.XavierNormal(),
-        b_init: Init | None = braintools.init.ZeroInit(),
-        activation: str | Callable[[Any], Any] = "relu",
+        state_init: Initializer = braintools.init.ZeroInit(),
+        w_init: Initializer = braintools.init.XavierNormal(),
+        b_init: Initializer | None = braintools.init.ZeroInit(),
+        activation: str | ValueFn = "relu",
         name: str | None = None,
     ) -> None:
         super().__init__(in_size, out_size, state_init, name)
         self.activation = resolve_activation(activation, "ValinaRNNCell")
         self.W = Linear(self.num_in + self.num_out, self.num_out, w_init=w_init, b_init=b_init)
 
-    def update(self, x: Any) -> Any:
+    def update(self, x: Value) -> Value:
         self._check_input(x)
         self.h.value = self.activation(self.W(concat(x, self.h.value)))
         return self.h.value
@@ -127,10 +127,10 @@ class GRUCell(CellBase):
         self,
         in_size: int | tuple[int, ...],
         out_size: int | tuple[int, ...],
-        w_init: Init = braintools.init.Orthogonal(),
-        b_init: Init | None = braintools.init.ZeroInit(),
-        state_init: Init = braintools.init.ZeroInit(),
-        activation: str | Callable[[Any], Any] = "tanh",
+        w_init: Initializer = braintools.init.Orthogonal(),
+        b_init: Initializer | None = braintools.init.ZeroInit(),
+        state_init: Initializer = braintools.init.ZeroInit(),
+        activation: str | ValueFn = "tanh",
         name: str | None = None,
     ) -> None:
         super().__init__(in_size, out_size, state_init, name)
@@ -140,7 +140,7 @@ class GRUCell(CellBase):
         self.Wr = Linear(n_xh, self.num_out, w_init=w_init, b_init=b_init)
         self.Wh = Linear(n_xh, self.num_out, w_init=w_init, b_init=b_init)
 
-    def update(self, x: Any) -> Any:
+    def update(self, x: Value) -> Value:
         self._check_input(x)
         old_h = self.h.value
         xh = concat(x, old_h)
@@ -191,10 +191,10 @@ class MGUCell(CellBase):
         self,
         in_size: int | tuple[int, ...],
         out_size: int | tuple[int, ...],
-        w_init: Init = braintools.init.Orthogonal(),
-        b_init: Init | None = braintools.init.ZeroInit(),
-        state_init: Init = braintools.init.ZeroInit(),
-        activation: str | Callable[[Any], Any] = "tanh",
+        w_init: Initializer = braintools.init.Orthogonal(),
+        b_init: Initializer | None = braintools.init.ZeroInit(),
+        state_init: Initializer = braintools.init.ZeroInit(),
+        activation: str | ValueFn = "tanh",
         name: str | None = None,
     ) -> None:
         super().__init__(in_size, out_size, state_init, name)
@@ -203,7 +203,7 @@ class MGUCell(CellBase):
         self.Wf = Linear(n_xh, self.num_out, w_init=w_init, b_init=b_init)
         self.Wh = Linear(n_xh, self.num_out, w_init=w_init, b_init=b_init)
 
-    def update(self, x: Any) -> Any:
+    def update(self, x: Value) -> Value:
         self._check_input(x)
         old_h = self.h.value
         f = sigmoid(self.Wf(concat(x, old_h)))
@@ -254,10 +254,10 @@ class LSTMCell(CellBase):
         self,
         in_size: int | tuple[int, ...],
         out_size: int | tuple[int, ...],
-        w_init: Init = braintools.init.XavierNormal(),
-        b_init: Init | None = braintools.init.ZeroInit(),
-        state_init: Init = braintools.init.ZeroInit(),
-        activation: str | Callable[[Any], Any] = "tanh",
+        w_init: Initializer = braintools.init.XavierNormal(),
+        b_init: Initializer | None = braintools.init.ZeroInit(),
+        state_init: Initializer = braintools.init.ZeroInit(),
+        activation: str | ValueFn = "tanh",
         name: str | None = None,
     ) -> None:
         super().__init__(in_size, out_size, state_init, name)
@@ -268,7 +268,7 @@ class LSTMCell(CellBase):
         self.Wf = Linear(n_xh, self.num_out, w_init=w_init, b_init=b_init)
         self.Wo = Linear(n_xh, self.num_out, w_init=w_init, b_init=b_init)
 
-    def update(self, x: Any) -> Any:
+    def update(self, x: Value) -> Value:
         self._check_input(x)
         xh = concat(x, self.h.value)
         i, g, f, o = self.Wi(xh), self.Wg(xh), self.Wf(xh), self.Wo(xh)
@@ -278,7 +278,7 @@ class LSTMCell(CellBase):
         return self.h.value
 
 
-def _logit_uniform_bias(n: int) -> Any:
+def _logit_uniform_bias(n: int) -> jax.Array:
     """``-log(1/u - 1)`` for ``u ~ Uniform(1/n, 1 - 1/n)``: forget biases spread over timescales."""
     u = brainstate.random.uniform(1.0 / n, 1.0 - 1.0 / n, (n,))
     return -jnp.log(1.0 / u - 1.0)
@@ -332,9 +332,9 @@ class URLSTMCell(CellBase):
         self,
         in_size: int | tuple[int, ...],
         out_size: int | tuple[int, ...],
-        w_init: Init = braintools.init.XavierNormal(),
-        state_init: Init = braintools.init.ZeroInit(),
-        activation: str | Callable[[Any], Any] = "tanh",
+        w_init: Initializer = braintools.init.XavierNormal(),
+        state_init: Initializer = braintools.init.ZeroInit(),
+        activation: str | ValueFn = "tanh",
         name: str | None = None,
     ) -> None:
         super().__init__(in_size, out_size, state_init, name)
@@ -346,7 +346,7 @@ class URLSTMCell(CellBase):
         self.Wo = Linear(n_xh, self.num_out, w_init=w_init, b_init=None)
         self.bias = brainstate.ParamState(_logit_uniform_bias(self.num_out))
 
-    def update(self, x: Any) -> Any:
+    def update(self, x: Value) -> Value:
         self._check_input(x)
         xh = concat(x, self.h.value)
         f, r, u, o = self.Wf(xh), self.Wr(xh), self.Wu(xh), self.Wo(xh)
@@ -400,10 +400,10 @@ class CFNCell(CellBase):
         self,
         in_size: int | tuple[int, ...],
         out_size: int | tuple[int, ...],
-        w_init: Init = braintools.init.Orthogonal(),
-        b_init: Init | None = braintools.init.ZeroInit(),
-        state_init: Init = braintools.init.ZeroInit(),
-        activation: str | Callable[[Any], Any] = "tanh",
+        w_init: Initializer = braintools.init.Orthogonal(),
+        b_init: Initializer | None = braintools.init.ZeroInit(),
+        state_init: Initializer = braintools.init.ZeroInit(),
+        activation: str | ValueFn = "tanh",
         name: str | None = None,
     ) -> None:
         super().__init__(in_size, out_size, state_init, name)
@@ -413,7 +413,7 @@ class CFNCell(CellBase):
         self.Wi = Linear(n_xh, self.num_out, w_init=w_init, b_init=b_init)
         self.Wh = Linear(self.num_in, self.num_out, w_init=w_init, b_init=b_init)
 
-    def update(self, x: Any) -> Any:
+    def update(self, x: Value) -> Value:
         self._check_input(x)
         old_h = self.h.value
         xh = concat(x, old_h)

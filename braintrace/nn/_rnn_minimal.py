@@ -7,17 +7,16 @@ as well as the gates.
 
 from __future__ import annotations
 
-from typing import Any, Callable
 
 import brainstate
 import braintools
 
+from braintrace._typing import Initializer, Value, ValueFn
 from braintrace.nn._linear import Linear
 from braintrace.nn._rnn_base import CellBase, concat
 
 __all__ = ["MinimalRNNCell", "MiniGRU", "MiniLSTM"]
 
-Init = Callable[..., Any] | Any
 sigmoid = brainstate.nn.sigmoid
 
 
@@ -67,10 +66,10 @@ class MinimalRNNCell(CellBase):
         self,
         in_size: int | tuple[int, ...],
         out_size: int | tuple[int, ...],
-        w_init: Init = braintools.init.Orthogonal(),
-        b_init: Init | None = braintools.init.ZeroInit(),
-        state_init: Init = braintools.init.ZeroInit(),
-        phi: Callable[[Any], Any] | None = None,
+        w_init: Initializer = braintools.init.Orthogonal(),
+        b_init: Initializer | None = braintools.init.ZeroInit(),
+        state_init: Initializer = braintools.init.ZeroInit(),
+        phi: ValueFn | None = None,
         name: str | None = None,
     ) -> None:
         super().__init__(in_size, out_size, state_init, name)
@@ -84,7 +83,7 @@ class MinimalRNNCell(CellBase):
         self.phi = phi
         self.W_u = Linear(2 * self.num_out, self.num_out, w_init=w_init, b_init=b_init)
 
-    def update(self, x: Any) -> Any:
+    def update(self, x: Value) -> Value:
         self._check_input(x)
         old_h = self.h.value
         z = self.phi(x)
@@ -128,16 +127,16 @@ class MiniGRU(CellBase):
         self,
         in_size: int | tuple[int, ...],
         out_size: int | tuple[int, ...],
-        w_init: Init = braintools.init.Orthogonal(),
-        b_init: Init | None = braintools.init.ZeroInit(),
-        state_init: Init = braintools.init.ZeroInit(),
+        w_init: Initializer = braintools.init.Orthogonal(),
+        b_init: Initializer | None = braintools.init.ZeroInit(),
+        state_init: Initializer = braintools.init.ZeroInit(),
         name: str | None = None,
     ) -> None:
         super().__init__(in_size, out_size, state_init, name)
         self.W_x = Linear(self.num_in, self.num_out, w_init=w_init, b_init=b_init)
         self.W_z = Linear(self.num_in + self.num_out, self.num_out, w_init=w_init, b_init=b_init)
 
-    def update(self, x: Any) -> Any:
+    def update(self, x: Value) -> Value:
         self._check_input(x)
         old_h = self.h.value
         z = sigmoid(self.W_z(concat(x, old_h)))
@@ -182,9 +181,9 @@ class MiniLSTM(CellBase):
         self,
         in_size: int | tuple[int, ...],
         out_size: int | tuple[int, ...],
-        w_init: Init = braintools.init.Orthogonal(),
-        b_init: Init | None = braintools.init.ZeroInit(),
-        state_init: Init = braintools.init.ZeroInit(),
+        w_init: Initializer = braintools.init.Orthogonal(),
+        b_init: Initializer | None = braintools.init.ZeroInit(),
+        state_init: Initializer = braintools.init.ZeroInit(),
         name: str | None = None,
     ) -> None:
         super().__init__(in_size, out_size, state_init, name)
@@ -193,7 +192,7 @@ class MiniLSTM(CellBase):
         self.W_f = Linear(n_xh, self.num_out, w_init=w_init, b_init=b_init)
         self.W_i = Linear(n_xh, self.num_out, w_init=w_init, b_init=b_init)
 
-    def update(self, x: Any) -> Any:
+    def update(self, x: Value) -> Value:
         self._check_input(x)
         old_h = self.h.value
         xh = concat(x, old_h)

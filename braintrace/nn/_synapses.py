@@ -19,6 +19,7 @@ import braintools
 import brainunit as u
 import numpy as np
 
+from braintrace._typing import Constant, Initializer, Size, Value
 from braintrace.nn._constants import ConstantsDynamics
 from braintrace.nn._initial import initial_state
 from braintrace.nn._input_check import check_broadcast_input, check_input_unit
@@ -26,11 +27,11 @@ from braintrace.nn._input_check import check_broadcast_input, check_input_unit
 __all__ = ["Expon", "Alpha", "DualExpon"]
 
 
-def _state(init: Any, varshape: tuple[int, ...], batch_size: int | None) -> Any:
+def _state(init: Initializer, varshape: tuple[int, ...], batch_size: int | None) -> Value:
     return initial_state(init, varshape, batch_size)
 
 
-def _checked_input(layer: str, x: Any, name: str, state: Any) -> Any:
+def _checked_input(layer: str, x: Value, name: str, state: Value) -> Value:
     """``x``, checked to broadcast onto ``state`` and to be in its unit (it is added to it).
 
     Raises
@@ -92,10 +93,10 @@ class Expon(ConstantsDynamics):
 
     def __init__(
         self,
-        in_size: Any,
+        in_size: Size,
         name: str | None = None,
-        tau: Any = 8.0 * u.ms,
-        g_initializer: Any = braintools.init.Constant(0.0 * u.mS),
+        tau: Constant = 8.0 * u.ms,
+        g_initializer: Initializer = braintools.init.Constant(0.0 * u.mS),
     ) -> None:
         super().__init__(in_size, name=name)
         self.tau = self._constant("tau", tau, time_constant=True)
@@ -109,7 +110,7 @@ class Expon(ConstantsDynamics):
         """Re-initialise ``g`` in place (the state object is kept)."""
         self.g.value = _state(self.g_initializer, self.varshape, batch_size)
 
-    def update(self, x: Any = None) -> Any:
+    def update(self, x: Value | None = None) -> Value:
         """Decay ``g`` by one step, add ``x`` (if given) and return the new ``g``."""
         if x is not None:
             x = _checked_input(type(self).__name__, x, "g", self.g.value)
@@ -169,10 +170,10 @@ class Alpha(ConstantsDynamics):
 
     def __init__(
         self,
-        in_size: Any,
+        in_size: Size,
         name: str | None = None,
-        tau: Any = 8.0 * u.ms,
-        g_initializer: Any = braintools.init.Constant(0.0 * u.mS),
+        tau: Constant = 8.0 * u.ms,
+        g_initializer: Initializer = braintools.init.Constant(0.0 * u.mS),
     ) -> None:
         super().__init__(in_size, name=name)
         self.tau = self._constant("tau", tau, time_constant=True)
@@ -188,7 +189,7 @@ class Alpha(ConstantsDynamics):
         self.g.value = _state(self.g_initializer, self.varshape, batch_size)
         self.h.value = _state(self.g_initializer, self.varshape, batch_size)
 
-    def update(self, x: Any = None) -> Any:
+    def update(self, x: Value | None = None) -> Value:
         """Advance ``g`` towards ``h``, decay ``h`` and add ``x`` (if given) to it; return ``g``."""
         if x is not None:
             x = _checked_input(type(self).__name__, x, "h", self.h.value)
@@ -256,13 +257,13 @@ class DualExpon(ConstantsDynamics):
 
     def __init__(
         self,
-        in_size: Any,
+        in_size: Size,
         name: str | None = None,
-        tau_decay: Any = 10.0 * u.ms,
-        tau_rise: Any = 1.0 * u.ms,
-        amplitude: Any = 1.0,
+        tau_decay: Constant = 10.0 * u.ms,
+        tau_rise: Constant = 1.0 * u.ms,
+        amplitude: Value = 1.0,
         normalize: bool = True,
-        g_initializer: Any = braintools.init.Constant(0.0 * u.mS),
+        g_initializer: Initializer = braintools.init.Constant(0.0 * u.mS),
     ) -> None:
         super().__init__(in_size, name=name)
         self.tau_decay = self._constant("tau_decay", tau_decay, time_constant=True)
@@ -274,7 +275,7 @@ class DualExpon(ConstantsDynamics):
             self._check_distinct()
 
     def _check_distinct(self) -> None:
-        def value(stored: Any) -> Any:
+        def value(stored: Constant) -> Value:
             return stored.value if isinstance(stored, brainstate.ParamState) else stored
 
         gap = u.get_magnitude(value(self.tau_decay) - value(self.tau_rise))
@@ -284,7 +285,7 @@ class DualExpon(ConstantsDynamics):
                 "normalisation divides by their difference); use Alpha for equal time constants."
             )
 
-    def _peak_scale(self, tau_rise: Any, tau_decay: Any) -> Any:
+    def _peak_scale(self, tau_rise: Value, tau_decay: Value) -> Value:
         """``1 / peak`` of the continuous-time unit response ``e^{−t/τ_d} − e^{−t/τ_r}``."""
         r = u.maybe_decimal(tau_rise / tau_decay)
         return 1.0 / (u.math.power(r, r / (1.0 - r)) * (1.0 - r))
@@ -299,7 +300,7 @@ class DualExpon(ConstantsDynamics):
         self.g_rise.value = _state(self.g_initializer, self.varshape, batch_size)
         self.g_decay.value = _state(self.g_initializer, self.varshape, batch_size)
 
-    def update(self, x: Any = None) -> Any:
+    def update(self, x: Value | None = None) -> Value:
         """Decay both components, add ``x`` (if given) to each, return ``A (g_decay − g_rise)``."""
         if x is not None:
             x = _checked_input(type(self).__name__, x, "g_rise", self.g_rise.value)

@@ -328,24 +328,9 @@ def test_the_gradient_audit_takes_bptt_through_a_while(vjp_method: str, x64: Non
                        {p: np.asarray(g) for p, g in audit.bptt_grads.items()}) < EXACT
 
 
-class WeightInWhile(brainstate.nn.Module):
-    """A while_loop whose body reads a trainable weight."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = brainstate.ParamState(0.3 * jnp.ones((4, 4)))
-        self.h = brainstate.HiddenState(jnp.zeros(4))
-
-    def update(self, x: Any) -> Any:
-        self.h.value, _ = jax.lax.while_loop(
-            lambda c: c[1] < 3, lambda c: (jnp.tanh(braintrace.matmul(c[0], self.w.value)), c[1] + 1),
-            (self.h.value + x, 0))
-        return self.h.value
-
-
 @pytest.mark.parametrize("vjp_method", ["single-step", "multi-step"])
 def test_a_while_reading_a_weight_is_refused_with_its_line_and_the_fix(vjp_method: str) -> None:
     with pytest.raises(braintrace.NotSupportedError,
-                       match=r"weight is used inside a while_loop at .*test_control_flow_learning.py:\d+.*"
+                       match=r"weight is used inside a while_loop at .*control_flow_models.py:\d+.*"
                              r"lax.fori_loop with static bounds, or lax.scan"):
-        learner_of(WeightInWhile(), jnp.ones(4), vjp_method=vjp_method)
+        learner_of(cf.WeightInWhile(), jnp.ones(4), vjp_method=vjp_method)

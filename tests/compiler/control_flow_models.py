@@ -332,3 +332,21 @@ class SettleModel(_Model):
             )
         self.h.value = v
         return self.readout()
+
+
+class WeightInWhile(brainstate.nn.Module):
+    """A ``while_loop`` whose body reads a trainable weight (refused: no twin).
+
+    ``h ← tanh((h + x) @ W)`` three times per step, ``h`` of shape ``(4,)``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = brainstate.ParamState(0.3 * jnp.ones((4, 4)))
+        self.h = brainstate.HiddenState(jnp.zeros(4))
+
+    def update(self, x: Any) -> Any:
+        self.h.value, _ = jax.lax.while_loop(
+            lambda c: c[1] < 3, lambda c: (jnp.tanh(braintrace.matmul(c[0], self.w.value)), c[1] + 1),
+            (self.h.value + x, 0))
+        return self.h.value

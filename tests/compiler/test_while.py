@@ -130,29 +130,18 @@ def test_while_hidden_error_policy_raises_in_both_passes() -> None:
         braintrace.compile_etrace_graph(cf.SettleModel(), jnp.ones(3), control_flow=policy)
 
 
-class WeightInWhile(brainstate.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = brainstate.ParamState(0.3 * jnp.ones((4, 4)))
-        self.h = brainstate.HiddenState(jnp.zeros(4))
-
-    def update(self, x: Any) -> Any:
-        self.h.value, _ = jax.lax.while_loop(
-            lambda c: c[1] < 3, lambda c: (jnp.tanh(braintrace.matmul(c[0], self.w.value)), c[1] + 1), (self.h.value + x, 0))
-        return self.h.value
-
-
 def test_weight_in_while_is_an_error() -> None:
-    minfo = braintrace.extract_module_info(WeightInWhile(), jnp.ones(4))
+    minfo = braintrace.extract_module_info(cf.WeightInWhile(), jnp.ones(4))
     with diagnostic_context() as reporter, warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # an ERROR record, not a Python warning
         with pytest.raises(braintrace.NotSupportedError,
-                           match=r"inside a while_loop at .*test_while.py:\d+.*fori_loop with static bounds, or lax.scan"):
+                           match=r"inside a while_loop at .*control_flow_models.py:\d+.*"
+                                 r"fori_loop with static bounds, or lax.scan"):
             braintrace.find_hidden_groups_from_minfo(minfo)
     (rec,) = reporter.records()
     assert rec.kind is Kind.WEIGHT_IN_WHILE and rec.level is DiagnosticLevel.ERROR
     with pytest.raises(braintrace.NotSupportedError, match="while_loop"):
-        braintrace.compile_etrace_graph(WeightInWhile(), jnp.ones(4))
+        braintrace.compile_etrace_graph(cf.WeightInWhile(), jnp.ones(4))
 
 
 class MixingWhile(brainstate.nn.Module):
