@@ -45,8 +45,11 @@ from braintrace._algorithm import (
     MultiStepData,
     ParamDimVjpAlgorithm,
     SequenceDriverMixin,
+    RelationInfo,
+    RelationStep,
     Sharding,
     SingleStepData,
+    TraceRule,
     pp_prop,
     train_synthetic_gradient,
 )
@@ -198,6 +201,9 @@ __all__ = [
     "MemoryEstimate",
     "ETraceConfig",
     "Sharding",
+    "TraceRule",
+    "RelationStep",
+    "RelationInfo",
 ]
 
 # deprecated v0.1 names, served lazily by __getattr__ with a one-time DeprecationWarning

@@ -48,6 +48,7 @@ from braintrace._algorithm import (
     pp_prop,
 )
 from braintrace._algorithm.batch_size import checked_batch_size
+from braintrace._algorithm.trace_rule import RuleLearner, TraceRule
 from braintrace._algorithm.sharding import Sharding, check_batch_size, plan_sharding
 from braintrace._errors import CompilationError
 
@@ -107,8 +108,8 @@ def _resolve(algorithm: Any) -> type[ETraceAlgorithm]:
             f"pass an ETraceAlgorithm subclass or a braintrace.ETraceConfig."
         )
     raise TypeError(
-        f"compile: algorithm must be an ETraceAlgorithm subclass, its name or a braintrace.ETraceConfig, "
-        f"got {type(algorithm).__name__}."
+        f"compile: algorithm must be an ETraceAlgorithm subclass, its name, a braintrace.ETraceConfig or "
+        f"a braintrace.TraceRule, got {type(algorithm).__name__}."
     )
 
 
@@ -201,12 +202,14 @@ def compile(
     ----------
     model : brainstate.nn.Module
         The model; ``init_state(batch_size=...)`` is called on it (and its children).
-    algorithm : ETraceAlgorithm subclass, str or ETraceConfig
+    algorithm : ETraceAlgorithm subclass, str, ETraceConfig or TraceRule
         The learning rule, its case-insensitive name (see :data:`~braintrace._compile.ALGORITHM_NAMES`),
         or its coordinate: a :class:`~braintrace.ETraceConfig` runs on the engine of its
         ``trace_factorization`` (``ParamDimVjpAlgorithm``, ``IODimVjpAlgorithm``,
         ``RandomProjectionVjpAlgorithm``), which receives it as ``config``. ``'bptt'``
         (:class:`~braintrace.BPTT`) is backpropagation through time behind the same interface.
+        A :class:`~braintrace.TraceRule` (a rule written as pure functions) runs on
+        :class:`~braintrace._algorithm.trace_rule.RuleLearner`.
     *example_inputs
         Inputs of one step (with the batch on axis 0 when batched): arrays, or
         ``jax.ShapeDtypeStruct`` shapes.
@@ -269,6 +272,9 @@ def compile(
     if isinstance(algorithm, ETraceConfig):
         options = _engine_options(algorithm, options)
         cls = ENGINES[algorithm.trace_factorization]
+    elif isinstance(algorithm, TraceRule):
+        options = {**options, "rule": algorithm}
+        cls = RuleLearner
     else:
         cls = _resolve(algorithm)
     if not example_inputs:

@@ -1,4 +1,4 @@
-"""The top-level namespace is exactly upstream 0.2.4's, plus 0.2.5's additions, our checkpoints and sharding."""
+"""The top-level namespace is exactly upstream 0.2.4's, plus 0.2.5's additions, our checkpoints, sharding and the rule contract."""
 
 from __future__ import annotations
 
@@ -38,12 +38,13 @@ EXPECTED_ALL = [
     "estimate_memory", "learner_memory", "MemoryPlan", "MemoryEstimate",
     "ETraceConfig",
     "Sharding",
+    "TraceRule", "RelationStep", "RelationInfo",
 ]
 
 
 def test_all_is_exactly_upstreams() -> None:
     assert braintrace.__all__ == EXPECTED_ALL
-    assert len(EXPECTED_ALL) == 83
+    assert len(EXPECTED_ALL) == 86
     for name in EXPECTED_ALL:
         assert hasattr(braintrace, name), name
 

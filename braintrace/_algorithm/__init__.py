@@ -28,6 +28,7 @@ from braintrace._algorithm.three_factor import ThreeFactor
 from braintrace._algorithm.dni import DNI
 from braintrace._algorithm.synthetic_gradient import SyntheticGradient
 from braintrace._algorithm.synthetic_training import train_synthetic_gradient
+from braintrace._algorithm.trace_rule import RelationInfo, RelationStep, TraceRule
 
 __all__ = [
     "ETraceAlgorithm",
@@ -63,4 +64,7 @@ __all__ = [
     "train_synthetic_gradient",
     "ETraceConfig",
     "Sharding",
+    "TraceRule",
+    "RelationStep",
+    "RelationInfo",
 ]
