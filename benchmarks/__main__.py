@@ -58,7 +58,7 @@ import jax.numpy as jnp
 
 import braintrace
 from benchmarks import hand_written
-from benchmarks.models import GRU, LIF, ConvRNN, FixedLeakLIF, LeakyRNN
+from benchmarks.models import GRU, LIF, ConvRNN, FixedLeakLIF, LeakyRNN, VanillaRNN
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,7 @@ OTTT_METHODS = ("BPTT", "D_RTRL single", "OTTT single", "OTPE single")
 SETTINGS = {
     "leaky64": Setting("leaky64", LeakyRNN, 64, by_hand=True),
     "leaky256": Setting("leaky256", LeakyRNN, 256),
+    "vanilla256": Setting("vanilla256", VanillaRNN, 256),
     "gru64": Setting("gru64", GRU, 64),
     "gru256": Setting("gru256", GRU, 256),
     "lif256": Setting("lif256", LIF, 256),

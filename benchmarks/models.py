@@ -48,6 +48,20 @@ class LeakyRNN(_Recurrent):
         return self.h.value @ self.w_out.value
 
 
+class VanillaRNN(_Recurrent):
+    """``h = tanh([x, h] W + b)`` with a plain readout (upstream's "vanilla" benchmark cell)."""
+
+    def __init__(self, n_in: int, n_hidden: int, n_out: int) -> None:
+        super().__init__(n_in, n_hidden, n_out)
+        self.w = brainstate.ParamState(_normal(10, (n_in + n_hidden, n_hidden), 1 / np.sqrt(n_in + n_hidden)))
+        self.b = brainstate.ParamState(jnp.zeros(n_hidden, dtype=jnp.float32))
+
+    def update(self, x: jax.Array) -> jax.Array:
+        xh = jnp.concatenate([x, self.h.value], axis=-1)
+        self.h.value = jnp.tanh(braintrace.matmul(xh, self.w.value, self.b.value))
+        return self.h.value @ self.w_out.value
+
+
 class GRU(_Recurrent):
     """A GRU cell (three ETP linears on ``[x, h]``) with a plain readout."""
 
