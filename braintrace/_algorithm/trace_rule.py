@@ -70,7 +70,18 @@ __all__ = ["RelationInfo", "RelationStep", "TraceRule", "RuleLearner"]
 
 
 class RelationInfo(NamedTuple):
-    """What a rule knows of one relation and a hidden group it drives, to allocate its carrier."""
+    """What a rule knows of one relation and a hidden group it drives, to allocate its carrier.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, braintrace
+    >>> info = braintrace.RelationInfo(
+    ...     x=jax.ShapeDtypeStruct((4, 3), jnp.float32), y=jax.ShapeDtypeStruct((4, 2), jnp.float32),
+    ...     weights={'weight': jax.ShapeDtypeStruct((3, 2), jnp.float32)}, num_state=1, primitive='etp_mm',
+    ...     params={})
+    >>> (*info.x.shape, info.y.shape[-1])  # a per-sample trace of the weight
+    (4, 3, 2)
+    """
 
     #: The operation's input (``None``: it has none, such as ``element_wise``).
     x: jax.ShapeDtypeStruct | None
@@ -88,7 +99,16 @@ class RelationInfo(NamedTuple):
 
 
 class RelationStep(NamedTuple):
-    """What one step hands a rule for one relation and a hidden group it drives."""
+    """What one step hands a rule for one relation and a hidden group it drives.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp, braintrace
+    >>> step = braintrace.RelationStep(x=jnp.ones((4, 3)), df=jnp.ones((4, 2, 1)),
+    ...                                diag=jnp.full((4, 2, 1, 1), 0.5), weights={'weight': jnp.ones((3, 2))})
+    >>> float(step.diag[0, 0, 0, 0]), step.df[..., 0].shape  # D and df of one state per unit
+    (0.5, (4, 2))
+    """
 
     #: The operation's input this step (``None``: it has none).
     x: jax.Array | None
@@ -120,6 +140,17 @@ class TraceRule(NamedTuple):
     residual : callable, optional
         ``residual(entering, new, step) -> residual``, what ``solve`` receives (default: the
         carrier entering the step).
+
+    Examples
+    --------
+    A rule that keeps no carrier history: the one-step gradient alone (truncated BPTT of one step).
+
+    >>> import jax.numpy as jnp, braintrace
+    >>> one_step = braintrace.TraceRule(init=lambda info: jnp.zeros(()), roll=lambda c, step: c,
+    ...                                 solve=lambda c, g, step: {})
+    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), one_step, jnp.ones(3))
+    >>> type(learner).__name__, learner(jnp.ones(3)).shape
+    ('RuleLearner', (4,))
     """
 
     init: Callable[[RelationInfo], Carrier]
