@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any, Hashable, NamedTuple
+from typing import TYPE_CHECKING, Any, Hashable, NamedTuple
 
 import brainstate
 import brainunit as u
@@ -48,8 +48,13 @@ import numpy as np
 from braintrace._algorithm import ETraceAlgorithm, ETraceVmap
 from braintrace._atomic_file import write_atomically
 from braintrace._compatible_imports import Tracer
-from braintrace._checkpoint_extra import StateWrites, decode_raw, encode, restore_like, without_states
-from braintrace._errors import NotSupportedError
+from braintrace._checkpoint_extra import Leaf, StateWrites, decode_raw, encode, restore_like, without_states
+from braintrace._compile import Learner
+from braintrace._errors import NotSupportedError, internal_error
+from braintrace._typing import PyTree
+
+if TYPE_CHECKING:
+    import braintools
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
@@ -78,7 +83,7 @@ class Entry(NamedTuple):
 
     state: brainstate.State
     position: int  # of the leaf among the state's leaves (a Quantity is one leaf)
-    leaf: Any  # its value as the checkpoint holds it
+    leaf: Leaf  # its value as the checkpoint holds it
     #: The state holds the leaf without the trailing state axis of one that the checkpoint keeps
     #: (a trace stored on a TPU; see ``ParamDimVjpAlgorithm._stored``).
     without_state_axis: bool = False
@@ -89,7 +94,7 @@ class LeafSpec(NamedTuple):
 
     shape: tuple[int, ...]
     dtype: str
-    unit: Any
+    unit: u.Unit | str | None  # a unit of the learner, or its name in a checkpoint's header
 
     def __str__(self) -> str:
         unit = "" if self.unit is None else f" [{self.unit}]"
@@ -99,7 +104,7 @@ class LeafSpec(NamedTuple):
 # --- stable names --------------------------------------------------------------------------
 
 
-def _algorithm_of(learner: Any, call: str) -> ETraceAlgorithm:
+def _algorithm_of(learner: object, call: str) -> ETraceAlgorithm:
     """The compiled :class:`ETraceAlgorithm` of ``learner`` (itself, or the one a vmap wraps)."""
     algo = learner.module if isinstance(learner, ETraceVmap) else learner
     if not isinstance(algo, ETraceAlgorithm):
@@ -115,7 +120,7 @@ def _algorithm_of(learner: Any, call: str) -> ETraceAlgorithm:
     return algo
 
 
-def _learner_kind(learner: Any) -> str:
+def _learner_kind(learner: Learner) -> str:
     if isinstance(learner, ETraceVmap):
         return f"ETraceVmap({type(learner.module).__name__})"
     return type(learner).__name__
@@ -133,7 +138,7 @@ def _stable_ids(algo: ETraceAlgorithm) -> StableIds:
     return names
 
 
-def _element(e: Any, ids: StableIds, path: StatePath, call: str) -> str:
+def _element(e: Hashable, ids: StableIds, path: StatePath, call: str) -> str:
     if isinstance(e, str):
         return e
     if isinstance(e, int) and not isinstance(e, bool):
@@ -155,7 +160,7 @@ def _name(prefix: str, path: StatePath, ids: StableIds, call: str) -> str:
     return prefix + "/" + "/".join(_element(e, ids, path, call) for e in path)
 
 
-def _is_quantity(x: Any) -> bool:
+def _is_quantity(x: object) -> bool:
     return isinstance(x, u.Quantity)
 
 
@@ -180,7 +185,7 @@ def _add_state(
         entries[full] = Entry(state, position, leaf, without_state_axis)
 
 
-def _learner_entries(learner: Any, call: str) -> dict[str, Entry]:
+def _learner_entries(learner: Learner, call: str) -> dict[str, Entry]:
     """``name -> Entry`` of every leaf of every state of the learner."""
     algo = _algorithm_of(learner, call)
     ids = _stable_ids(algo)
@@ -198,7 +203,7 @@ def _learner_entries(learner: Any, call: str) -> dict[str, Entry]:
     return entries
 
 
-def _optimizer_entries(optimizer: Any, skip: set[int], call: str) -> dict[str, Entry]:
+def _optimizer_entries(optimizer: object, skip: set[int], call: str) -> dict[str, Entry]:
     """``name -> Entry`` of the states of a ``braintools.optim`` optimizer and its schedulers.
 
     States in ``skip`` (the learner's parameters it updates) are left out: they are saved as
@@ -222,7 +227,7 @@ def _optimizer_entries(optimizer: Any, skip: set[int], call: str) -> dict[str, E
     seen: set[int] = set()
     containers = (dict, list, tuple, braintools.optim.Optimizer, braintools.optim.LRScheduler)
 
-    def visit(obj: Any, path: StatePath) -> None:
+    def visit(obj: object, path: StatePath) -> None:
         if id(obj) in seen:
             return
         if isinstance(obj, brainstate.State):
@@ -232,7 +237,7 @@ def _optimizer_entries(optimizer: Any, skip: set[int], call: str) -> dict[str, E
         elif isinstance(obj, containers):
             seen.add(id(obj))
             if isinstance(obj, dict):
-                items: list[tuple[Hashable, Any]] = list(obj.items())
+                items: list[tuple[Hashable, object]] = list(obj.items())
             elif isinstance(obj, (list, tuple)):
                 items = list(enumerate(obj))
             else:
@@ -250,7 +255,7 @@ def _optimizer_entries(optimizer: Any, skip: set[int], call: str) -> dict[str, E
 # --- leaves --------------------------------------------------------------------------------
 
 
-def _spec(leaf: Any) -> LeafSpec:
+def _spec(leaf: object) -> LeafSpec:
     unit = None
     if isinstance(leaf, u.Quantity):
         unit, leaf = leaf.unit, leaf.mantissa
@@ -262,7 +267,7 @@ def _spec(leaf: Any) -> LeafSpec:
     return LeafSpec((), type(leaf).__name__, unit)
 
 
-def _decode(raw: Any) -> Any:
+def _decode(raw: object) -> object:
     """A stored leaf as a value: ``braintools`` writes a Quantity as its mantissa and unit."""
     import braintools
 
@@ -272,7 +277,7 @@ def _decode(raw: Any) -> Any:
     return raw
 
 
-def _restored(template: Any, found: Any) -> Any:
+def _restored(template: Leaf, found: object) -> Leaf:
     """``found`` (a checked stored leaf) in the form of the target leaf ``template``."""
     if isinstance(found, u.Quantity):
         # The units are equal (checked); the target's unit object keeps its name ('mV').
@@ -290,7 +295,7 @@ def _restored(template: Any, found: Any) -> Any:
     return found
 
 
-def _header_entry(spec: LeafSpec) -> dict[str, Any]:
+def _header_entry(spec: LeafSpec) -> dict[str, str | None]:
     # The shape as text: braintools would store a list as a dict of its items.
     return {"shape": str(spec.shape), "dtype": spec.dtype, "unit": None if spec.unit is None else str(spec.unit)}
 
@@ -298,7 +303,9 @@ def _header_entry(spec: LeafSpec) -> dict[str, Any]:
 # --- the public calls ------------------------------------------------------------------------
 
 
-def save_checkpoint(path: PathLike, learner: Any, *, optimizer: Any = None, extra: Any = None) -> str:
+def save_checkpoint(
+    path: PathLike, learner: Learner, *, optimizer: braintools.optim.Optimizer | None = None, extra: PyTree = None,
+) -> str:
     """Write the whole training state of ``learner`` (and ``optimizer``) to ``path``.
 
     Saved: every state of the learner under a stable name (parameters, hidden states, the
@@ -387,7 +394,9 @@ def save_checkpoint(path: PathLike, learner: Any, *, optimizer: Any = None, extr
     return filename
 
 
-def load_checkpoint(path: PathLike, learner: Any, *, optimizer: Any = None, extra: Any = None) -> Any:
+def load_checkpoint(
+    path: PathLike, learner: Learner, *, optimizer: braintools.optim.Optimizer | None = None, extra: PyTree = None,
+) -> PyTree:
     """Restore a checkpoint of :func:`save_checkpoint` into ``learner`` (and ``optimizer``), in place.
 
     Build the learner (and optimizer) exactly as the saved one was built (the same model,
@@ -525,7 +534,7 @@ def _file_path(path: PathLike, call: str) -> str:
     return filename
 
 
-def _checksum(body: Any) -> str:
+def _checksum(body: object) -> str:
     """``'sha256:<hex>'`` of a checkpoint's entries and ``extra`` as ``braintools.file`` stores
     them (nested dicts of arrays, numbers and strings), in a canonical order."""
     digest = hashlib.sha256()
@@ -533,7 +542,7 @@ def _checksum(body: Any) -> str:
     return f"sha256:{digest.hexdigest()}"
 
 
-def _feed(digest: Any, value: Any) -> None:
+def _feed(digest: hashlib._Hash, value: object) -> None:
     if isinstance(value, dict):
         digest.update(b"{")
         for key in sorted(value, key=str):
@@ -592,7 +601,9 @@ def _read(filename: str) -> dict[str, Any]:
     return result
 
 
-def _entry_problems(expected: dict[str, Entry], found: dict[str, Any], saved: dict[str, Any]) -> list[str]:
+def _entry_problems(
+    expected: dict[str, Entry], found: dict[str, object], saved: dict[str, dict[str, str | None]],
+) -> list[str]:
     """One line per entry that is missing, unexpected, or of another shape, dtype or unit.
 
     ``saved`` is the header's description of the stored entries; its unit names (``'mV'``)
@@ -619,7 +630,7 @@ def _entry_problems(expected: dict[str, Entry], found: dict[str, Any], saved: di
     return problems
 
 
-def _restore_extra(raw: dict[str, Any], template: Any, problems: list[str]) -> tuple[Any, StateWrites]:
+def _restore_extra(raw: dict[str, Any], template: PyTree, problems: list[str]) -> tuple[PyTree, StateWrites]:
     """The restored ``extra`` and the values for the template's ``State`` leaves (written by the
     caller once nothing is amiss)."""
     import braintools
@@ -640,12 +651,19 @@ def _restore_extra(raw: dict[str, Any], template: Any, problems: list[str]) -> t
         return None, []
 
 
-def _write(expected: dict[str, Entry], found: dict[str, Any]) -> None:
-    per_state: dict[int, tuple[brainstate.State, dict[int, Any]]] = {}
+def _write(expected: dict[str, Entry], found: dict[str, object]) -> None:
+    per_state: dict[int, tuple[brainstate.State, dict[int, Leaf]]] = {}
     for name, entry in expected.items():
         _, new = per_state.setdefault(id(entry.state), (entry.state, {}))
         value = _restored(entry.leaf, found[name])
-        new[entry.position] = value[..., 0] if entry.without_state_axis else value
+        new[entry.position] = _without_state_axis(value) if entry.without_state_axis else value
     for state, new in per_state.values():
         old, treedef = jax.tree.flatten(state.value, is_leaf=_is_quantity)
         state.value = jax.tree.unflatten(treedef, [new.get(i, v) for i, v in enumerate(old)])
+
+
+def _without_state_axis(value: Leaf) -> Leaf:
+    """A restored trace leaf without the trailing state axis the checkpoint keeps (see :class:`Entry`)."""
+    if not isinstance(value, (jax.Array, np.ndarray, u.Quantity)):
+        raise internal_error(f"a trace leaf stored with a state axis restored as a {type(value).__name__}")
+    return value[..., 0]

@@ -35,7 +35,7 @@ True
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, TypeGuard, Union
 
 import brainstate
 import brainunit as u
@@ -44,15 +44,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from braintrace._compatible_imports import Tracer
+from braintrace._typing import PyTree
 
-__all__ = ["TAG", "StateWrites", "ExtraMismatch", "encode", "decode_raw", "restore_like", "without_states"]
+__all__ = ["TAG", "Leaf", "StateWrites", "ExtraMismatch", "encode", "decode_raw", "restore_like", "without_states"]
 
 #: The key that marks a stored dict as an encoded value; refused as a key of the user's own dicts.
 TAG = "__braintrace_extra__"
 #: The Python ints msgpack stores as they are.
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 #: ``(state, restored value)`` for each ``State`` of a template, written once every check has passed.
-StateWrites = list[tuple[brainstate.State, Any]]
+StateWrites = list[tuple[brainstate.State, PyTree]]
+#: An array or number leaf of a state or of ``extra``.
+Leaf = Union[jax.Array, np.ndarray, np.generic, u.Quantity, bool, int, float, complex]
 
 _STORABLE = (
     "dicts, lists, tuples, named tuples, None, bools, numbers (Python ints of any size), strings, "
@@ -68,13 +71,13 @@ class ExtraMismatch(ValueError):
 # --- saving --------------------------------------------------------------------------------
 
 
-def encode(extra: Any, call: str) -> Any:
+def encode(extra: PyTree, call: str) -> PyTree:
     """``extra`` with every value msgpack cannot hold tagged; refused (``TypeError``) if it holds
     something no checkpoint stores."""
     return _encode(extra, "extra", call)
 
 
-def _encode(value: Any, where: str, call: str) -> Any:
+def _encode(value: PyTree, where: str, call: str) -> PyTree:
     if isinstance(value, brainstate.State):
         return _encode(value.value, f"{where}.value", call)
     if isinstance(value, Tracer):
@@ -120,7 +123,7 @@ def _encode(value: Any, where: str, call: str) -> Any:
 # --- loading -------------------------------------------------------------------------------
 
 
-def decode_raw(stored: Any) -> Any:
+def decode_raw(stored: PyTree) -> PyTree:
     """The stored ``extra`` as it was read, tagged values decoded and arrays copied to NumPy."""
     if isinstance(stored, dict):
         if TAG in stored:
@@ -131,7 +134,7 @@ def decode_raw(stored: Any) -> Any:
     return stored
 
 
-def _decode_tagged(stored: dict[str, Any]) -> Any:
+def _decode_tagged(stored: dict[str, Any]) -> int | jax.Array | np.random.Generator:
     kind = stored[TAG]
     if kind == "int":
         return int(stored["digits"])
@@ -149,7 +152,7 @@ def _decode_tagged(stored: dict[str, Any]) -> Any:
     raise ExtraMismatch(f"a stored value has the unknown kind {kind!r} (a newer braintrace wrote it)")
 
 
-def without_states(template: Any) -> Any:
+def without_states(template: PyTree) -> PyTree:
     """``template`` with each ``State`` replaced by its value (``braintools`` would write into it)."""
     if isinstance(template, brainstate.State):
         return without_states(template.value)
@@ -163,8 +166,9 @@ def without_states(template: Any) -> Any:
 
 
 def restore_like(
-    template: Any, restored: Any, leaf: Callable[[Any, Any], Any], writes: StateWrites, where: str = "extra",
-) -> Any:
+    template: PyTree, restored: PyTree, leaf: Callable[[Leaf, object], Leaf], writes: StateWrites,
+    where: str = "extra",
+) -> PyTree:
     """``restored`` (what ``braintools`` restored against ``without_states(template)``) in the
     form of ``template``: tagged values decoded, each array or number leaf given as
     ``leaf(template_leaf, stored_leaf)``, and each ``State`` of the template returned itself, its
@@ -181,7 +185,7 @@ def restore_like(
         raise ExtraMismatch(f"{where}: the template holds {_KIND_NAMES[kind]}, the checkpoint {_KIND_NAMES[found]}")
     if kind in _TAGGED:
         value = _decode_tagged(restored)
-        if kind == "prng_key" and jnp.shape(value) != jnp.shape(template):
+        if isinstance(value, jax.Array) and jnp.shape(value) != jnp.shape(template):  # a typed PRNG key
             raise ExtraMismatch(
                 f"{where}: PRNG key shape mismatch: expected {jnp.shape(template)}, got {jnp.shape(value)}")
         return value
@@ -210,7 +214,7 @@ _KIND_NAMES = {
 }
 
 
-def _kind(template: Any) -> str:
+def _kind(template: object) -> str:
     """What a template leaf asks for."""
     if _is_typed_key(template):
         return "prng_key"
@@ -223,7 +227,7 @@ def _kind(template: Any) -> str:
     return "other"
 
 
-def _stored_kind(stored: Any) -> str:
+def _stored_kind(stored: object) -> str:
     """What a stored (``braintools``-restored) value is."""
     if isinstance(stored, dict) and TAG in stored:
         return str(stored[TAG])
@@ -234,9 +238,9 @@ def _stored_kind(stored: Any) -> str:
     return "other"
 
 
-def _is_typed_key(value: Any) -> bool:
+def _is_typed_key(value: object) -> TypeGuard[jax.Array]:
     return isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
 
 
-def _is_namedtuple(value: Any) -> bool:
+def _is_namedtuple(value: object) -> bool:
     return isinstance(value, tuple) and hasattr(value, "_fields")

@@ -20,7 +20,7 @@ Examples
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Union
 
 import brainstate
 import jax
@@ -51,8 +51,13 @@ from braintrace._algorithm.batch_size import checked_batch_size
 from braintrace._algorithm.trace_rule import RuleLearner, TraceRule
 from braintrace._algorithm.sharding import Sharding, check_batch_size, plan_sharding
 from braintrace._errors import CompilationError
+from braintrace._typing import PyTree
 
-__all__ = ["compile", "ALGORITHM_NAMES", "ENGINES"]
+__all__ = ["compile", "ALGORITHM_NAMES", "ENGINES", "Learner"]
+
+#: A compiled learner, what :func:`compile` returns: the learning rule around the model, or
+#: its :class:`~braintrace.ETraceVmap` (``vmap=True``).
+Learner = Union[ETraceAlgorithm, ETraceVmap]
 
 #: Case-insensitive names accepted by :func:`compile`.
 ALGORITHM_NAMES: dict[str, type[ETraceAlgorithm]] = {
@@ -94,7 +99,7 @@ def _engine_options(config: ETraceConfig, options: dict[str, Any]) -> dict[str, 
     return options
 
 
-def _resolve(algorithm: Any) -> type[ETraceAlgorithm]:
+def _resolve(algorithm: object) -> type[ETraceAlgorithm]:
     if isinstance(algorithm, type):
         if issubclass(algorithm, ETraceAlgorithm):
             return algorithm
@@ -113,14 +118,14 @@ def _resolve(algorithm: Any) -> type[ETraceAlgorithm]:
     )
 
 
-def _one_sample(example: Any) -> Any:
+def _one_sample(example: jax.Array | jax.ShapeDtypeStruct) -> jax.Array | jax.ShapeDtypeStruct:
     """The example input of one sample: axis 0 dropped (from a shape, or indexed from an array)."""
     if isinstance(example, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(example.shape[1:], example.dtype)
     return example[0]
 
 
-def _check_vmap_batch_axis(example_inputs: tuple[Any, ...], batch_size: int) -> None:
+def _check_vmap_batch_axis(example_inputs: tuple[PyTree, ...], batch_size: int) -> None:
     """Under ``vmap`` every example input is mapped over axis 0, which must be the batch."""
     shapes = [tuple(jnp.shape(leaf)) for leaf in jax.tree.leaves(example_inputs)]
     if all(s[:1] == (batch_size,) for s in shapes):
@@ -132,7 +137,7 @@ def _check_vmap_batch_axis(example_inputs: tuple[Any, ...], batch_size: int) -> 
     )
 
 
-def _batch_mismatch(example_inputs: tuple[Any, ...], batch_size: int | None) -> str | None:
+def _batch_mismatch(example_inputs: tuple[PyTree, ...], batch_size: int | None) -> str | None:
     """Why the example may not fit ``batch_size`` (``None``: it may well fit)."""
     shapes = [tuple(jnp.shape(leaf)) for leaf in jax.tree.leaves(example_inputs)]
     if batch_size is None or any(s[:1] == (batch_size,) for s in shapes):
@@ -153,7 +158,7 @@ def _one_step_hint(shapes: list[tuple[int, ...]], batch_size: int) -> str:
     return f"Give one step of a batch, shape (batch_size, ...).{its_batch}"
 
 
-def _compile_graph(learner: ETraceAlgorithm, example_inputs: tuple[Any, ...], batch_size: int | None) -> None:
+def _compile_graph(learner: ETraceAlgorithm, example_inputs: tuple[PyTree, ...], batch_size: int | None) -> None:
     """``learner.compile_graph``; a failure that an example/batch mismatch explains says so."""
     try:
         learner.compile_graph(*example_inputs)
@@ -187,15 +192,15 @@ def _seeded(seed: int | None) -> Iterator[None]:
 
 def compile(
     model: brainstate.nn.Module,
-    algorithm: Any,
-    *example_inputs: Any,
+    algorithm: str | type[ETraceAlgorithm] | ETraceConfig | TraceRule,
+    *example_inputs: PyTree,
     batch_size: int | None = None,
     seed: int | None = None,
     verbose: int = 0,
     vmap: bool = False,
     sharding: Sharding | None = None,
     **options: Any,
-) -> Any:
+) -> Learner:
     """Initialise ``model``'s states, wrap it in ``algorithm`` and compile its eligibility-trace graph.
 
     Parameters
@@ -305,7 +310,7 @@ def compile(
 
         with _seeded(seed):
             brainstate.transform.vmap_new_states(init_per_sample, state_tag="new", axis_size=batch_size)()
-        result: Any = ETraceVmap(learner, vmap_states="new")
+        result: Learner = ETraceVmap(learner, vmap_states="new")
     else:
         with _seeded(seed):
             brainstate.nn.init_all_states(model, batch_size=batch_size)

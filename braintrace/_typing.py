@@ -2,10 +2,11 @@
 
 The domain's names are the ones every layer passes around: a state's :data:`Path`, a relation's
 per-group :data:`TraceKey` and the :data:`Trace` stored under it, and the structural views
-:class:`HiddenGroupLike` and :class:`RelationLike` of the compiler's hidden groups and relations.
-The views let a module read a group or a relation without importing the compiler module that
-builds it (the ``_op`` rules sit below the compiler; the compiler's own analyses sit below the
-classes), so no module imports another that imports it back. The layers of :mod:`braintrace.nn`
+:class:`HiddenGroupLike` and :class:`RelationLike` of the compiler's hidden groups and relations,
+and :class:`LearnerLike` of a learner. The views let a module read a group, a relation or
+a learner without importing the module that builds it (the ``_op`` rules sit below the compiler;
+the compiler's own analyses sit below the classes; the memory measurement sits below the
+learners), so no module imports another that imports it back. The layers of :mod:`braintrace.nn`
 share the names of their physical values (:data:`Value`, :data:`Constant`, :data:`Initializer`,
 :data:`Size`, :data:`ValueFn`). This module imports nothing from braintrace but the JAX adapter,
 which imports nothing from braintrace.
@@ -13,7 +14,7 @@ which imports nothing from braintrace.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Protocol, Sequence, Union
+from typing import Any, Callable, Hashable, Protocol, Sequence, Union, runtime_checkable
 
 import brainstate
 import brainunit as u
@@ -24,7 +25,7 @@ from braintrace._compatible_imports import Jaxpr, Primitive, Var
 
 __all__ = [
     "Array", "ArrayLike", "WeightFn", "PyTree", "Params",
-    "Path", "TraceKey", "Trace", "HiddenGroupLike", "RelationLike",
+    "Path", "TraceKey", "Trace", "HiddenGroupLike", "RelationLike", "LearnerLike",
     "Value", "Constant", "Initializer", "Size", "ValueFn",
 ]
 
@@ -112,3 +113,27 @@ class RelationLike(Protocol):
     @property
     def y_to_hidden_group_jaxprs(self) -> Sequence[Jaxpr]:
         """Per group, the ``y -> h`` tail."""
+
+
+@runtime_checkable
+class LearnerLike(Protocol):
+    """What other modules read of a learner (:class:`~braintrace.ETraceAlgorithm`).
+
+    ``isinstance(obj, LearnerLike)`` tells a learner, compiled or not, from any other module: it
+    checks that these attributes are present (every ``ETraceAlgorithm`` sets them in ``__init__``).
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp, braintrace
+    >>> from braintrace._typing import LearnerLike
+    >>> cell = braintrace.nn.ValinaRNNCell(3, 4)
+    >>> isinstance(braintrace.compile(cell, 'd_rtrl', jnp.ones(3)), LearnerLike), isinstance(cell, LearnerLike)
+    (True, False)
+    """
+
+    #: The model the learner trains.
+    model4compile: brainstate.nn.Module
+    #: Whether ``braintrace.compile`` has traced the model into the learner's graph.
+    is_compiled: bool
+    #: The batch size it was compiled for (``None``: unbatched).
+    batch_size: int | None

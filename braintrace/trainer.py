@@ -57,31 +57,45 @@ Examples
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, TypeGuard, Union
 
 import brainstate
 import braintools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
+from braintrace._algorithm import ETraceAlgorithm, ETraceConfig
 from braintrace._algorithm.finite import WHAT, Status, advance, all_finite
 from braintrace._algorithm.layout import checked_time_axis
-from braintrace._compile import compile as compile_learner
+from braintrace._compile import Learner, compile as compile_learner
+from braintrace._algorithm.trace_rule import TraceRule
 from braintrace._errors import NonFiniteWarning, non_finite_advice
+from braintrace._typing import Path, PyTree
+
+if TYPE_CHECKING:
+    import optax
 
 __all__ = ["OnlineModule", "accuracy"]
 
 #: ``loss(output, target) -> scalar``: the loss of one step, averaged over the batch.
-LossFn = Callable[[Any, Any], Any]
+LossFn = Callable[[PyTree, PyTree], jax.Array]
 #: ``metric(outputs, targets) -> scalar``: ``outputs`` time-major ``(T, B, ...)``.
-MetricFn = Callable[[Any, Any], Any]
+MetricFn = Callable[[PyTree, PyTree], jax.Array]
+#: What :class:`OnlineModule` trains with: a learner to compile (as :func:`braintrace.compile`
+#: takes it) or a compiled one.
+LearnerSpec = Union[str, type[ETraceAlgorithm], ETraceConfig, TraceRule, Learner]
+#: A batch of a ``DataLoader``: ``(inputs, targets)``, batch-major or time-major (``time_axis``).
+Batch = Union[tuple[PyTree, PyTree], list[PyTree]]
+#: A state and the value it held when saved.
+Saved = tuple[brainstate.State, PyTree]
 
 _TARGETS = ("sequence", "step")
 _STATES = ("reset", "carry")
 
 
-def accuracy(outputs: Any, labels: Any) -> jax.Array:
+def accuracy(outputs: jax.Array, labels: jax.Array) -> jax.Array:
     """The fraction of sequences whose summed output over time peaks at the label.
 
     Parameters
@@ -108,7 +122,9 @@ def _zero_with_slope(value: jax.Array, slope: jax.Array) -> jax.Array:
 
 
 @_zero_with_slope.defjvp
-def _zero_with_slope_jvp(primals: tuple[jax.Array, jax.Array], tangents: tuple[Any, Any]) -> tuple[Any, Any]:
+def _zero_with_slope_jvp(
+    primals: tuple[jax.Array, jax.Array], tangents: tuple[jax.Array, jax.Array],
+) -> tuple[jax.Array, jax.Array]:
     value, slope = primals
     value_dot, _ = tangents
     return jnp.zeros((), value.dtype), jnp.sum(jax.lax.stop_gradient(slope).astype(value.dtype) * value_dot)
@@ -176,12 +192,12 @@ class OnlineModule(braintools.trainer.LightningModule):
     def __init__(
         self,
         model: brainstate.nn.Module,
-        learner: Any = "d_rtrl",
+        learner: LearnerSpec = "d_rtrl",
         *,
         loss: LossFn,
-        optimizer: Any,
+        optimizer: braintools.optim.Optimizer | optax.GradientTransformation,
         targets: str = "sequence",
-        mask: Any = None,
+        mask: str | ArrayLike | None = None,
         metrics: Mapping[str, MetricFn] | None = None,
         states: str = "reset",
         time_axis: int = 1,
@@ -211,8 +227,8 @@ class OnlineModule(braintools.trainer.LightningModule):
         self.skipped_batches: list[tuple[int, int, str]] = []
         self._learner_spec = learner
         self._compile_options = compile_options
-        self._learner: Any = learner if _is_compiled_learner(learner) else None
-        if self._learner is not None and _compiled_model(learner) is not model:
+        self._learner: Learner | None = learner if _is_compiled_learner(learner) else None
+        if self._learner is not None and _compiled_model(self._learner) is not model:
             raise ValueError(
                 "OnlineModule: the learner given was compiled for another model than the one given; pass "
                 "the model it was compiled for, or a learner name to compile for this model."
@@ -224,16 +240,16 @@ class OnlineModule(braintools.trainer.LightningModule):
             )
         self._nonfinite = brainstate.ShortTermState(jnp.zeros((), jnp.int32))
         self._batch_idx = 0
-        self._restore_after_batch: list[tuple[brainstate.State, Any]] = []
-        self._restore_after_update: list[tuple[brainstate.State, Any]] = []
+        self._restore_after_batch: list[Saved] = []
+        self._restore_after_update: list[Saved] = []
         self._pending: list[tuple[int, int, str]] = []
         #: The training batch that started and has not ended, with the learner's states before it.
-        self._unfinished: tuple[int, list[tuple[brainstate.State, Any]]] | None = None
+        self._unfinished: tuple[int, list[Saved]] | None = None
 
     # ------------------------------------------------------------------ the learner
 
     @property
-    def learner(self) -> Any:
+    def learner(self) -> Learner:
         """The compiled learner (compiled on the first batch, or by :meth:`build`)."""
         if self._learner is None:
             raise RuntimeError(
@@ -242,7 +258,7 @@ class OnlineModule(braintools.trainer.LightningModule):
             )
         return self._learner
 
-    def build(self, batch: Any) -> Any:
+    def build(self, batch: Batch) -> Learner:
         """Compile the learner for batches like ``batch`` (``(inputs, targets)``); returns it.
 
         The learner is compiled at the batch size of ``batch``, from its first time step.
@@ -259,10 +275,10 @@ class OnlineModule(braintools.trainer.LightningModule):
 
     # ------------------------------------------------------------------ training
 
-    def configure_optimizers(self) -> Any:
+    def configure_optimizers(self) -> braintools.optim.Optimizer:
         return self.optimizer
 
-    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+    def training_step(self, batch: Batch, batch_idx: int) -> dict[str, jax.Array]:
         """The learner's loss on ``batch``; its derivative is the learner's gradient."""
         xs, ys = self._split(batch)
         params = self.learner.param_states
@@ -286,7 +302,7 @@ class OnlineModule(braintools.trainer.LightningModule):
         )
         return {"loss": jax.lax.stop_gradient(loss) + carried}
 
-    def online_gradients(self, batch: Any) -> tuple[dict[Any, Any], jax.Array]:
+    def online_gradients(self, batch: Batch) -> tuple[dict[Path, PyTree], jax.Array]:
         """``(grads, loss)`` of ``batch`` as :meth:`training_step` takes them, outside the Trainer.
 
         Runs the same reset (``states='reset'``) and ``etrace_grad`` call, and leaves the
@@ -296,7 +312,7 @@ class OnlineModule(braintools.trainer.LightningModule):
         grads, loss, _ = self._learner_gradients(*self._split(batch))
         return grads, loss
 
-    def _learner_gradients(self, xs: Any, ys: Any) -> tuple[dict[Any, Any], jax.Array, Any]:
+    def _learner_gradients(self, xs: PyTree, ys: PyTree) -> tuple[dict[Path, PyTree], jax.Array, PyTree]:
         """``(grads, loss, per-step outputs)``: the reset (``states='reset'``) and ``etrace_grad`` of a batch."""
         learner = self.learner
         if self.states_mode == "reset":
@@ -307,7 +323,7 @@ class OnlineModule(braintools.trainer.LightningModule):
             time_axis=self.time_axis,
         )
 
-    def training_memory(self, batch: Any) -> int:
+    def training_memory(self, batch: Batch) -> int:
         """Bytes XLA allocates for one training step on batches like ``batch`` (nothing runs).
 
         The compiled program of :meth:`online_gradients`: its temporaries plus its arguments
@@ -320,7 +336,7 @@ class OnlineModule(braintools.trainer.LightningModule):
 
     # ------------------------------------------------------------------ evaluation
 
-    def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+    def validation_step(self, batch: Batch, batch_idx: int) -> dict[str, jax.Array]:
         """The training objective and the metrics of ``batch``, at its batch size, from fresh states."""
         xs, ys = self._split(batch)
         outputs = self._time_major(self.learner.predict(xs, time_axis=self.time_axis))
@@ -335,11 +351,11 @@ class OnlineModule(braintools.trainer.LightningModule):
         result.update({name: metric(outputs, targets) for name, metric in self.metrics.items()})
         return result
 
-    def test_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+    def test_step(self, batch: Batch, batch_idx: int) -> dict[str, jax.Array]:
         """As :meth:`validation_step`."""
         return self.validation_step(batch, batch_idx)
 
-    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+    def predict_step(self, batch: Batch | PyTree, batch_idx: int) -> PyTree:
         """The per-step outputs of ``batch``'s inputs (laid out like them), from fresh states."""
         xs = self._inputs(batch)
         return self.learner.predict(xs, time_axis=self.time_axis)
@@ -359,7 +375,7 @@ class OnlineModule(braintools.trainer.LightningModule):
                 f"any batch size)."
             )
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, batch: Batch, batch_idx: int) -> None:
         learner = self.build(batch)
         size = _batch_size(self._inputs(batch), self.time_axis)
         if learner.batch_size is not None and size != learner.batch_size:
@@ -374,7 +390,7 @@ class OnlineModule(braintools.trainer.LightningModule):
         if self.check_finite:
             self._restore_after_batch = _snapshot(_non_param_states(learner))
 
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, outputs: dict[str, jax.Array], batch: Batch, batch_idx: int) -> None:
         self._unfinished = None
 
     def _roll_back_unfinished_batch(self) -> None:
@@ -406,12 +422,12 @@ class OnlineModule(braintools.trainer.LightningModule):
             self._pending.append((self.current_epoch, self._batch_idx, WHAT[code - 1]))
             self._nonfinite.value = jnp.zeros((), jnp.int32)
 
-    def on_before_optimizer_step(self, optimizer: Any) -> None:
+    def on_before_optimizer_step(self, optimizer: braintools.optim.Optimizer) -> None:
         if self.check_finite and self._pending:
             states = [*self.learner.param_states.values(), *brainstate.graph.states(optimizer).values()]
             self._restore_after_update = _snapshot(states)
 
-    def on_after_optimizer_step(self, optimizer: Any) -> None:
+    def on_after_optimizer_step(self, optimizer: braintools.optim.Optimizer) -> None:
         if not self._pending:
             return
         _restore(self._restore_after_update)
@@ -427,10 +443,10 @@ class OnlineModule(braintools.trainer.LightningModule):
 
     # ------------------------------------------------------------------ helpers
 
-    def _step_fn(self, ys: Any) -> Callable[..., Any]:
+    def _step_fn(self, ys: PyTree) -> Callable[..., tuple[jax.Array, PyTree]]:
         learner, user_loss = self.learner, self.loss
 
-        def loss(out: Any, y: Any) -> Any:
+        def loss(out: PyTree, y: PyTree) -> jax.Array:
             value = user_loss(out, y)
             if np.shape(value) != ():
                 raise ValueError(
@@ -440,20 +456,20 @@ class OnlineModule(braintools.trainer.LightningModule):
                 )
             return value
         if self.targets == "step":
-            def per_step(x: Any, y: Any) -> tuple[Any, Any]:
+            def per_step(x: PyTree, y: PyTree) -> tuple[jax.Array, PyTree]:
                 out = learner(x)
                 return loss(out, y), out
             return per_step
 
-        def per_sequence(x: Any) -> tuple[Any, Any]:
+        def per_sequence(x: PyTree) -> tuple[jax.Array, PyTree]:
             out = learner(x)
             return loss(out, ys), out
         return per_sequence
 
-    def _sequences(self, xs: Any, ys: Any) -> tuple[Any, ...]:
+    def _sequences(self, xs: PyTree, ys: PyTree) -> tuple[PyTree, ...]:
         return (xs, ys) if self.targets == "step" else (xs,)
 
-    def _mask(self, xs: Any) -> Any:
+    def _mask(self, xs: PyTree) -> jax.Array | None:
         if self.mask is None:
             return None
         length = jax.tree.leaves(xs)[0].shape[self.time_axis]
@@ -461,7 +477,9 @@ class OnlineModule(braintools.trainer.LightningModule):
             return jnp.zeros(length).at[-1].set(1.0)
         return jnp.asarray(self.mask)
 
-    def _first_nonfinite(self, xs: Any, ys: Any, weights: Any, loss: Any, grads: Any) -> jax.Array:
+    def _first_nonfinite(
+        self, xs: PyTree, ys: PyTree, weights: dict[Path, PyTree], loss: jax.Array, grads: dict[Path, PyTree],
+    ) -> jax.Array:
         checks = {
             "input": all_finite(xs), "target": all_finite(ys), "weight": all_finite(weights),
             "loss": all_finite(loss), "gradient": all_finite(grads),
@@ -469,7 +487,7 @@ class OnlineModule(braintools.trainer.LightningModule):
         }
         return advance(Status.fresh(), 0, checks).code
 
-    def _split(self, batch: Any) -> tuple[Any, Any]:
+    def _split(self, batch: object) -> tuple[PyTree, PyTree]:
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise TypeError(
                 f"OnlineModule: a training or evaluation batch must be a pair (inputs, targets), got "
@@ -477,22 +495,22 @@ class OnlineModule(braintools.trainer.LightningModule):
             )
         return _stacked(batch[0]), _stacked(batch[1])
 
-    def _inputs(self, batch: Any) -> Any:
+    def _inputs(self, batch: Batch | PyTree) -> PyTree:
         return _stacked(batch[0] if isinstance(batch, (tuple, list)) else batch)
 
-    def _time_major(self, tree: Any) -> Any:
+    def _time_major(self, tree: PyTree) -> PyTree:
         return jax.tree.map(lambda leaf: jnp.moveaxis(leaf, self.time_axis, 0), tree)
 
-    def _time_major_targets(self, ys: Any) -> Any:
+    def _time_major_targets(self, ys: PyTree) -> PyTree:
         return self._time_major(ys) if self.targets == "step" else ys
 
 
-def _check_choice(name: str, value: Any, allowed: Sequence[Any]) -> None:
+def _check_choice(name: str, value: object, allowed: Sequence[str]) -> None:
     if isinstance(value, bool) or value not in allowed:
         raise ValueError(f"OnlineModule: {name} must be one of {tuple(allowed)}, got {value!r}.")
 
 
-def _optimizer(optimizer: Any) -> Any:
+def _optimizer(optimizer: object) -> braintools.optim.Optimizer:
     import optax
 
     if isinstance(optimizer, optax.GradientTransformation):
@@ -505,7 +523,7 @@ def _optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
-def _batch_size(xs: Any, time_axis: int) -> int:
+def _batch_size(xs: PyTree, time_axis: int) -> int:
     leaf = jax.tree.leaves(xs)[0]
     if np.ndim(leaf) < 2:
         raise ValueError(
@@ -515,18 +533,18 @@ def _batch_size(xs: Any, time_axis: int) -> int:
     return int(np.shape(leaf)[1 - time_axis])
 
 
-def _is_compiled_learner(learner: Any) -> bool:
+def _is_compiled_learner(learner: LearnerSpec) -> TypeGuard[Learner]:
     """Whether ``learner`` is a learner (what :func:`braintrace.compile` returns), not a spec to compile."""
     return not isinstance(learner, type) and hasattr(learner, "etrace_grad") and hasattr(learner, "predict")
 
 
-def _compiled_model(learner: Any) -> Any:
+def _compiled_model(learner: Learner) -> brainstate.nn.Module | None:
     """The model a compiled learner (or the learner a vmap wraps) runs."""
     inner = getattr(learner, "module", learner)
     return getattr(inner, "model4compile", None)
 
 
-def _stacked(part: Any) -> Any:
+def _stacked(part: PyTree) -> PyTree:
     """``part``, with a tuple or list of scalars stacked into one array.
 
     ``braintools.trainer``'s default collate function leaves NumPy scalars (integer labels
@@ -550,18 +568,18 @@ def _strongly_typed(states: Iterable[brainstate.State]) -> None:
                                     st.value)
 
 
-def _weak(leaf: Any) -> bool:
+def _weak(leaf: object) -> bool:
     return isinstance(leaf, (bool, int, float, complex)) or bool(getattr(leaf, "weak_type", False))
 
 
-def _non_param_states(learner: Any) -> list[brainstate.State]:
+def _non_param_states(learner: Learner) -> list[brainstate.State]:
     return [st for st in brainstate.graph.states(learner).values() if not isinstance(st, brainstate.ParamState)]
 
 
-def _snapshot(states: Sequence[brainstate.State]) -> list[tuple[brainstate.State, Any]]:
+def _snapshot(states: Sequence[brainstate.State]) -> list[Saved]:
     return [(st, st.value) for st in states]
 
 
-def _restore(saved: list[tuple[brainstate.State, Any]]) -> None:
+def _restore(saved: list[Saved]) -> None:
     for st, value in saved:
         st.value = value

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 
 import braintrace
+from braintrace._footprint import MemoryEstimate
+from braintrace._footprint.step_memory import StepMemory
 from braintrace._memory import MemoryPlan, estimate_memory, learner_memory
 from braintrace._memory import planner
 from braintrace._memory.methods import read_methods
-from braintrace._memory.plan import MemoryEstimate
-from braintrace._memory.step_memory import StepMemory
 
 matplotlib.use("Agg")
 
@@ -220,6 +220,9 @@ def test_learner_memory_refuses_what_is_no_compiled_learner() -> None:
     compiled = braintrace.compile(Net(), "d_rtrl", x_at(BATCH), batch_size=BATCH)
     with pytest.raises(ValueError, match="example input"):
         learner_memory(compiled)
+    # A plain brainstate map of a learner does not forward its parameters, as ETraceVmap does.
+    with pytest.raises(TypeError, match="vmap=True"):
+        learner_memory(brainstate.nn.Vmap(compiled, vmap_states="new"), x_at(BATCH))
 
 
 # --- presentation ----------------------------------------------------------------------------

@@ -34,8 +34,25 @@ from braintrace._algorithm.config import ETraceConfig
 from braintrace._algorithm.graph_executor import ETraceGraphExecutor, ETraceVjpGraphExecutor
 from braintrace._algorithm.input_data import has_multistep_data
 from braintrace._algorithm.call_lock import serialised
+from braintrace._algorithm.compiled_model import (
+    SplitStates,
+    check_hidden_shapes,
+    check_learnable,
+    check_registered_rules_reachable,
+    check_states_are_compiled,
+    check_step_keeps_hidden_shapes,
+    reset_in_place,
+    split_states,
+)
 from braintrace._algorithm.eager_calls import watched_call
 from braintrace._algorithm.exactness_reasons import label_plain_weights, label_relations
+from braintrace._algorithm.operand_credit import (
+    OperandChains,
+    add_operand_gradient,
+    build_operand_chains,
+    relation_operands,
+    relation_parameter_paths,
+)
 from braintrace._algorithm.predict import forward_step, predict_sequences
 from braintrace._algorithm.sequence import SequenceDriverMixin
 from braintrace._algorithm.sharding import ShardingPlan, rows_follow_sharding, sharded_call
@@ -50,17 +67,11 @@ from braintrace._compiler import (
 from braintrace._compatible_imports import CustomVJPPrimal, SymbolicZero, ad, call_pullback
 from braintrace._compiler.hid_param_op import HiddenParamOpRelation
 from braintrace._compiler.hidden_group import HiddenGroup
-from braintrace._compiler.operand_chain import OperandChain, operand_chain
-from braintrace._errors import NotSupportedError, internal_error
-from braintrace._op._registries import has_library_rules
-from braintrace._op._rule_helpers import shape_of, sum_leading
+from braintrace._errors import internal_error
+from braintrace._footprint import MemoryEstimate, learner_memory
 from braintrace._typing import Path, PyTree
 
 __all__ = ["EligibilityTrace", "ETraceAlgorithm", "ETraceVjpAlgorithm"]
-
-#: The model's states by path: ``(params, hidden, other)``.
-SplitStates = tuple[dict[Path, brainstate.ParamState], dict[Path, brainstate.HiddenState], dict[Path, brainstate.State]]
-
 
 class EligibilityTrace(brainstate.ShortTermState):
     """The state type eligibility traces are stored in (a ``ShortTermState``).
@@ -142,7 +153,7 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
         self._split_cache: SplitStates | None = None
         self._trace_shapes: Any = None
         # id(operand var) -> how a relation's trainable operand is computed from parameters.
-        self._operand_chains: dict[int, OperandChain] = {}
+        self._operand_chains: OperandChains = {}
 
     # --- compilation ----------------------------------------------------------------------
 
@@ -171,17 +182,7 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
 
     def _split_states(self) -> SplitStates:
         if self._split_cache is None:
-            params: dict[Path, brainstate.ParamState] = {}
-            hidden: dict[Path, brainstate.HiddenState] = {}
-            other: dict[Path, brainstate.State] = {}
-            for path, st in self.graph.module_info.retrieved_model_states.items():
-                if isinstance(st, brainstate.ParamState):
-                    params[path] = st
-                elif isinstance(st, brainstate.HiddenState):
-                    hidden[path] = st
-                else:
-                    other[path] = st
-            self._split_cache = (params, hidden, other)
+            self._split_cache = split_states(self.graph.module_info)
         return self._split_cache
 
     @property
@@ -195,6 +196,14 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
     @property
     def other_states(self) -> dict[Path, brainstate.State]:
         return self._split_states()[2]
+
+    @property
+    def _seq_param_states(self) -> dict[Path, brainstate.ParamState]:
+        return self.param_states
+
+    @property
+    def _seq_batch_size(self) -> int | None:
+        return self.batch_size
 
     _supports_scan_descent = False
     #: Attributes brainstate's graph does not walk: the cache of the model's states by kind would
@@ -218,48 +227,13 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
             return
         self._split_cache = None
         self.graph_executor.compile_graph(*args)
-        graph = self.graph
-        descended = any(r.control_flow_context is not None for r in graph.hidden_param_op_relations) or any(
-            g.descent is not None for g in graph.hidden_groups
-        )
-        if descended and not self._supports_scan_descent:
-            raise NotImplementedError(
-                f"{type(self).__name__} cannot learn through a descended scan; use D_RTRL, or set "
-                f"ControlFlowPolicy(scan_descent='off', scan_unroll_limit=N) with N at least the "
-                f"loop's length, so that the loop is unrolled."
-            )
-        if descended and self.config is not None and self.config.include_recurrent_mixing:
-            raise NotImplementedError(
-                f"{type(self).__name__} (recurrence_scope={self.config.recurrence_scope!r}) cannot trace "
-                f"the recurrent mixing of hidden states inside a descended scan. Use "
-                f"recurrence_scope='diagonal' (D_RTRL), or set ControlFlowPolicy(scan_descent='off', "
-                f"scan_unroll_limit=N) with N at least the loop's length, so that the loop is unrolled."
-            )
-        self._check_step_keeps_hidden_shapes()
-        self._check_registered_rules_reachable()
-        self._operand_chains = self._build_operand_chains()
+        check_learnable(type(self).__name__, self.graph, self._supports_scan_descent, self.config)
+        check_step_keeps_hidden_shapes(self.graph.module_info)
+        check_registered_rules_reachable(self.graph)
+        self._operand_chains = build_operand_chains(self.graph)
         self.init_etrace_state(*args)  # a learner's own refusals come first
         self._trace_shapes = self._current_trace_shapes()
         self.is_compiled = True
-
-    def _check_step_keeps_hidden_shapes(self) -> None:
-        """A step must write every hidden state back at its own shape.
-
-        An example input with a leading axis the states lack (a batch compiled without
-        ``batch_size``, states created in ``__init__``, or a whole sequence) would make the
-        step grow them; the next call would then fail.
-        """
-        minfo = self.graph.module_info
-        for path, invar in minfo.hidden_path_to_invar.items():
-            before, after = shape_of(invar), shape_of(minfo.hidden_path_to_outvar[path])
-            if before != after:
-                raise ValueError(
-                    f"The model step writes the hidden state {path} with shape {after}, but the state "
-                    f"has shape {before}: the example input has axes the state lacks. If they are a "
-                    f"batch, pass batch_size=B to braintrace.compile and create the state in "
-                    f"init_state(batch_size) with the batch on axis 0 (a state created in __init__ is "
-                    f"not resized); if the leading axis is time, pass one step (xs[0])."
-                )
 
     def _current_trace_shapes(self) -> Any:
         """The shapes of the traces as they are now (``None`` before they exist)."""
@@ -275,94 +249,22 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
                 f"Reset them at the compiled batch size with learner.reset() (or "
                 f"reset_state(batch_size={self.batch_size})); a new batch size needs a new braintrace.compile."
             )
-        model = self.model4compile
-        for path, state in self.graph.module_info.retrieved_model_states.items():
-            found = _state_at(model, path)
-            if isinstance(found, brainstate.State) and found is not state:
-                raise ValueError(
-                    f"The model's state {path} is not the state object this learner was compiled "
-                    f"with: brainstate.nn.init_all_states(model) after compiling puts new state objects "
-                    f"in the model, which the learner does not read. Reset in place with learner.reset() "
-                    f"(or brainstate.nn.reset_all_states(model)), or compile again."
-                )
-
-    def _check_registered_rules_reachable(self) -> None:
-        """Refuse user-registered rules where the learner cannot differentiate by them."""
-        for rel in self.graph.hidden_param_op_relations:
-            if rel.control_flow_context is not None and not has_library_rules(rel.primitive):
-                raise NotSupportedError(
-                    f"{rel.primitive.name} (parameter {rel.path}) has user-registered rules and sits "
-                    f"inside a descended scan, where the learner cannot differentiate it by its "
-                    f"registered xy_to_dw. Unroll the loop with ControlFlowPolicy(scan_descent='off', "
-                    f"scan_unroll_limit=N), N at least its length."
-                )
-
-    def _build_operand_chains(self) -> dict[int, OperandChain]:
-        """The chain of every trainable operand that is not a parameter leaf itself."""
-        minfo = self.graph.module_info
-        chains: dict[int, OperandChain] = {}
-        for rel in self.graph.hidden_param_op_relations:
-            for key, processing in rel.trainable_processing_chains.items():
-                if not processing:
-                    continue
-                operand = rel.trainable_vars[key]
-                where = (f"The {key!r} operand of {rel.primitive.name} (parameter {rel.trainable_paths[key]}) "
-                         f"is computed through {[p.name for p in processing]}")
-                if rel.control_flow_context is not None:
-                    raise NotSupportedError(
-                        f"{where} inside a descended scan, where its eligibility trace cannot be "
-                        f"credited back through that computation. Pass the parameter to the operation "
-                        f"as it is (a transform can go in weight_fn), or unroll the scan."
-                    )
-                chain = operand_chain(minfo.closed_jaxpr, operand, minfo.invar_to_weight_path,
-                                      minfo.weight_path_to_invars)
-                if chain is None:
-                    raise NotSupportedError(
-                        f"{where} from values that change from step to step, so its eligibility "
-                        f"trace cannot be credited to the parameter. Compute the operand from "
-                        f"parameters and constants only, or move the step-dependent part into "
-                        f"weight_fn or out of the operand."
-                    )
-                chains[id(operand)] = chain
-        return chains
+        check_states_are_compiled(self.model4compile, self.graph.module_info)
 
     def _relation_parameter_paths(self) -> frozenset[Path]:
-        """The parameters some relation reads, as an operand or through its operand chain (the
-        ETP parameters, whose gradient is the rule's; every other parameter is plain)."""
-        direct = {path for rel in self.graph.hidden_param_op_relations for path in rel.trainable_paths.values()}
-        chained = {path for chain in self._operand_chains.values() for path, _ in chain.leaves}
-        return frozenset(direct | chained)
+        """The parameters some relation reads (:func:`~braintrace._algorithm.operand_credit.relation_parameter_paths`)."""
+        return relation_parameter_paths(self.graph, self._operand_chains)
 
     def _relation_operands(self, rel: HiddenParamOpRelation, weight_vals: dict[Path, PyTree]) -> dict[str, Any]:
         """The current values of a relation's trainable operands (mantissas)."""
-        out = {}
-        for key, path in rel.trainable_paths.items():
-            chain = self._operand_chains.get(id(rel.trainable_vars[key]))
-            out[key] = (chain.value(weight_vals) if chain is not None
-                        else jax.tree.leaves(weight_vals[path])[rel.trainable_leaf_indices[key]])
-        return out
+        return relation_operands(self._operand_chains, rel, weight_vals)
 
     def _add_operand_gradient(
         self, grads: dict[Path, PyTree], rel: HiddenParamOpRelation, key: str, g: Any, weight_vals: dict[Path, PyTree]
     ) -> dict[Path, PyTree]:
-        """``grads`` plus ``g``, a gradient with respect to the relation's operand ``key``, credited
-        to the parameter leaves the operand is computed from.
-
-        Leading axes of ``g`` beyond the operand's (the batch an element-wise weight broadcasts
-        over) are summed first.
-        """
-        extra = g.ndim - len(shape_of(rel.trainable_vars[key]))
-        if extra > 0:
-            g = sum_leading(g, extra)
-        chain = self._operand_chains.get(id(rel.trainable_vars[key]))
-        if chain is None:
-            credits = [(rel.trainable_paths[key], rel.trainable_leaf_indices[key], g)]
-        else:
-            credits = chain.pullback(weight_vals, g)
-        grads = dict(grads)
-        for path, leaf, dg in credits:
-            grads[path] = add_to_leaf(grads[path], leaf, dg)
-        return grads
+        """``grads`` plus ``g``, credited from the relation's operand ``key`` to the parameters it is
+        computed from (:func:`~braintrace._algorithm.operand_credit.add_operand_gradient`)."""
+        return add_operand_gradient(self._operand_chains, grads, rel, key, g, weight_vals)
 
     @serialised
     def reset(self, batch_size: int | None = None) -> None:
@@ -402,44 +304,10 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
             batch_size = self.batch_size
         else:
             batch_size = checked_batch_size(batch_size, f"{type(self).__name__}.reset")
-        model = self.model4compile
-        compiled = self.graph.module_info.retrieved_model_states
-        saved = {path: state.value for path, state in compiled.items()}
-        try:
-            brainstate.nn.reset_all_states(model, batch_size=batch_size)
-            brainstate.nn.init_all_states(model, batch_size=batch_size)
-            now = model.states()
-            for path, state in compiled.items():
-                fresh = now.get(path)
-                if fresh is None or fresh is state:
-                    continue
-                if not isinstance(state, brainstate.ParamState):
-                    state.value = fresh.value
-                _put_at(model, path, state)
-            self._check_hidden_shapes({p: st.value for p, st in self.hidden_states.items()})
-        except BaseException:  # a failed reset leaves the model's states as they were
-            for path, state in compiled.items():
-                state.value = saved[path]
-                _put_at(model, path, state)
-            raise
+        reset_in_place(self.model4compile, self.graph.module_info, batch_size)
         self.reset_state(batch_size=batch_size)
         if self.sharding_plan is not None:
             self.sharding_plan.place()
-
-    def _check_hidden_shapes(self, hidden_vals: dict[Path, PyTree]) -> None:
-        """Hidden states must keep the shapes the learner was compiled for."""
-        compiled = self.graph.module_info.hidden_path_to_invar
-        for path, value in hidden_vals.items():
-            expected = shape_of(compiled[path]) if path in compiled else None
-            got = tuple(jax.numpy.shape(u.get_mantissa(value)))
-            if expected is not None and got != expected:
-                raise ValueError(
-                    f"The hidden state {path} has shape {got}, but the learner was compiled for "
-                    f"{expected}. Resetting states without the batch size (e.g. "
-                    f"brainstate.nn.reset_all_states(model) on braintrace.nn cells) makes them "
-                    f"unbatched: reset with learner.reset(), which keeps the compiled batch size "
-                    f"(or pass the batch size the learner was compiled for), or compile again."
-                )
 
     @serialised
     def predict(self, *sequences: Any, step_fn: Callable[..., Any] | None = None, time_axis: int = 0) -> Any:
@@ -523,7 +391,7 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
     def init_etrace_state(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement init_etrace_state().")
 
-    def memory(self, *example_inputs: Any) -> Any:
+    def memory(self, *example_inputs: Any) -> MemoryEstimate:
         """How much memory one training step of this learner needs (compiled by XLA, not run).
 
         Parameters
@@ -548,8 +416,6 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
         >>> row.total_bytes >= row.persistent_bytes
         True
         """
-        from braintrace._memory import learner_memory  # the planner sits above the learners
-
         return learner_memory(self, *example_inputs)
 
     def get_etrace_of(self, weight: Any) -> Any:
@@ -682,6 +548,10 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         return None
 
     @property
+    def _seq_vjp_method(self) -> str:
+        return self.vjp_method
+
+    @property
     def vjp_executor(self) -> ETraceVjpGraphExecutor:
         if not isinstance(self.graph_executor, ETraceVjpGraphExecutor):
             raise internal_error(f"{type(self).__name__} runs on a {type(self.graph_executor).__name__}, not a VJP executor")
@@ -709,7 +579,7 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         params, hidden, other = self._split_states()
         weight_vals = {p: st.value for p, st in params.items()}
         hidden_vals = {p: st.value for p, st in hidden.items()}
-        self._check_hidden_shapes(hidden_vals)
+        check_hidden_shapes(self.graph.module_info, hidden_vals)
         other_vals = {p: st.value for p, st in other.items()}
         self._entering_reads = frozenset()  # recorded again where this call's gradient is traced
         out, new_hidden, new_other, new_etrace = self._true_update_fun(
@@ -1085,36 +955,6 @@ def _add_cotangents(a: Any, b: Any) -> Any:
         return x if getattr(x, "dtype", None) == jax.dtypes.float0 else x + y
 
     return jax.tree.map(add, a, b)
-
-
-def add_to_leaf(tree: Any, leaf_index: int, value: Any) -> Any:
-    """``tree`` with ``value`` added to its ``leaf_index``-th leaf (a ``None`` tree counts as zeros)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    leaves[leaf_index] = leaves[leaf_index] + value.astype(leaves[leaf_index].dtype)
-    return jax.tree.unflatten(treedef, leaves)
-
-
-def _state_at(root: Any, path: Path) -> Any:
-    """What sits at ``path`` (attribute names, list indices, dict keys) under ``root``, or ``None``."""
-    node = root
-    for key in path:
-        try:
-            node = getattr(node, key) if isinstance(key, str) and not isinstance(node, dict) else node[key]
-        except (AttributeError, IndexError, KeyError, TypeError):
-            return None
-    return node
-
-
-def _put_at(root: Any, path: Path, obj: Any) -> None:
-    """Place ``obj`` at ``path`` (attribute names, list indices, dict keys) under ``root``."""
-    node = root
-    for key in path[:-1]:
-        node = getattr(node, key) if isinstance(key, str) and not isinstance(node, dict) else node[key]
-    last = path[-1]
-    if isinstance(last, str) and not isinstance(node, dict):
-        setattr(node, last, obj)
-    else:
-        node[last] = obj
 
 
 def constructor_options(cls: type) -> list[str]:

@@ -26,10 +26,12 @@ import jax
 import jax.numpy as jnp
 
 from braintrace._algorithm.base import ETraceAlgorithm
+from braintrace._algorithm.compiled_model import check_hidden_shapes, check_step_keeps_hidden_shapes
+from braintrace._algorithm.drive.grad_run import GradRun, windows
+from braintrace._algorithm.drive.host import Grads
 from braintrace._algorithm.finite import Status, StateGuard, advance, all_finite
 from braintrace._algorithm.graph_executor import ETraceGraphExecutor, _arg_dtypes, _arg_signature
 from braintrace._algorithm.input_data import get_single_step_data, run_model
-from braintrace._algorithm.sequence import Grads, _GradRun, _windows
 from braintrace._compiler import ETraceGraph, extract_module_info
 
 __all__ = ["BPTT", "BpttRun", "ModelStepExecutor"]
@@ -59,10 +61,10 @@ class ModelStepExecutor(ETraceGraphExecutor):
         self._compiled_dtypes = _arg_dtypes(args)
 
 
-class BpttRun(_GradRun):
+class BpttRun(GradRun):
     """The gradient of ``J = Σ_t mask_t · loss_t`` through the whole loop, for the sequence drivers.
 
-    Called as :class:`~braintrace._algorithm.sequence._GradRun` is, with the same results
+    Called as :class:`~braintrace._algorithm.drive.grad_run.GradRun` is, with the same results
     ``(grads, losses, aux, status)``: the step function runs in a scan under one
     ``brainstate.transform.grad``, so the hidden states carry the gradient from step to step.
     Under ``check_finite`` every step is checked as the online drivers check it (and its state
@@ -73,7 +75,7 @@ class BpttRun(_GradRun):
     def __call__(
         self, sequences: tuple[Any, ...], mask: jax.Array, steps: jax.Array, status: Status | None = None
     ) -> tuple[Grads, jax.Array, Any, Status | None]:
-        xs = _windows(sequences, self.window)
+        xs = windows(sequences, self.window)
         mask_rows = mask if self.window is None else mask.reshape((-1, self.window))
         starts = steps if self.window is None else steps[:: self.window]
         entering = Status.fresh() if self.guarded is not None and status is None else status
@@ -152,8 +154,12 @@ class BPTT(ETraceAlgorithm):
         super().__init__(model, ModelStepExecutor(model), name=name)
 
     @property
-    def _seq_run_type(self) -> type[_GradRun]:
+    def _seq_run_type(self) -> type[GradRun]:
         return BpttRun
+
+    @property
+    def _seq_vjp_method(self) -> str:
+        return self.vjp_method
 
     def compile_graph(self, *args: Any) -> None:
         """Compile the model step for example inputs (once): its state tables, no traces."""
@@ -162,7 +168,7 @@ class BPTT(ETraceAlgorithm):
             return
         self._split_cache = None
         self.graph_executor.compile_graph(*args)
-        self._check_step_keeps_hidden_shapes()
+        check_step_keeps_hidden_shapes(self.graph.module_info)
         self._split_states()  # the state tables, made once, as the online learners make them
         self.is_compiled = True
 
@@ -179,7 +185,7 @@ class BPTT(ETraceAlgorithm):
                 f"passed positionally, learner(x).")
         self._check_traces_and_states()
         self.graph_executor._check_call_args(args)
-        self._check_hidden_shapes({p: st.value for p, st in self.hidden_states.items()})
+        check_hidden_shapes(self.graph.module_info, {p: st.value for p, st in self.hidden_states.items()})
         out = run_model(self.model4compile, args)
         ri = self.running_index.value + 1
         self.running_index.value = jax.lax.stop_gradient(jnp.where(ri >= 0, ri, 0))

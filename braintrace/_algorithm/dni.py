@@ -40,19 +40,20 @@ Examples
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
 
 import brainstate
 import brainunit as u
 import jax
+from jax.typing import DTypeLike
 
 from braintrace._algorithm.config import ETraceConfig, engine_config
 from braintrace._algorithm.d_rtrl import ParamDimVjpAlgorithm
 from braintrace._algorithm.input_data import has_multistep_data, sequence_length, split_input_data_types
-from braintrace._algorithm.synthetic_gradient import SyntheticGradient
+from braintrace._algorithm.synthetic_gradient import SynthParams, SyntheticGradient
 from braintrace._compiler import DEFAULT_MAX_JACOBIAN_ELEMENTS, ControlFlowPolicy
 from braintrace._errors import internal_error
-from braintrace._typing import Path
+from braintrace._typing import Path, PyTree
 
 __all__ = ["DNI", "window_length"]
 
@@ -61,7 +62,11 @@ __all__ = ["DNI", "window_length"]
 DNI_CONFIG = ETraceConfig(learning_signal="bootstrapped")
 
 
-def window_length(args: tuple[Any, ...]) -> int:
+#: A hidden state's value: an array, or a ``brainunit`` quantity.
+HiddenValue = Union[jax.Array, u.Quantity]
+
+
+def window_length(args: tuple[PyTree, ...]) -> int:
     """The number of steps a call runs: the :class:`MultiStepData` leading axis, ``1`` for a plain call."""
     if not has_multistep_data(*args):
         return 1
@@ -125,7 +130,7 @@ class DNI(ParamDimVjpAlgorithm):
         name: str | None = None,
         vjp_method: str = "multi-step",
         fast_solve: bool = True,
-        trace_dtype: Any = None,
+        trace_dtype: DTypeLike | None = None,
         chunked_trace: bool = True,
         control_flow: ControlFlowPolicy | None = None,
         snap_max_jacobian_elements: int = DEFAULT_MAX_JACOBIAN_ELEMENTS,
@@ -143,7 +148,7 @@ class DNI(ParamDimVjpAlgorithm):
         if synthesizer is not None:
             self.attach_synthesizer(synthesizer)
 
-    def _check_config(self, config: Any) -> ETraceConfig:
+    def _check_config(self, config: ETraceConfig | None) -> ETraceConfig:
         if config is not None:
             raise TypeError("DNI takes no config: its coordinate is ETraceConfig(learning_signal='bootstrapped').")
         return engine_config(DNI_CONFIG, "per_param", "DNI", ("bootstrapped",))
@@ -172,7 +177,7 @@ class DNI(ParamDimVjpAlgorithm):
             self._check_synthesizer_shapes(synthesizer)
         self.synthesizer = synthesizer
 
-    def compile_graph(self, *args: Any) -> None:
+    def compile_graph(self, *args: PyTree) -> None:
         super().compile_graph(*args)
         if self.is_compiled and self.synthesizer is not None:
             self._check_synthesizer_shapes(self.synthesizer)
@@ -187,7 +192,7 @@ class DNI(ParamDimVjpAlgorithm):
                     f"learner's group {index} has shape {expected.get(index)} (None: no such group). Build "
                     f"it as braintrace.SyntheticGradient(learner.group_signal_shapes(), ...).")
 
-    def _get_update_aux(self, args: tuple[Any, ...], **options: Any) -> Any:
+    def _get_update_aux(self, args: tuple[PyTree, ...], **options: Any) -> PyTree:
         if options:
             return super()._get_update_aux(args, **options)
         synth = self.synthesizer
@@ -211,7 +216,7 @@ class DNI(ParamDimVjpAlgorithm):
                        {p: st.value for p, st in self.hidden_states.items()})
         return aux
 
-    def _group_estimates(self, aux: Any, hidden: dict[Path, Any]) -> dict[int, Any]:
+    def _group_estimates(self, aux: SynthParams, hidden: dict[Path, HiddenValue]) -> dict[int, jax.Array]:
         """The synthesiser's estimate per group from per-path hidden values, shape-checked."""
         synth = self.synthesizer
         if synth is None:
@@ -230,9 +235,9 @@ class DNI(ParamDimVjpAlgorithm):
                     f"{expected} (*varshape, S).")
         return estimates
 
-    def _exit_cotangent(self, aux: Any, new_hidden: dict[Path, Any]) -> dict[Path, Any]:
+    def _exit_cotangent(self, aux: SynthParams, new_hidden: dict[Path, HiddenValue]) -> dict[Path, HiddenValue]:
         estimates = self._group_estimates(aux, new_hidden)
-        out: dict[Path, Any] = {}
+        out: dict[Path, HiddenValue] = {}
         for group in self.graph.hidden_groups:
             estimate = jax.lax.stop_gradient(estimates[group.index])
             for path, piece in zip(group.hidden_paths, group.split_hidden(estimate)):
@@ -240,7 +245,7 @@ class DNI(ParamDimVjpAlgorithm):
         return out
 
 
-def _like_hidden(estimate: Any, hidden: Any) -> Any:
+def _like_hidden(estimate: HiddenValue, hidden: HiddenValue) -> HiddenValue:
     """``estimate`` in ``hidden``'s unit (converted, when it carries one) and dtype."""
     if isinstance(hidden, u.Quantity):
         mantissa = estimate.to_decimal(hidden.unit) if isinstance(estimate, u.Quantity) else estimate

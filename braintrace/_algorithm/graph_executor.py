@@ -30,7 +30,7 @@ Array([0.5, 0.5], dtype=float32)
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence, TypedDict, Union
 
 import brainstate
 import jax
@@ -47,7 +47,7 @@ from braintrace._algorithm.input_data import (
 from braintrace._algorithm.jaxpr_eval import bind_eqn, eval_jaxpr
 from braintrace._algorithm.rule_vjp import bind_by_registered_rule
 from braintrace._algorithm.while_vjp import bind_reversibly
-from braintrace._compatible_imports import JaxprEqn, Literal, Var
+from braintrace._compatible_imports import Jaxpr, JaxprEqn, Literal, Var
 from braintrace import _compatible_imports as jax_compat
 from braintrace._compiler import (
     CompilationReport,
@@ -68,16 +68,17 @@ from braintrace._compiler.snap_pattern import (
 )
 from braintrace._errors import NotSupportedError, internal_error
 from braintrace._op._registries import get_y_outvar_index, has_library_rules, is_etp_primitive
-from braintrace._typing import Path, PyTree, TraceKey
+from braintrace._typing import Array, Path, PyTree, TraceKey
 
 __all__ = [
-    "ETraceGraphExecutor", "ETraceVjpGraphExecutor", "StepJacobians", "TransitionPoint", "TailPoint", "df_key",
+    "ETraceGraphExecutor", "ETraceVjpGraphExecutor", "StepJacobians", "StepPoints", "DfKey", "EtraceStepper",
+    "TransitionPoint", "TailPoint", "df_key",
     "detached_df_key", "trace_key", "history_jacobian_key", "widens",
 ]
 
-#: ``(xs, dfs)`` and the list of per-group ``D`` (or :class:`TransitionPoint`, see
-#: :attr:`ETraceGraphExecutor.transition_points`).
-StepJacobians = tuple[tuple[dict[int, Any], dict[Any, Any]], list[Any]]
+#: The key of a value among a step's ``dfs``: :func:`df_key`, :func:`history_jacobian_key`
+#: or :func:`detached_df_key`.
+DfKey = Union[tuple[int, str], tuple[int, str, str]]
 
 
 class TransitionPoint(NamedTuple):
@@ -94,8 +95,8 @@ class TransitionPoint(NamedTuple):
         The transition's other inputs (``group.transition_jaxpr_constvars`` order).
     """
 
-    hidden: list[Any]
-    inputs: list[Any]
+    hidden: list[Array]
+    inputs: list[Array]
 
 
 class TailPoint(NamedTuple):
@@ -112,8 +113,19 @@ class TailPoint(NamedTuple):
         The tail's other inputs (its jaxpr's constvars, in order).
     """
 
-    y: Any
-    consts: list[Any]
+    y: Array
+    consts: list[Array]
+
+
+#: ``((xs, dfs), Ds)`` of one step: every relation's ``x`` (keyed by ``id(x_var)``) and ``df``
+#: (keyed by :data:`DfKey`), and the list of per-group ``D``.
+StepJacobians = tuple[tuple[dict[int, Array], dict[DfKey, Array]], list[Array]]
+#: :data:`StepJacobians` of a learner that sets :attr:`ETraceGraphExecutor.transition_points`:
+#: each relation's :class:`TailPoint` in place of its ``df``, each group's :class:`TransitionPoint`
+#: in place of its ``D``.
+StepPoints = tuple[tuple[dict[int, Array], dict[DfKey, Union[Array, TailPoint]]], list[TransitionPoint]]
+#: ``stepper(trace, (xs, dfs, Ds)) -> (trace, None)``: rolls a learner's trace over one step of a scan.
+EtraceStepper = Callable[[PyTree, tuple[Any, ...]], tuple[PyTree, None]]
 
 
 def df_key(relation: HiddenParamOpRelation, group: HiddenGroup) -> tuple[int, str]:
@@ -132,6 +144,14 @@ def history_jacobian_key(group: HiddenGroup) -> tuple[int, str]:
 def trace_key(relation: HiddenParamOpRelation, group: HiddenGroup) -> TraceKey:
     """The key of a relation's D-RTRL trace for one of its groups."""
     return (id(relation.y_var), group.index)
+
+
+class _CompileOptions(TypedDict, total=False):
+    """The keyword arguments an executor adds to :func:`~braintrace.compile_etrace_graph`."""
+
+    include_hidden_perturb: bool
+    sparse_n: int
+    snap_max_jacobian_elements: int
 
 
 class ETraceGraphExecutor:
@@ -180,8 +200,8 @@ class ETraceGraphExecutor:
         self.include_weight_to_weight = False
         self._graph: ETraceGraph | None = None
         self._state_id_to_path: dict[int, Path] | None = None
-        self._out_treedef: Any = None
-        self._compiled_signature: tuple[Any, tuple[tuple[int, ...], ...]] | None = None
+        self._out_treedef: jax.tree_util.PyTreeDef | None = None
+        self._compiled_signature: _ArgSignature | None = None
         self._compiled_dtypes: tuple[str, ...] = ()
         # Outputs of the relation equations whose primitive has user-registered rules.
         self._ruled_outputs: set[Var] = set()
@@ -206,10 +226,10 @@ class ETraceGraphExecutor:
             self._state_id_to_path = {id(st): p for p, st in self.states.items()}
         return self._state_id_to_path
 
-    def _compile_kwargs(self) -> dict[str, Any]:
-        return {}
+    def _compile_kwargs(self) -> _CompileOptions:
+        return _CompileOptions()
 
-    def compile_graph(self, *args: Any) -> None:
+    def compile_graph(self, *args: PyTree) -> None:
         """Compile the model step for example inputs (multi-step inputs contribute their first step)."""
         args = get_single_step_data(*args)
         self._graph = compile_etrace_graph(
@@ -226,7 +246,7 @@ class ETraceGraphExecutor:
         self._compiled_signature = _arg_signature(args)
         self._compiled_dtypes = _arg_dtypes(args)
 
-    def _check_call_args(self, args: Sequence[Any]) -> None:
+    def _check_call_args(self, args: Sequence[PyTree]) -> None:
         """Refuse a step of ``args`` without the compiled structure and shapes (``ValueError``) or dtypes (``TypeError``).
 
         The compiled step is shape-specialised: another batch size, a missing argument or a
@@ -263,7 +283,7 @@ class ETraceGraphExecutor:
 
     # --- one step -------------------------------------------------------------------------
 
-    def _bind(self, eqn: JaxprEqn, operands: list[Any]) -> list[Any]:
+    def _bind(self, eqn: JaxprEqn, operands: list[Array]) -> list[Array]:
         """Bind a step equation; relations with user-registered rules are differentiated by them, and
         ``while`` loops in reverse mode by recomputing their iterations (:func:`bind_reversibly`)."""
         ruled = self._ruled_outputs and is_etp_primitive(eqn.primitive)
@@ -271,17 +291,17 @@ class ETraceGraphExecutor:
             return bind_by_registered_rule(eqn, operands)
         return bind_reversibly(eqn, operands)
 
-    def _flat_inputs(self, args: Sequence[Any], state_vals: dict[Path, PyTree]) -> list[Any]:
+    def _flat_inputs(self, args: Sequence[PyTree], state_vals: dict[Path, PyTree]) -> list[Array]:
         minfo = self.graph.module_info
         values = [state_vals[minfo.state_id_to_path[id(st)]] for st in minfo.compiled_model_states]
         return list(jax.tree.leaves((tuple(args), values)))
 
     def run_step(
         self,
-        args: Sequence[Any],
+        args: Sequence[PyTree],
         state_vals: dict[Path, PyTree],
-        perturb: Sequence[Any] | None = None,
-    ) -> tuple[Any, dict[Path, PyTree], dict[Var, Any]]:
+        perturb: Sequence[Array] | None = None,
+    ) -> tuple[PyTree, dict[Path, PyTree], dict[Var, Array]]:
         """One step: ``(out, new state values by path, env)``; ``env`` maps step vars to values.
 
         With ``perturb`` the perturbed step runs (hidden outputs shifted by ``perturb``).
@@ -300,7 +320,7 @@ class ETraceGraphExecutor:
             jaxpr, consts = closed.jaxpr, closed.consts
             outs = eval_jaxpr(jaxpr, consts, [*flat, *perturb], self._bind)
             invars = list(jaxpr.invars)[: len(flat)]
-        env: dict[Var, Any] = dict(zip(invars, flat))
+        env: dict[Var, Array] = dict(zip(invars, flat))
         env.update((v, o) for v, o in zip(jaxpr.outvars, outs) if isinstance(v, Var) and not isinstance(v, Literal))
         n_main = minfo.num_var_out + minfo.num_var_state
         out, new_states = jax.tree.unflatten(self._out_treedef, list(outs[:n_main]))
@@ -309,7 +329,7 @@ class ETraceGraphExecutor:
         }
         return out, new_vals, env
 
-    def extract_jacobians(self, env: Mapping[Var, Any]) -> StepJacobians:
+    def extract_jacobians(self, env: Mapping[Var, Array]) -> StepJacobians | StepPoints:
         """``((xs, dfs), Ds)`` of one step from its variable values (all ``stop_gradient``-ed).
 
         With :attr:`transition_points`, ``Ds`` holds each group's :class:`TransitionPoint` and
@@ -319,13 +339,31 @@ class ETraceGraphExecutor:
         extracts them inside the VJP of its step, and an undetached read would have that VJP
         trace the derivative of every Jacobian too (then discard it).
         """
-        return self._jacobians(_DetachedValues(env))
+        detached = _DetachedValues(env)
+        return self._points(detached) if self.transition_points else self._jacobians(detached)
 
-    def _jacobians(self, env: Mapping[Var, Any]) -> StepJacobians:
-        """:meth:`extract_jacobians` on values already detached."""
+    def _points(self, env: Mapping[Var, Array]) -> StepPoints:
+        """:meth:`extract_jacobians` with :attr:`transition_points`, on values already detached."""
         graph = self.graph
-        xs: dict[int, Any] = {}
-        dfs: dict[Any, Any] = {}
+        xs: dict[int, Array] = {}
+        dfs: dict[DfKey, Array | TailPoint] = {}
+        for rel in graph.hidden_param_op_relations:
+            if rel.control_flow_context is not None:
+                descended_dfs: dict[DfKey, Array] = {}
+                _extract_descended_relation(rel, env, xs, descended_dfs)
+                dfs.update(descended_dfs)
+                continue
+            if rel.x_var is not None:
+                xs[id(rel.x_var)] = env[rel.x_var]
+            for tail, group in zip(rel.y_to_hidden_group_jaxprs, rel.hidden_groups):
+                dfs[df_key(rel, group)] = TailPoint(env[rel.y_var], [env[v] for v in tail_constvars(tail)])
+        return jax.lax.stop_gradient(((xs, dfs), _transition_points(graph.hidden_groups, env)))
+
+    def _jacobians(self, env: Mapping[Var, Array]) -> StepJacobians:
+        """:meth:`extract_jacobians` without :attr:`transition_points`, on values already detached."""
+        graph = self.graph
+        xs: dict[int, Array] = {}
+        dfs: dict[DfKey, Array] = {}
         for rel in graph.hidden_param_op_relations:
             if rel.control_flow_context is not None:
                 _extract_descended_relation(rel, env, xs, dfs)
@@ -336,19 +374,16 @@ class ETraceGraphExecutor:
             for i, group in enumerate(rel.hidden_groups):
                 tail = rel.y_to_hidden_group_jaxprs[i]
                 consts = [env[v] for v in tail_constvars(tail)]
-                if self.transition_points:
-                    dfs[df_key(rel, group)] = TailPoint(y, consts)
-                    continue
 
-                def fn(y: Any, tail: Any = tail, consts: Any = consts, group: HiddenGroup = group) -> Any:
+                def fn(
+                    y: Array, tail: Jaxpr = tail, consts: list[Array] = consts, group: HiddenGroup = group,
+                ) -> Array:
                     return group.concat_hidden(jax_compat.eval_jaxpr(tail, consts, y))
 
                 dfs[df_key(rel, group)] = _tail_df(fn, y, rel, group, tail)
                 if contains_eqn(tail, lambda e: e.primitive.name == "while"):
                     dfs[detached_df_key(rel, group)] = dfs[df_key(rel, group)] - _df_around_whiles(
                         tail, consts, y, group)
-        if self.transition_points:
-            return jax.lax.stop_gradient(((xs, dfs), _transition_points(graph.hidden_groups, env)))
         Ds = [
             _descended_group_jacobian(group, env) if group.descent is not None else group.diagonal_jacobian(
                 [env[v] for v in group.hidden_invars], [env[v] for v in group.transition_jaxpr_constvars]
@@ -365,11 +400,11 @@ class ETraceGraphExecutor:
 
     def solve_h2w_h2h_jacobian(
         self,
-        *args: Any,
+        *args: PyTree,
         state_vals: dict[Path, PyTree] | None = None,
-        etrace_stepper: Callable[[Any, Any], tuple[Any, None]] | None = None,
-        init_etrace: Any = None,
-    ) -> tuple[Any, dict[Path, PyTree], dict[Path, PyTree], Any, Any, Any]:
+        etrace_stepper: EtraceStepper | None = None,
+        init_etrace: PyTree = None,
+    ) -> tuple[PyTree, dict[Path, PyTree], dict[Path, PyTree], PyTree, PyTree, PyTree]:
         """Run the call (one step, or a scan over :class:`MultiStepData`) and extract Jacobians.
 
         Returns
@@ -397,11 +432,11 @@ class ETraceGraphExecutor:
 
     def run_call(
         self,
-        args: Sequence[Any],
+        args: Sequence[PyTree],
         state_vals: dict[Path, PyTree],
-        etrace_stepper: Callable[[Any, Any], tuple[Any, None]] | None = None,
-        init_etrace: Any = None,
-    ) -> tuple[Any, dict[Path, PyTree], StepJacobians | None, Any]:
+        etrace_stepper: EtraceStepper | None = None,
+        init_etrace: PyTree = None,
+    ) -> tuple[PyTree, dict[Path, PyTree], StepJacobians | StepPoints | None, PyTree]:
         """``(out, new state values, jacobians or None, rolled trace or None)`` for one call."""
         self._check_call_args(args)
         single, multi, treedef = split_input_data_types(*args)
@@ -413,7 +448,9 @@ class ETraceGraphExecutor:
         params = {p: v for p, v in state_vals.items() if isinstance(self.states[p], brainstate.ParamState)}
         carried = {p: v for p, v in state_vals.items() if p not in params}
 
-        def body(carry: Any, xs_t: Any) -> Any:
+        def body(
+            carry: tuple[dict[Path, PyTree], PyTree], xs_t: PyTree,
+        ) -> tuple[tuple[dict[Path, PyTree], PyTree], tuple[PyTree, StepJacobians | StepPoints | None]]:
             vals, trace = carry
             step_args = merge_data(treedef, single, xs_t)
             out, new_vals, env = self.run_step(step_args, {**params, **vals})
@@ -428,14 +465,14 @@ class ETraceGraphExecutor:
         return outs, {**params, **final_vals}, jacs, final_trace
 
 
-class _DetachedValues(Mapping[Var, Any]):
+class _DetachedValues(Mapping[Var, Array]):
     """A step's variable values, each read through ``stop_gradient`` (once, when first read)."""
 
-    def __init__(self, env: Mapping[Var, Any]) -> None:
+    def __init__(self, env: Mapping[Var, Array]) -> None:
         self._env = env
-        self._read: dict[Var, Any] = {}
+        self._read: dict[Var, Array] = {}
 
-    def __getitem__(self, var: Var) -> Any:
+    def __getitem__(self, var: Var) -> Array:
         if var not in self._read:
             self._read[var] = jax.lax.stop_gradient(self._env[var])
         return self._read[var]
@@ -447,7 +484,7 @@ class _DetachedValues(Mapping[Var, Any]):
         return len(self._env)
 
 
-def _transition_points(groups: Sequence[HiddenGroup], env: Mapping[Var, Any]) -> list[TransitionPoint]:
+def _transition_points(groups: Sequence[HiddenGroup], env: Mapping[Var, Array]) -> list[TransitionPoint]:
     """Every group's :class:`TransitionPoint` in one step."""
     points = []
     for group in groups:
@@ -461,12 +498,16 @@ def _transition_points(groups: Sequence[HiddenGroup], env: Mapping[Var, Any]) ->
     return points
 
 
-def _arg_signature(args: Sequence[Any]) -> tuple[Any, tuple[tuple[int, ...], ...]]:
+#: The structure and the leaf shapes of a call's step inputs.
+_ArgSignature = tuple[jax.tree_util.PyTreeDef, tuple[tuple[int, ...], ...]]
+
+
+def _arg_signature(args: Sequence[PyTree]) -> _ArgSignature:
     leaves, treedef = jax.tree.flatten(tuple(args))
     return treedef, tuple(tuple(jnp.shape(leaf)) for leaf in leaves)
 
 
-def _arg_dtypes(args: Sequence[Any]) -> tuple[str, ...]:
+def _arg_dtypes(args: Sequence[PyTree]) -> tuple[str, ...]:
     """The canonical dtype of every leaf (a Python number as the array JAX makes of it)."""
     return tuple(np.dtype(jnp.result_type(leaf)).name for leaf in jax.tree.leaves(tuple(args)))
 
@@ -475,7 +516,7 @@ def _listed(dtypes: tuple[str, ...]) -> str:
     return "(" + ", ".join(dtypes) + ("," if len(dtypes) == 1 else "") + ")"
 
 
-def _describe(signature: tuple[Any, tuple[tuple[int, ...], ...]]) -> str:
+def _describe(signature: _ArgSignature) -> str:
     treedef, shapes = signature
     return str(jax.tree.unflatten(treedef, [f"<{s}>" for s in shapes])).replace("'", "")
 
@@ -485,13 +526,13 @@ def detached_df_key(relation: HiddenParamOpRelation, group: HiddenGroup) -> tupl
     return (*df_key(relation, group), "through_while")
 
 
-def _bind_detaching_whiles(eqn: JaxprEqn, operands: list[Any]) -> list[Any]:
+def _bind_detaching_whiles(eqn: JaxprEqn, operands: list[Array]) -> list[Array]:
     if eqn.primitive.name == "while":
         operands = [jax.lax.stop_gradient(v) for v in operands]
     return bind_eqn(eqn, operands)
 
 
-def _tail_df(fn: Callable[[Any], Any], y: Any, rel: HiddenParamOpRelation, group: HiddenGroup, tail: Any) -> Any:
+def _tail_df(fn: Callable[[Array], Array], y: Array, rel: HiddenParamOpRelation, group: HiddenGroup, tail: Jaxpr) -> Array:
     """``df``: the Jacobian of the ``y -> h`` tail ``fn`` applied to ``ones_like(y)``, ``(*varshape, S)``.
 
     One JVP. A tail calling a ``custom_vjp`` function (which forward mode cannot differentiate)
@@ -528,7 +569,7 @@ def _tail_df(fn: Callable[[Any], Any], y: Any, rel: HiddenParamOpRelation, group
     return jnp.moveaxis(rows, 0, -1)
 
 
-def _df_around_whiles(tail: Any, consts: Sequence[Any], y: Any, group: HiddenGroup) -> Any:
+def _df_around_whiles(tail: Jaxpr, consts: Sequence[Array], y: Array, group: HiddenGroup) -> Array:
     """The part of ``df`` that does not cross a ``while_loop`` of the tail.
 
     The perturbed step detaches the inputs of a hidden-producing ``while`` (reverse mode cannot
@@ -536,14 +577,14 @@ def _df_around_whiles(tail: Any, consts: Sequence[Any], y: Any, group: HiddenGro
     learners add that part themselves (keyed by :func:`detached_df_key`).
     """
 
-    def fn(y: Any) -> Any:
+    def fn(y: Array) -> Array:
         return group.concat_hidden(eval_jaxpr(tail, consts, [y], _bind_detaching_whiles))
 
     return jax.jvp(fn, (y,), (jnp.ones_like(y),))[1]
 
 
 def _extract_descended_relation(
-    rel: HiddenParamOpRelation, env: Mapping[Var, Any], xs: dict[int, Any], dfs: dict[Any, Any],
+    rel: HiddenParamOpRelation, env: Mapping[Var, Array], xs: dict[int, Array], dfs: dict[DfKey, Array],
 ) -> None:
     """``x`` and ``df`` of a relation inside a descended scan, stacked over its substeps ``(L, ...)``.
 
@@ -557,8 +598,8 @@ def _extract_descended_relation(
     for tail, group in zip(rel.y_to_hidden_group_jaxprs, rel.hidden_groups):
         const_seq = [env[stacked[v]] for v in tail_constvars(tail)]
 
-        def df_at(y: Any, consts: list[Any], tail: Any = tail, group: HiddenGroup = group) -> Any:
-            def fn(y: Any) -> Any:
+        def df_at(y: Array, consts: list[Array], tail: Jaxpr = tail, group: HiddenGroup = group) -> Array:
+            def fn(y: Array) -> Array:
                 return group.concat_hidden(jax_compat.eval_jaxpr(tail, consts, y))
 
             return jax.jvp(fn, (y,), (jnp.ones_like(y),))[1]
@@ -566,7 +607,7 @@ def _extract_descended_relation(
         dfs[df_key(rel, group)] = jax.vmap(df_at)(y_seq, const_seq)
 
 
-def _descended_group_jacobian(group: HiddenGroup, env: Mapping[Var, Any]) -> Any:
+def _descended_group_jacobian(group: HiddenGroup, env: Mapping[Var, Array]) -> Array:
     """``D`` of a group carried by a descended scan at every substep: ``(L, *varshape, S, S)``."""
     stacked = group.descent.scan.stacked_var_map
     hidden_seq = [env[stacked[v]] for v in group.descent.body_hidden_invars]
@@ -644,18 +685,19 @@ class ETraceVjpGraphExecutor(ETraceGraphExecutor):
     def is_multi_step_vjp(self) -> bool:
         return self.vjp_method == "multi-step"
 
-    def _compile_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {"include_hidden_perturb": self.is_single_step_vjp}
+    def _compile_kwargs(self) -> _CompileOptions:
+        kwargs = _CompileOptions(include_hidden_perturb=self.is_single_step_vjp)
         if self.sparse_n is not None:
-            kwargs.update(sparse_n=self.sparse_n, snap_max_jacobian_elements=self.snap_max_jacobian_elements)
+            kwargs["sparse_n"] = self.sparse_n
+            kwargs["snap_max_jacobian_elements"] = self.snap_max_jacobian_elements
         return kwargs
 
-    def _jacobians(self, env: Mapping[Var, Any]) -> StepJacobians:
+    def _jacobians(self, env: Mapping[Var, Array]) -> StepJacobians:
         """As the base executor, with SnAp's widened ``D`` and ``df`` and the recurrence applied."""
         jac = super()._jacobians(env)
         widened = [g for g in self.graph.hidden_groups if widens(g)]
         patterned = any(g.snap is not None for g in self.graph.hidden_groups)
-        if self.transition_points or (not patterned and self.recurrence is None):
+        if not patterned and self.recurrence is None:
             return jac
         (xs, dfs), Ds = jac
         dfs, Ds = dict(dfs), list(Ds)
@@ -684,7 +726,9 @@ class ETraceVjpGraphExecutor(ETraceGraphExecutor):
         return jax.lax.stop_gradient(((xs, dfs), Ds))
 
 
-def _moved_tail_jacobian(rel: HiddenParamOpRelation, index: int, pattern: SnapPattern, env: Mapping[Var, Any]) -> Any:
+def _moved_tail_jacobian(
+    rel: HiddenParamOpRelation, index: int, pattern: SnapPattern, env: Mapping[Var, Array],
+) -> Array | None:
     """SnAp's instantaneous term of a relation whose ``y -> h`` tail moves values between positions.
 
     The tail's Jacobian gathered onto each position's neighbourhood
@@ -702,7 +746,7 @@ def _moved_tail_jacobian(rel: HiddenParamOpRelation, index: int, pattern: SnapPa
         return None
     consts = [env[v] for v in tail_constvars(tail)]
 
-    def fn(value: Any) -> Any:
+    def fn(value: Array) -> Array:
         return group.concat_hidden(jax_compat.eval_jaxpr(tail, consts, value))
 
     identity = pattern.identity_axes()

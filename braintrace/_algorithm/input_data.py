@@ -15,10 +15,12 @@ Examples
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import brainstate
 import jax
+
+from braintrace._typing import PyTree
 
 __all__ = [
     "SingleStepData",
@@ -35,7 +37,7 @@ __all__ = [
 class ETraceInputData:
     """Base of the input markers; ``data`` is the wrapped pytree."""
 
-    def __init__(self, data: Any) -> None:
+    def __init__(self, data: PyTree) -> None:
         self.data = data
 
     def __repr__(self) -> str:
@@ -78,18 +80,18 @@ _register(SingleStepData)
 _register(MultiStepData)
 
 
-def _is_marker(x: Any) -> bool:
+def _is_marker(x: object) -> bool:
     return isinstance(x, ETraceInputData)
 
 
-def has_multistep_data(*args: Any) -> bool:
+def has_multistep_data(*args: PyTree) -> bool:
     """Whether any argument contains a :class:`MultiStepData` marker."""
     return any(isinstance(leaf, MultiStepData) for leaf in jax.tree.leaves(args, is_leaf=_is_marker))
 
 
-def get_single_step_data(*args: Any) -> tuple[Any, ...]:
+def get_single_step_data(*args: PyTree) -> tuple[PyTree, ...]:
     """The arguments of the first step: markers unwrapped, multi-step leaves taken at ``t = 0``."""
-    def first(x: Any) -> Any:
+    def first(x: PyTree) -> PyTree:
         if isinstance(x, MultiStepData):
             return jax.tree.map(lambda a: a[0], x.data)
         if isinstance(x, SingleStepData):
@@ -99,7 +101,7 @@ def get_single_step_data(*args: Any) -> tuple[Any, ...]:
     return tuple(jax.tree.map(first, args, is_leaf=_is_marker))
 
 
-def split_input_data_types(*args: Any) -> tuple[dict[int, Any], dict[int, Any], Any]:
+def split_input_data_types(*args: PyTree) -> tuple[dict[int, PyTree], dict[int, PyTree], jax.tree_util.PyTreeDef]:
     """``(single {i: data}, multi {i: data}, treedef)`` over the marker-level leaves of ``args``."""
     leaves, treedef = jax.tree.flatten(args, is_leaf=_is_marker)
     single, multi = {}, {}
@@ -111,9 +113,9 @@ def split_input_data_types(*args: Any) -> tuple[dict[int, Any], dict[int, Any], 
     return single, multi, treedef
 
 
-def merge_data(tree_def: Any, *parts: dict[int, Any]) -> tuple[Any, ...]:
+def merge_data(tree_def: jax.tree_util.PyTreeDef, *parts: dict[int, PyTree]) -> tuple[PyTree, ...]:
     """Rebuild the arguments from :func:`split_input_data_types` parts (markers removed)."""
-    merged: dict[int, Any] = {}
+    merged: dict[int, PyTree] = {}
     for part in parts:
         merged.update(part)
     missing = [i for i in range(tree_def.num_leaves) if i not in merged]
@@ -122,7 +124,7 @@ def merge_data(tree_def: Any, *parts: dict[int, Any]) -> tuple[Any, ...]:
     return tuple(jax.tree.unflatten(tree_def, [merged[i] for i in range(tree_def.num_leaves)]))
 
 
-def sequence_length(multi: dict[int, Any]) -> int:
+def sequence_length(multi: dict[int, PyTree]) -> int:
     """The shared leading length ``T`` of every multi-step leaf."""
     lengths = {a.shape[0] for data in multi.values() for a in jax.tree.leaves(data)}
     if len(lengths) != 1:
@@ -133,7 +135,7 @@ def sequence_length(multi: dict[int, Any]) -> int:
     return lengths.pop()
 
 
-def run_model(model: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+def run_model(model: Callable[..., PyTree], args: tuple[PyTree, ...]) -> PyTree:
     """``model(*args)`` for one step; over a :class:`MultiStepData` window, one call per step in a
     ``brainstate.transform.for_loop``, the outputs stacked (single-step inputs reused at every step).
 

@@ -14,18 +14,19 @@ Examples
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
-from braintrace._compatible_imports import DropVar, JaxprEqn, Literal, bind_equation, jaxpr_all_invars
+from braintrace._compatible_imports import Atom, DropVar, Jaxpr, JaxprEqn, Literal, Var, bind_equation, jaxpr_all_invars
 from braintrace._errors import internal_error
+from braintrace._typing import Array
 
 __all__ = ["EqnBinder", "bind_eqn", "eval_jaxpr"]
 
 #: ``bind(eqn, operands) -> outputs``: how :func:`eval_jaxpr` evaluates one equation.
-EqnBinder = Callable[[JaxprEqn, list[Any]], list[Any]]
+EqnBinder = Callable[[JaxprEqn, list[Array]], list[Array]]
 
 
-def bind_eqn(eqn: JaxprEqn, operands: list[Any]) -> list[Any]:
+def bind_eqn(eqn: JaxprEqn, operands: list[Array]) -> list[Array]:
     """The outputs of ``eqn`` at ``operands``, as JAX itself would evaluate it.
 
     Examples
@@ -38,7 +39,7 @@ def bind_eqn(eqn: JaxprEqn, operands: list[Any]) -> list[Any]:
     return bind_equation(eqn, operands)
 
 
-def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], bind: EqnBinder = bind_eqn) -> list[Any]:
+def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Array], args: Sequence[Array], bind: EqnBinder = bind_eqn) -> list[Array]:
     """JAX's ``eval_jaxpr`` with every top-level equation evaluated by ``bind``.
 
     ``[*consts, *args]`` are bound to every input of ``jaxpr`` in order, constants first.
@@ -53,9 +54,9 @@ def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], bind: Eqn
     every = jaxpr_all_invars(jaxpr)
     if len(consts) + len(args) != len(every):
         raise internal_error(f"{len(consts)} constants and {len(args)} arguments for a jaxpr of {len(every)} inputs")
-    env: dict[Any, Any] = dict(zip(every, [*consts, *args]))
+    env: dict[Var, Array] = dict(zip(every, [*consts, *args]))
 
-    def read(a: Any) -> Any:
+    def read(a: Atom) -> Array:
         return a.val if isinstance(a, Literal) else env[a]
 
     for eqn in jaxpr.eqns:

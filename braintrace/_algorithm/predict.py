@@ -20,15 +20,18 @@ This module imports only the layers below the learners; ``base`` and ``vmap`` ca
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator, Mapping, Sequence
 
 import brainstate
 import jax
 import numpy as np
 
+from braintrace._algorithm.drive.checks import checked_step_fn, validate
+from braintrace._algorithm.drive.host import StepFn
 from braintrace._algorithm.input_data import run_model
 from braintrace._algorithm.layout import in_declared_layout
 from braintrace._op._rule_helpers import shape_of
+from braintrace._typing import Path, PyTree
 
 __all__ = ["predict_sequences", "forward_step"]
 
@@ -38,7 +41,8 @@ LANES_TAG = "braintrace.predict"
 #: would otherwise keep one program per call).
 MAX_PROGRAMS = 16
 
-StepFn = Callable[..., Any]
+#: A compiled predict program: the per-step outputs of time-major sequences.
+Program = Callable[[tuple[PyTree, ...]], PyTree]
 
 
 class Programs:
@@ -49,9 +53,9 @@ class Programs:
     """
 
     def __init__(self) -> None:
-        self.by_key: dict[tuple[int | None, int], tuple[StepFn | None, Callable[..., Any]]] = {}
+        self.by_key: dict[tuple[int | None, int], tuple[StepFn | None, Program]] = {}
 
-    def get(self, batch: int | None, step_fn: StepFn | None, build: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
+    def get(self, batch: int | None, step_fn: StepFn | None, build: Callable[[], Program]) -> Program:
         """The program for ``batch`` and ``step_fn``, built on first use."""
         key = (batch, id(step_fn))
         found = self.by_key.get(key)
@@ -64,27 +68,27 @@ class Programs:
 
 
 def predict_sequences(
-    host: Any, learner: Any, sequences: tuple[Any, ...], step_fn: StepFn | None, time_axis: Any, mapped: bool,
-) -> Any:
+    host: brainstate.nn.Module, learner: brainstate.nn.Module, sequences: tuple[PyTree, ...], step_fn: StepFn | None,
+    time_axis: object, mapped: bool,
+) -> PyTree:
     """The per-step outputs of ``host`` over ``sequences`` (see the module docstring).
 
     ``host`` is what the user calls (a learner, or a vmapped learner); ``learner`` is the
     compiled learner whose model runs (``host`` itself, or the one a vmap wraps); ``mapped``:
     ``host`` maps ``learner`` over the batch.
     """
-    drive = host._seq_validate("predict", sequences, None, needs_multi_step=False, time_axis=time_axis,
-                               any_batch=True)
-    stepper = host._seq_stepper("predict", step_fn) if step_fn is not None else None
+    drive = validate(host, "predict", sequences, None, needs_multi_step=False, time_axis=time_axis, any_batch=True)
+    stepper = checked_step_fn(host, "predict", step_fn) if step_fn is not None else None
     batch = run_batch_size(learner, drive.sequences[0], mapped)
     programs = host.__dict__.get("_predict_programs")
     if programs is None:
         programs = host._predict_programs = Programs()
 
-    def build() -> Callable[..., Any]:
-        def step(*slices: Any) -> Any:
+    def build() -> Program:
+        def step(*slices: PyTree) -> PyTree:
             return host(slices[0]) if stepper is None else stepper(*slices)
 
-        def run(seqs: tuple[Any, ...]) -> Any:
+        def run(seqs: tuple[PyTree, ...]) -> PyTree:
             with _running_forward(host, learner, batch, mapped):
                 return brainstate.transform.for_loop(step, *seqs)
 
@@ -94,7 +98,7 @@ def predict_sequences(
     return in_declared_layout(outputs, drive.time_axis, batch)
 
 
-def run_batch_size(learner: Any, sequence: Any, mapped: bool) -> int | None:
+def run_batch_size(learner: brainstate.nn.Module, sequence: PyTree, mapped: bool) -> int | None:
     """The batch size of a time-major ``sequence`` for ``learner``'s model (``None``: one sequence).
 
     A step of the sequence (its first leaf) is either one sample, shaped like a step of one
@@ -121,7 +125,8 @@ def run_batch_size(learner: Any, sequence: Any, mapped: bool) -> int | None:
 
 
 @contextlib.contextmanager
-def _running_forward(host: Any, learner: Any, batch: int | None, mapped: bool) -> Iterator[None]:
+def _running_forward(host: brainstate.nn.Module, learner: brainstate.nn.Module, batch: int | None,
+                     mapped: bool) -> Iterator[None]:
     """Within the block, the model holds fresh states for ``batch`` and ``host``'s calls run it
     forward only; afterwards the model's modules and states are as they were."""
     model = learner.model4compile
@@ -151,7 +156,7 @@ def _running_forward(host: Any, learner: Any, batch: int | None, mapped: bool) -
                 st.value = value
 
 
-def _fresh_states(model: Any, batch: int | None, mapped: bool) -> Any:
+def _fresh_states(model: brainstate.nn.Module, batch: int | None, mapped: bool) -> Mapping[Path, brainstate.State] | None:
     """Initialise ``model``'s states for ``batch``: per sample on a leading axis when ``mapped``
     (those states are returned), else with ``init_state(batch_size=batch)`` (``None``)."""
     if mapped and batch is not None:
@@ -164,14 +169,17 @@ def _fresh_states(model: Any, batch: int | None, mapped: bool) -> Any:
     return None
 
 
-def forward_step(model: Any, args: tuple[Any, ...], lanes: Any = None, in_axes: Any = 0, out_axes: Any = 0) -> Any:
+def forward_step(
+    model: brainstate.nn.Module, args: tuple[PyTree, ...], lanes: Mapping[Path, brainstate.State] | None = None,
+    in_axes: int | None | Sequence[int | None] = 0, out_axes: int | None | Sequence[int | None] = 0,
+) -> PyTree:
     """One forward call of ``model`` inside ``predict``: no traces, no gradient; mapped over the
     samples of ``lanes`` (their per-sample states) when given."""
     if lanes is None:
         return run_model(model, args)
 
     @brainstate.transform.vmap(in_axes=in_axes, out_axes=out_axes, in_states=lanes, out_states=lanes)
-    def mapped(*call_args: Any) -> Any:
+    def mapped(*call_args: PyTree) -> PyTree:
         return run_model(model, call_args)
 
     return mapped(*args)

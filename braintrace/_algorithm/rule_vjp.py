@@ -26,7 +26,7 @@ Array([[2., 2., 2.],
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,11 +34,12 @@ import jax.numpy as jnp
 from braintrace._compatible_imports import JaxprEqn
 from braintrace._errors import internal_error
 from braintrace._op import _registries as reg
+from braintrace._typing import Array
 
 __all__ = ["bind_by_registered_rule"]
 
 
-def bind_by_registered_rule(eqn: JaxprEqn, operands: Sequence[Any]) -> list[Any]:
+def bind_by_registered_rule(eqn: JaxprEqn, operands: Sequence[Array]) -> list[Array]:
     """The outputs of ``eqn`` at ``operands``, differentiated by the primitive's ``xy_to_dw``.
 
     Reverse mode gives each trainable operand ``xy_to_dw(x, ∂L/∂y, weights)``, plus, for a
@@ -61,19 +62,19 @@ def bind_by_registered_rule(eqn: JaxprEqn, operands: Sequence[Any]) -> list[Any]
         raise internal_error(f"a relation of the ETP primitive {primitive.name!r} bound by a rule it lacks (xy_to_dw)")
     trained = set(trainable.values())
 
-    def forward(*values: Any) -> list[Any]:
+    def forward(*values: Array) -> list[Array]:
         out = primitive.bind(*values, **params)
         return list(out) if primitive.multiple_results else [out]
 
     @jax.custom_vjp
-    def bound(*values: Any) -> list[Any]:
+    def bound(*values: Array) -> list[Array]:
         return forward(*values)
 
-    def fwd(*values: Any) -> tuple[list[Any], tuple[Any, ...]]:
+    def fwd(*values: Array) -> tuple[list[Array], tuple[Array, ...]]:
         return forward(*values), values
 
-    def bwd(values: tuple[Any, ...], cotangents: list[Any]) -> tuple[Any, ...]:
-        grads: list[Any] = [None] * len(values)
+    def bwd(values: tuple[Array, ...], cotangents: list[Array]) -> tuple[Array | None, ...]:
+        grads: list[Array | None] = [None] * len(values)
         others = [i for i, v in enumerate(values) if i not in trained and _differentiable(v)]
         if others:
             grads = _jax_pullback(forward, values, others, cotangents, grads)
@@ -85,23 +86,25 @@ def bind_by_registered_rule(eqn: JaxprEqn, operands: Sequence[Any]) -> list[Any]
         by_rule = rule(x, cotangents[y_index], weights, **params)
         for key, i in trainable.items():
             g = _checked(by_rule, key, values[i], primitive.name)
-            grads[i] = g if grads[i] is None else grads[i] + g
+            before = grads[i]
+            grads[i] = g if before is None else before + g
         return tuple(grads)
 
     bound.defvjp(fwd, bwd)
     return bound(*operands)
 
 
-def _differentiable(value: Any) -> bool:
+def _differentiable(value: Array) -> bool:
     return jnp.issubdtype(jnp.result_type(value), jnp.inexact)
 
 
 def _jax_pullback(
-    forward: Any, values: tuple[Any, ...], wrt: list[int], cotangents: list[Any], grads: list[Any]
-) -> list[Any]:
+    forward: Callable[..., list[Array]], values: tuple[Array, ...], wrt: list[int], cotangents: list[Array],
+    grads: list[Array | None],
+) -> list[Array | None]:
     """``grads`` plus JAX's VJP of ``forward`` with respect to the operands ``wrt``."""
 
-    def partial(*chosen: Any) -> list[Any]:
+    def partial(*chosen: Array) -> list[Array]:
         full = list(values)
         for i, v in zip(wrt, chosen):
             full[i] = v
@@ -110,11 +113,12 @@ def _jax_pullback(
     _, vjp = jax.vjp(partial, *[values[i] for i in wrt])
     out = list(grads)
     for i, g in zip(wrt, vjp(list(cotangents))):
-        out[i] = g if out[i] is None else out[i] + g
+        before = out[i]
+        out[i] = g if before is None else before + g
     return out
 
 
-def _checked(by_rule: Any, key: str, operand: Any, name: str) -> Any:
+def _checked(by_rule: object, key: str, operand: Array, name: str) -> Array:
     if not isinstance(by_rule, dict) or key not in by_rule:
         got = sorted(by_rule) if isinstance(by_rule, dict) else type(by_rule).__name__
         raise ValueError(

@@ -45,17 +45,20 @@ import contextlib
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, TypeVar, cast
+from typing import Any, Callable, Hashable, Iterator, Mapping, NamedTuple, Protocol, Sequence, TypeVar, cast
 
 import brainstate
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.typing import ArrayLike
 
 from braintrace._algorithm.input_data import ETraceInputData, MultiStepData
 from braintrace._compatible_imports import Tracer
+from braintrace._compiler import ETraceGraph
+from braintrace._compiler.hid_param_op import HiddenParamOpRelation
 from braintrace._op._rule_helpers import vectorised_rows
-from braintrace._typing import Path
+from braintrace._typing import HiddenGroupLike, Path, PyTree
 
 __all__ = ["Sharding", "ShardingPlan", "plan_sharding", "sharded_call", "rows_follow_sharding"]
 
@@ -157,7 +160,7 @@ class Sharding:
         """``NamedSharding(mesh, spec)``."""
         return NamedSharding(self.mesh, spec)
 
-    def put(self, tree: Any, batch_axis: int = 0) -> Any:
+    def put(self, tree: PyTree, batch_axis: int = 0) -> PyTree:
         """Place data on the mesh, each leaf split along ``batch_axis`` over the batch devices.
 
         A leaf without that axis, or of another size, is replicated. On several hosts every
@@ -183,9 +186,9 @@ class Sharding:
         >>> xs.sharding.spec
         P(None, 'data', None)
         """
-        def place(leaf: Any) -> Any:
+        def place(leaf: ArrayLike) -> jax.Array:
             ndim = np.ndim(leaf)
-            spec: list[Any] = [None] * ndim
+            spec: list[AxisNames | None] = [None] * ndim
             if -ndim <= batch_axis < ndim and np.shape(leaf)[batch_axis] % self.batch_devices == 0:
                 spec[batch_axis] = self._axis("batch")
             return jax.device_put(leaf, self.named(PartitionSpec(*spec)))
@@ -201,7 +204,7 @@ class _Placed(NamedTuple):
 
     path: Path
     state: brainstate.State
-    shardings: Any
+    shardings: PyTree  # of NamedSharding, one per leaf of the state's value
 
 
 class ShardingPlan:
@@ -226,7 +229,7 @@ class ShardingPlan:
         self.hidden_sizes = hidden_sizes
         self._placed = placed
 
-    def specs(self) -> dict[Path, Any]:
+    def specs(self) -> dict[Path, PyTree]:
         """``path -> PartitionSpec`` (a pytree of them for a pytree-valued state) of every state."""
         return {p.path: jax.tree.map(lambda s: s.spec, p.shardings) for p in self._placed}
 
@@ -243,7 +246,7 @@ class ShardingPlan:
         >>> learner.sharding_plan.misplaced()
         []
         """
-        def on_plan(leaf: Any, sharding: NamedSharding) -> bool:
+        def on_plan(leaf: object, sharding: NamedSharding) -> bool:
             return isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
 
         return [placed.path for placed in self._placed
@@ -260,22 +263,22 @@ class ShardingPlan:
             if not isinstance(placed.state, brainstate.ParamState):
                 placed.state.value = _constrained(placed.state.value, placed.shardings)
 
-    def constrain_inputs(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    def constrain_inputs(self, args: tuple[PyTree, ...]) -> tuple[PyTree, ...]:
         """The inputs of one call, the batch axis of each leaf split (axis 1 inside a window)."""
         if not _names(self.sharding.batch) or self.batch_size is None:
             return args
 
-        def split(axis: int) -> Callable[[Any], Any]:
-            def one(leaf: Any) -> Any:
+        def split(axis: int) -> Callable[[ArrayLike], ArrayLike]:
+            def one(leaf: ArrayLike) -> ArrayLike:
                 shape = np.shape(leaf)
                 if len(shape) <= axis or shape[axis] != self.batch_size:
                     return leaf
-                spec: list[Any] = [None] * len(shape)
+                spec: list[AxisNames | None] = [None] * len(shape)
                 spec[axis] = self.sharding._axis("batch")
                 return _constrained(leaf, self.sharding.named(PartitionSpec(*spec)))
             return one
 
-        def marked(node: Any) -> Any:
+        def marked(node: PyTree) -> PyTree:
             if isinstance(node, MultiStepData):
                 return jax.tree.map(split(1), node)
             return jax.tree.map(split(0), node)
@@ -284,7 +287,7 @@ class ShardingPlan:
 
     def leaf_spec(self, shape: tuple[int, ...], is_param: bool) -> PartitionSpec:
         """The ``PartitionSpec`` of one state leaf of ``shape`` (see the module docstring)."""
-        spec: list[Any] = [None] * len(shape)
+        spec: list[AxisNames | None] = [None] * len(shape)
         first = 0
         if (not is_param and _names(self.sharding.batch) and self.batch_size is not None
                 and len(shape) >= 1 and shape[0] == self.batch_size):
@@ -300,9 +303,9 @@ class ShardingPlan:
         return PartitionSpec(*spec)
 
 
-def _constrained(value: Any, shardings: Any) -> Any:
+def _constrained(value: PyTree, shardings: PyTree) -> PyTree:
     """``value`` on ``shardings`` (leaf by leaf): a constraint when traced, a transfer when concrete."""
-    def one(leaf: Any, sharding: NamedSharding) -> Any:
+    def one(leaf: ArrayLike, sharding: NamedSharding) -> jax.Array:
         if isinstance(leaf, Tracer):
             return jax.lax.with_sharding_constraint(leaf, sharding)
         if isinstance(leaf, jax.Array) and leaf.sharding == sharding:
@@ -312,7 +315,7 @@ def _constrained(value: Any, shardings: Any) -> Any:
     return jax.tree.map(one, value, shardings)
 
 
-def _check_hidden_sizes(groups: Any, sharding: Sharding, batched: bool) -> frozenset[int]:
+def _check_hidden_sizes(groups: Sequence[HiddenGroupLike], sharding: Sharding, batched: bool) -> frozenset[int]:
     """The hidden groups' unit counts, each checked to be a multiple of the hidden devices."""
     sizes = set()
     axis, devices = sharding._axis("hidden"), sharding.hidden_devices
@@ -353,7 +356,21 @@ def check_batch_size(sharding: Sharding, batch_size: int | None) -> None:
             f"has a size that divides {batch_size}.")
 
 
-def plan_sharding(learner: Any, core: Any, sharding: Sharding, batch_size: int | None, vmapped: bool) -> ShardingPlan:
+class _CompiledLearner(Protocol):
+    """What :func:`plan_sharding` reads of a compiled learner."""
+
+    @property
+    def graph(self) -> ETraceGraph:
+        """The learner's eligibility-trace graph."""
+
+    @property
+    def path_to_states(self) -> dict[Path, brainstate.State]:
+        """The model's states by their path in the model."""
+
+
+def plan_sharding(
+    learner: brainstate.nn.Module, core: _CompiledLearner, sharding: Sharding, batch_size: int | None, vmapped: bool,
+) -> ShardingPlan:
     """The placement of every state of ``learner`` (``core``: the compiled learner it is or wraps).
 
     Raises
@@ -379,7 +396,7 @@ def plan_sharding(learner: Any, core: Any, sharding: Sharding, batch_size: int |
     return plan
 
 
-def _relation_labels(relations: Any) -> dict[int, str]:
+def _relation_labels(relations: Sequence[HiddenParamOpRelation]) -> dict[int, str]:
     """A name for the ``id`` of each relation's output and input variable (traces are keyed by them)."""
     labels = {}
     for rel in relations:
@@ -390,9 +407,9 @@ def _relation_labels(relations: Any) -> dict[int, str]:
     return labels
 
 
-def _readable(path: Any, labels: dict[int, str]) -> Any:
+def _readable(path: tuple[Hashable, ...], labels: dict[int, str]) -> Path:
     """``path`` with every variable ``id`` in it replaced by its label (nested tuples flattened)."""
-    out: list[Any] = []
+    out: list[Hashable] = []
     for key in path:
         if isinstance(key, tuple):
             out.extend(_readable(key, labels))
@@ -415,8 +432,8 @@ def _rows_for(plan: ShardingPlan | None) -> Iterator[None]:
             yield
 
 
-def sharded_call(plan: ShardingPlan | None, update: Callable[..., Any], args: tuple[Any, ...],
-                 options: Mapping[str, Any]) -> Any:
+def sharded_call(plan: ShardingPlan | None, update: Callable[..., PyTree], args: tuple[PyTree, ...],
+                 options: Mapping[str, object]) -> PyTree:
     """``update(*args, **options)``, its inputs and written states constrained by ``plan`` (if any)."""
     if plan is None:
         return update(*args, **options)
@@ -429,11 +446,19 @@ def sharded_call(plan: ShardingPlan | None, update: Callable[..., Any], args: tu
 Method = TypeVar("Method", bound=Callable[..., Any])
 
 
+class _Sharded(Protocol):
+    """A learner whose calls may be sharded."""
+
+    @property
+    def sharding_plan(self) -> ShardingPlan | None:
+        """The placement of its states (``None``: not sharded)."""
+
+
 def rows_follow_sharding(method: Method) -> Method:
     """A learner method (the backward pass, traced after the call returns) that sums batch rows
     as :func:`sharded_call` does for the learner's ``sharding_plan``."""
     @functools.wraps(method)
-    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def wrapped(self: _Sharded, *args: Any, **kwargs: Any) -> Any:
         with _rows_for(self.sharding_plan):
             return method(self, *args, **kwargs)
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from typing import Any, Mapping
+from typing import Mapping
 
 import brainstate
 import jax
@@ -46,6 +46,8 @@ import jax.numpy as jnp
 __all__ = ["SyntheticGradient", "group_width"]
 
 Shape = tuple[int, ...]
+#: The synthesiser's parameter values, ``{'w': {gi: W}, 'b': {gi: b}}``.
+SynthParams = dict[str, dict[int, jax.Array]]
 
 
 def group_width(shape: Shape) -> int:
@@ -58,7 +60,7 @@ def _trailing(shape: Shape) -> Shape:
     return tuple(shape[-2:]) if len(shape) >= 2 else tuple(shape)
 
 
-def _check_group_shapes(group_shapes: Any) -> dict[int, Shape]:
+def _check_group_shapes(group_shapes: object) -> dict[int, Shape]:
     """``{group index: (*varshape, S)}`` with int indices and positive int axes."""
     if not isinstance(group_shapes, Mapping) or not group_shapes:
         raise TypeError(
@@ -81,7 +83,7 @@ def _check_group_shapes(group_shapes: Any) -> dict[int, Shape]:
     return out
 
 
-def _check_scale(scale: Any) -> float:
+def _check_scale(scale: object) -> float:
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"SyntheticGradient: scale must be a float (the std of W's draws), got {scale!r}.")
     if not math.isfinite(float(scale)) or scale < 0:
@@ -90,7 +92,7 @@ def _check_scale(scale: Any) -> float:
     return float(scale)
 
 
-def _check_optional_width(hidden_width: Any) -> int | None:
+def _check_optional_width(hidden_width: object) -> int | None:
     if hidden_width is None:
         return None
     if isinstance(hidden_width, bool) or not isinstance(hidden_width, numbers.Integral) or hidden_width < 1:
@@ -98,7 +100,7 @@ def _check_optional_width(hidden_width: Any) -> int | None:
     return int(hidden_width)
 
 
-def _check_seed(seed: Any) -> int:
+def _check_seed(seed: object) -> int:
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"SyntheticGradient: seed must be an int, got {seed!r}.")
     return int(seed)
@@ -174,12 +176,12 @@ class SyntheticGradient:
             out[("synth_b", index)] = self._biases[index]
         return out
 
-    def param_values(self) -> Any:
+    def param_values(self) -> SynthParams:
         """The current parameter values, ``{'w': {gi: W}, 'b': {gi: b}}`` (what :meth:`apply` reads)."""
         return {"w": {i: st.value for i, st in self._weights.items()},
                 "b": {i: st.value for i, st in self._biases.items()}}
 
-    def apply(self, param_values: Any, group_hiddens: Mapping[int, jax.Array]) -> dict[int, jax.Array]:
+    def apply(self, param_values: SynthParams, group_hiddens: Mapping[int, jax.Array]) -> dict[int, jax.Array]:
         """The estimate of every group in ``group_hiddens`` (``{gi: (*varshape, S)}``), in its dtype.
 
         Raises

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import brainstate
 import brainunit as u
@@ -43,22 +43,27 @@ import jax.numpy as jnp
 from braintrace._algorithm.dni import DNI
 from braintrace._algorithm.input_data import MultiStepData
 from braintrace._algorithm.synthetic_gradient import SyntheticGradient
-from braintrace._typing import Path
+from braintrace._typing import Path, PyTree
+
+if TYPE_CHECKING:
+    import braintools
 
 __all__ = ["train_synthetic_gradient"]
 
+#: A key of the synthesiser's states (see :meth:`SyntheticGradient.states_dict`).
+StateKey = tuple[str, int]
 #: ``update(grads)``: one step on the synthesiser's states.
-Update = Callable[[dict[Any, Any]], None]
+Update = Callable[[dict[StateKey, jax.Array]], None]
 
 _CALL = "train_synthetic_gradient"
 
 
-def _sum_of_squares(output: Any) -> jax.Array:
+def _sum_of_squares(output: PyTree) -> jax.Array:
     """The default loss: ``Σ out²`` over every leaf of the output."""
     return jnp.sum(jnp.stack([jnp.sum(jnp.square(u.get_mantissa(leaf))) for leaf in jax.tree.leaves(output)]))
 
 
-def _positive_int(value: Any, name: str) -> int:
+def _positive_int(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{_CALL}: {name} must be an int, got {value!r}.")
     if value < 1:
@@ -66,7 +71,7 @@ def _positive_int(value: Any, name: str) -> int:
     return int(value)
 
 
-def _synthesizer_of(learner: Any) -> SyntheticGradient:
+def _synthesizer_of(learner: object) -> SyntheticGradient:
     """The synthesiser of a compiled DNI learner."""
     if not isinstance(learner, DNI):
         raise TypeError(f"{_CALL}: learner must be a braintrace.DNI learner, got {type(learner).__name__}.")
@@ -78,7 +83,7 @@ def _synthesizer_of(learner: Any) -> SyntheticGradient:
     return learner.synthesizer
 
 
-def _windows(inputs: Any, chunk_size: Any) -> tuple[jax.Array, int]:
+def _windows(inputs: object, chunk_size: object) -> tuple[jax.Array, int]:
     """``inputs`` ``(T, ...)`` as ``(T // k, k, ...)`` windows, and ``k``."""
     if isinstance(inputs, (tuple, list, dict)) or not hasattr(inputs, "shape"):
         raise TypeError(f"{_CALL}: inputs must be one array (T, ...) with time on axis 0, got "
@@ -95,18 +100,18 @@ def _windows(inputs: Any, chunk_size: Any) -> tuple[jax.Array, int]:
     return jnp.reshape(seq, (length // chunk, chunk, *seq.shape[1:])), chunk
 
 
-def _sgd(states: dict[Any, brainstate.ParamState], lr: Any) -> Update:
+def _sgd(states: dict[StateKey, brainstate.ParamState], lr: object) -> Update:
     if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not math.isfinite(float(lr)) or lr <= 0:
         raise ValueError(f"{_CALL}: lr must be a positive float, got {lr!r}.")
 
-    def update(grads: dict[Any, Any]) -> None:
+    def update(grads: dict[StateKey, jax.Array]) -> None:
         for key, state in states.items():
             state.value = state.value - lr * grads[key]
 
     return update
 
 
-def _optimizer_update(optimizer: Any, states: dict[Any, brainstate.ParamState]) -> Update:
+def _optimizer_update(optimizer: object, states: dict[StateKey, brainstate.ParamState]) -> Update:
     import braintools
 
     if not isinstance(optimizer, braintools.optim.OptaxOptimizer):
@@ -121,13 +126,14 @@ def _optimizer_update(optimizer: Any, states: dict[Any, brainstate.ParamState]) 
     return update
 
 
-def _group_values(learner: DNI, per_path: dict[Path, Any]) -> dict[int, jax.Array]:
+def _group_values(learner: DNI, per_path: dict[Path, jax.Array]) -> dict[int, jax.Array]:
     """``{group index: (*varshape, S)}`` from per-hidden-path values."""
     return {g.index: g.concat_hidden([u.get_mantissa(per_path[p]) for p in g.hidden_paths])
             for g in learner.graph.hidden_groups}
 
 
-def _regress(synth: SyntheticGradient, entry: dict[int, Any], target: dict[int, Any], update: Update) -> jax.Array:
+def _regress(synth: SyntheticGradient, entry: dict[int, jax.Array], target: dict[int, jax.Array],
+             update: Update) -> jax.Array:
     """One step on ``Σ_groups mean((M(entry) − target)²)``; returns the error before it."""
     states = synth.states_dict()
 
@@ -140,7 +146,7 @@ def _regress(synth: SyntheticGradient, entry: dict[int, Any], target: dict[int, 
     return value
 
 
-def _window_step(learner: DNI, synth: SyntheticGradient, loss_fn: Callable[[Any], Any], chunk: int,
+def _window_step(learner: DNI, synth: SyntheticGradient, loss_fn: Callable[[PyTree], jax.Array], chunk: int,
                  update: Update) -> Callable[[jax.Array], jax.Array]:
     """The loop body: run one window, take its bootstrapped target, regress on it."""
 
@@ -159,11 +165,11 @@ def _window_step(learner: DNI, synth: SyntheticGradient, loss_fn: Callable[[Any]
 
 def train_synthetic_gradient(
     learner: DNI,
-    inputs: Any,
+    inputs: jax.Array,
     *,
     chunk_size: int = 1,
-    loss_fn: Callable[[Any], Any] | None = None,
-    optimizer: Any = None,
+    loss_fn: Callable[[PyTree], jax.Array] | None = None,
+    optimizer: braintools.optim.OptaxOptimizer | None = None,
     lr: float = 1e-2,
     epochs: int = 1,
     reset: bool = True,

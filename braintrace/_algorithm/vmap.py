@@ -14,10 +14,12 @@ import jax
 import jax.numpy as jnp
 
 from braintrace._algorithm.call_lock import serialised
+from braintrace._algorithm.drive.host import SequenceRunType
 from braintrace._algorithm.eager_calls import watched_call
 from braintrace._algorithm.predict import forward_step, predict_sequences
-from braintrace._algorithm.sequence import Path, SequenceDriverMixin, _GradRun
+from braintrace._algorithm.sequence import SequenceDriverMixin
 from braintrace._algorithm.sharding import ShardingPlan, sharded_call
+from braintrace._typing import Path
 
 __all__ = ["ETraceVmap"]
 
@@ -200,9 +202,9 @@ class ETraceVmap(SequenceDriverMixin, brainstate.nn.Vmap):
         return self._lane_count()
 
     @property
-    def _seq_run_type(self) -> type[_GradRun]:
+    def _seq_run_type(self) -> SequenceRunType:
         # The lanes' learner decides how a sequence's gradient is taken (BPTT: through the whole loop).
-        run_type: type[_GradRun] = self.module._seq_run_type
+        run_type: SequenceRunType = self.module._seq_run_type
         return run_type
 
     @property
@@ -212,7 +214,8 @@ class ETraceVmap(SequenceDriverMixin, brainstate.nn.Vmap):
     @property
     def _seq_vjp_method(self) -> str | None:
         # brainstate.nn.Vmap forwards no attributes: read the learner's, not the wrapper's.
-        return getattr(self.module, "vjp_method", None)
+        vjp_method: str | None = self.module._seq_vjp_method
+        return vjp_method
 
     # --- read-only diagnostics of the wrapped learner ---------------------------------------
 

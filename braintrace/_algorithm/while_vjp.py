@@ -30,7 +30,7 @@ Array([0.25, 0.25], dtype=float32)
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,7 @@ from braintrace._compatible_imports import (
 )
 from braintrace._compatible_imports import eval_jaxpr as eval_closed
 from braintrace._compiler.jaxpr_graph import contains_eqn
+from braintrace._typing import Array
 
 __all__ = ["bind_reversibly", "bind_reversible_while", "reversible_jaxpr"]
 
@@ -54,7 +55,7 @@ def _is_while(eqn: JaxprEqn) -> bool:
     return bool(eqn.primitive.name == "while")
 
 
-def bind_reversibly(eqn: JaxprEqn, operands: Sequence[Any]) -> list[Any]:
+def bind_reversibly(eqn: JaxprEqn, operands: Sequence[Array]) -> list[Array]:
     """The outputs of ``eqn`` at ``operands``, reverse-differentiable through every ``while`` in it.
 
     A ``while`` equation is bound by :func:`bind_reversible_while`; a ``cond`` or ``scan`` whose
@@ -95,7 +96,7 @@ def reversible_jaxpr(closed: ClosedJaxpr) -> ClosedJaxpr:
     return jax.make_jaxpr(lambda *args: eval_jaxpr(closed.jaxpr, closed.consts, args, bind_reversibly))(*avals)
 
 
-def bind_reversible_while(eqn: JaxprEqn, operands: Sequence[Any]) -> list[Any]:
+def bind_reversible_while(eqn: JaxprEqn, operands: Sequence[Array]) -> list[Array]:
     """The outputs of the ``while`` equation ``eqn`` at ``operands``, reverse-differentiable.
 
     The value is the loop's own (the equation bound as it is); reverse mode recomputes the
@@ -128,17 +129,17 @@ def bind_reversible_while(eqn: JaxprEqn, operands: Sequence[Any]) -> list[Any]:
     n_cond, n_body = loop.cond_nconsts, loop.body_nconsts
     reversible_body = reversible_jaxpr(loop.body)
 
-    def cond(cond_consts: list[Any], carry: list[Any]) -> Any:
+    def cond(cond_consts: list[Array], carry: list[Array]) -> Array:
         return eval_closed(loop.cond.jaxpr, loop.cond.consts, *cond_consts, *carry)[0]
 
-    def body(body_consts: list[Any], carry: list[Any]) -> list[Any]:
+    def body(body_consts: list[Array], carry: list[Array]) -> list[Array]:
         return list(eval_closed(reversible_body.jaxpr, reversible_body.consts, *body_consts, *carry))
 
     @jax.custom_vjp
-    def reversible(cond_consts: list[Any], body_consts: list[Any], init: list[Any]) -> list[Any]:
+    def reversible(cond_consts: list[Array], body_consts: list[Array], init: list[Array]) -> list[Array]:
         return bind_equation(eqn, [*cond_consts, *body_consts, *init])
 
-    def fwd(cond_consts: list[Any], body_consts: list[Any], init: list[Any]) -> tuple[list[Any], Any]:
+    def fwd(cond_consts: list[Array], body_consts: list[Array], init: list[Array]) -> tuple[list[Array], _Residuals]:
         final, trips = jax.lax.while_loop(
             lambda state: cond(cond_consts, state[0]),
             lambda state: (body(body_consts, state[0]), state[1] + 1),
@@ -146,7 +147,7 @@ def bind_reversible_while(eqn: JaxprEqn, operands: Sequence[Any]) -> list[Any]:
         )
         return final, (body_consts, init, trips)
 
-    def bwd(residuals: Any, cotangents: list[Any]) -> tuple[None, list[Any], list[Any]]:
+    def bwd(residuals: _Residuals, cotangents: list[Array]) -> tuple[None, list[Array | None], list[Array | None]]:
         body_consts, init, trips = residuals
         d_consts, d_init = _walk_back(body, body_consts, init, trips, cotangents)
         return None, d_consts, d_init
@@ -156,9 +157,15 @@ def bind_reversible_while(eqn: JaxprEqn, operands: Sequence[Any]) -> list[Any]:
     return reversible(values[:n_cond], values[n_cond:n_cond + n_body], values[n_cond + n_body:])
 
 
+#: What the forward pass of a reversible loop keeps: ``(body constants, initial carry, trip count)``.
+_Residuals = tuple[list[Array], list[Array], Array]
+#: ``body(body_consts, carry) -> carry``: one iteration of a loop.
+_LoopBody = Callable[[list[Array], list[Array]], list[Array]]
+
+
 def _walk_back(
-    body: Any, body_consts: list[Any], init: list[Any], trips: jax.Array, cotangents: list[Any]
-) -> tuple[list[Any], list[Any]]:
+    body: _LoopBody, body_consts: list[Array], init: list[Array], trips: jax.Array, cotangents: list[Array]
+) -> tuple[list[Array | None], list[Array | None]]:
     """The cotangents of the body's constants and of the initial carry, from those of the final carry.
 
     Iteration ``k`` (from the last, ``trips - 1``, down to ``0``) is recomputed from ``init`` and
@@ -167,7 +174,7 @@ def _walk_back(
     carried = [i for i, v in enumerate(init) if _differentiable(v)]
     constant = [i for i, v in enumerate(body_consts) if _differentiable(v)]
 
-    def one_iteration(carry: list[Any], consts_part: list[Any], carry_part: list[Any]) -> list[Any]:
+    def one_iteration(carry: list[Array], consts_part: list[Array], carry_part: list[Array]) -> list[Array]:
         consts, full = list(body_consts), list(carry)
         for i, v in zip(constant, consts_part):
             consts[i] = v
@@ -176,7 +183,7 @@ def _walk_back(
         out = body(consts, full)
         return [out[i] for i in carried]
 
-    def back_one(j: Any, state: tuple[list[Any], list[Any]]) -> tuple[list[Any], list[Any]]:
+    def back_one(j: Array, state: tuple[list[Array], list[Array]]) -> tuple[list[Array], list[Array]]:
         d_carry, d_consts = state
         k = trips - 1 - j
         carry = jax.lax.fori_loop(0, k, lambda _, c: body(body_consts, c), list(init))
@@ -189,8 +196,8 @@ def _walk_back(
     start = ([jnp.asarray(cotangents[i], jnp.result_type(init[i])) for i in carried],
              [jnp.zeros_like(body_consts[i]) for i in constant])
     d_carried, d_constant = jax.lax.fori_loop(0, trips, back_one, start)
-    d_init: list[Any] = [None] * len(init)
-    d_consts: list[Any] = [None] * len(body_consts)
+    d_init: list[Array | None] = [None] * len(init)
+    d_consts: list[Array | None] = [None] * len(body_consts)
     for i, g in zip(carried, d_carried):
         d_init[i] = g
     for i, g in zip(constant, d_constant):
@@ -198,5 +205,5 @@ def _walk_back(
     return d_consts, d_init
 
 
-def _differentiable(value: Any) -> bool:
+def _differentiable(value: Array) -> bool:
     return bool(jnp.issubdtype(jnp.result_type(value), jnp.inexact))

@@ -45,20 +45,26 @@ import contextlib
 import math
 import numbers
 import warnings
-from typing import Any, Callable, Iterator, Mapping, NamedTuple
+from typing import Callable, Iterator, Mapping, NamedTuple
 
 import brainstate
 import brainunit as u
 import jax
 import numpy as np
+from jax.typing import ArrayLike
 
 from braintrace._algorithm import ETraceAlgorithm, ETraceVjpAlgorithm, ETraceVmap
+from braintrace._algorithm.drive.checks import check_mask, checked_weights, validate
+from braintrace._algorithm.drive.drivers import run_program
+from braintrace._algorithm.drive.grad_run import GradRun, windows
+from braintrace._algorithm.drive.host import Grads, StepFn
 from braintrace._algorithm.input_data import merge_data, split_input_data_types
 from braintrace._algorithm.jaxpr_eval import eval_jaxpr
-from braintrace._algorithm.sequence import _check_mask, _GradRun, _windows
 from braintrace._algorithm.while_vjp import bind_reversibly
 from braintrace._compiler.jaxpr_graph import contains_eqn
 from braintrace._audit.report import GradientAudit, Path
+from braintrace._compile import Learner
+from braintrace._typing import PyTree
 
 __all__ = ["check_gradients", "audit_learner", "bptt_gradients", "BPTTReference", "GradientRequest"]
 
@@ -66,27 +72,27 @@ __all__ = ["check_gradients", "audit_learner", "bptt_gradients", "BPTTReference"
 class GradientRequest(NamedTuple):
     """What the driver is asked for, shared by the online run and the BPTT run."""
 
-    step_fn: Callable[..., Any]
-    mask: Any = None
+    step_fn: StepFn
+    mask: ArrayLike | None = None
     chunk_size: int | None = None
-    weights: Mapping[Path, Any] | None = None
+    weights: Mapping[Path, brainstate.ParamState] | None = None
     has_aux: bool = False
 
 
 class BPTTReference(NamedTuple):
     """The BPTT gradient (``path -> gradient``) and the objective's value."""
 
-    grads: dict[Path, Any]
+    grads: Grads
     objective: float
 
 
 def check_gradients(
-    learner: Any,
-    *sequences: Any,
-    step_fn: Callable[..., Any],
-    mask: Any = None,
+    learner: Learner,
+    *sequences: PyTree,
+    step_fn: StepFn,
+    mask: ArrayLike | None = None,
     chunk_size: int | None = None,
-    weights: Mapping[Path, Any] | None = None,
+    weights: Mapping[Path, brainstate.ParamState] | None = None,
     has_aux: bool = False,
     rtol: float = 1e-4,
     reset: bool = False,
@@ -183,7 +189,7 @@ def check_gradients(
 
 
 def audit_learner(
-    learner: Any, sequences: tuple[Any, ...], request: GradientRequest, rtol: float, label: str,
+    learner: Learner, sequences: tuple[PyTree, ...], request: GradientRequest, rtol: float, label: str,
     reference: BPTTReference | None = None, reset: bool = False,
 ) -> GradientAudit:
     """The audit of a checked ``learner``; ``reference`` is computed by :func:`bptt_gradients` if not given.
@@ -212,20 +218,20 @@ def audit_learner(
     return GradientAudit.from_gradients(label, online, reference.grads, rtol, reference.objective)
 
 
-def bptt_gradients(learner: Any, sequences: tuple[Any, ...], request: GradientRequest) -> BPTTReference:
+def bptt_gradients(learner: Learner, sequences: tuple[PyTree, ...], request: GradientRequest) -> BPTTReference:
     """BPTT of ``Σ_t mask_t · loss_t`` through the whole loop, the learner's calls running the bare model.
 
     The slicing (plain steps or ``k``-step windows), the loss checks and the mask are those of
     ``etrace_grad``. The learner's states advance as in a run; the caller restores them.
     """
-    drive = learner._seq_validate("check_gradients", sequences, request.chunk_size, needs_multi_step=False)
-    mask = _check_mask("check_gradients", request.mask, drive.length)
-    weights = learner._seq_weights("check_gradients", request.weights)
-    scorer = _GradRun("check_gradients", request.step_fn, weights, drive.window, request.has_aux, learner)
+    drive = validate(learner, "check_gradients", sequences, request.chunk_size, needs_multi_step=False)
+    mask = check_mask("check_gradients", request.mask, drive.length)
+    weights = checked_weights(learner, "check_gradients", request.weights)
+    scorer = GradRun("check_gradients", request.step_fn, weights, drive.window, request.has_aux, learner)
     mask_rows = mask if drive.window is None else mask.reshape((-1, drive.window))
 
-    def objective(windows: Any, mask_rows: jax.Array) -> tuple[Any, Any]:
-        def call(_: None, inputs: tuple[tuple[Any, ...], Any]) -> tuple[None, Any]:
+    def objective(windows: tuple[PyTree, ...], mask_rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+        def call(_: None, inputs: tuple[tuple[PyTree, ...], jax.Array]) -> tuple[None, jax.Array]:
             slices, w = inputs
             loss, _aux = scorer._loss(request.step_fn(*slices))
             return None, u.math.sum(w * loss)
@@ -235,8 +241,8 @@ def bptt_gradients(learner: Any, sequences: tuple[Any, ...], request: GradientRe
         return total, total
 
     with calls_run_the_bare_model(learner):
-        grads, total = learner._seq_program(brainstate.transform.grad(objective, weights, has_aux=True),
-                                            _windows(sequences, drive.window), mask_rows)
+        grads, total = run_program(brainstate.transform.grad(objective, weights, has_aux=True),
+                                   windows(sequences, drive.window), mask_rows)
     return BPTTReference(dict(grads), float(u.get_mantissa(total)))
 
 
@@ -259,7 +265,7 @@ class _BareModelStep:
         self.learner = learner
         self.has_while = contains_eqn(learner.graph.module_info.jaxpr, lambda eqn: eqn.primitive.name == "while")
 
-    def _model_step(self, args: tuple[Any, ...]) -> Any:
+    def _model_step(self, args: tuple[PyTree, ...]) -> PyTree:
         """The model's output on ``args``, its states written as the model writes them."""
         if not self.has_while:
             return self.learner.model4compile(*args)
@@ -272,8 +278,11 @@ class _BareModelStep:
                 states[path].value = value
         return out
 
-    def __call__(self, args: Any, weight_vals: Any, hidden_vals: Any, other_vals: Any, etrace_vals: Any,
-                 running_index: Any, aux: Any = None, roll_sink: Any = None) -> tuple[Any, Any, Any, Any]:
+    def __call__(
+        self, args: tuple[PyTree, ...], weight_vals: dict[Path, PyTree], hidden_vals: dict[Path, PyTree],
+        other_vals: dict[Path, PyTree], etrace_vals: PyTree, running_index: jax.Array, aux: PyTree = None,
+        roll_sink: PyTree = None,
+    ) -> tuple[PyTree, dict[Path, PyTree], dict[Path, PyTree], PyTree]:
         single, multi, treedef = split_input_data_types(*args)
         if multi:
             out = brainstate.transform.for_loop(lambda step: self._model_step(merge_data(treedef, single, step)), multi)
@@ -285,7 +294,7 @@ class _BareModelStep:
 
 
 @contextlib.contextmanager
-def calls_run_the_bare_model(learner: Any) -> Iterator[None]:
+def calls_run_the_bare_model(learner: Learner) -> Iterator[None]:
     """Within the block, every call of ``learner`` (of its lanes' learner under vmap) runs the bare model."""
     core = learner.module if isinstance(learner, ETraceVmap) else learner
     missing = object()
@@ -300,7 +309,7 @@ def calls_run_the_bare_model(learner: Any) -> Iterator[None]:
             setattr(core, _SWITCHED, original)
 
 
-def snapshot(learner: Any) -> Callable[[], None]:
+def snapshot(learner: Learner) -> Callable[[], None]:
     """The values of every state of ``learner`` and of the global random state, as a function restoring them."""
     states = [*learner.states().values(), brainstate.random.DEFAULT]
     values = [st.value for st in states]
@@ -312,7 +321,7 @@ def snapshot(learner: Any) -> Callable[[], None]:
     return restore
 
 
-def calls_since_reset(learner: Any) -> int:
+def calls_since_reset(learner: Learner) -> int:
     """The learner's ``running_index`` (the largest over the lanes of a vmapped learner)."""
     core = learner.module if isinstance(learner, ETraceVmap) else learner
     return int(np.max(np.asarray(core.running_index.value)))
@@ -321,7 +330,7 @@ def calls_since_reset(learner: Any) -> int:
 # --- argument checks --------------------------------------------------------------------------
 
 
-def check_rtol(call: str, rtol: Any) -> None:
+def check_rtol(call: str, rtol: object) -> None:
     """``rtol`` must be a positive finite real number."""
     if isinstance(rtol, bool) or not isinstance(rtol, numbers.Real):
         raise TypeError(
@@ -333,7 +342,7 @@ def check_rtol(call: str, rtol: Any) -> None:
             f"use a small positive tolerance, e.g. rtol=1e-4 (float32) or rtol=1e-10 (float64).")
 
 
-def check_learner(call: str, learner: Any) -> None:
+def check_learner(call: str, learner: object) -> None:
     """``learner`` must be a compiled custom-VJP learner, or an ``ETraceVmap`` of one."""
     core = learner.module if isinstance(learner, ETraceVmap) else learner
     if not isinstance(core, ETraceAlgorithm):
@@ -351,14 +360,14 @@ def check_learner(call: str, learner: Any) -> None:
             f"algorithm, example_input), or call learner.compile_graph(example_input) first.")
 
 
-def check_step_fn(call: str, step_fn: Any) -> None:
+def check_step_fn(call: str, step_fn: object) -> None:
     if not callable(step_fn):
         raise TypeError(
             f"{call}: step_fn must be a callable step_fn(*slices) -> loss that calls the learner once, "
             f"got {step_fn!r} of type {type(step_fn).__name__}.")
 
 
-def learner_label(learner: Any) -> str:
+def learner_label(learner: Learner) -> str:
     """``'D_RTRL'``, or ``'ETraceVmap(D_RTRL)'`` for a vmapped learner."""
     if isinstance(learner, ETraceVmap):
         return f"ETraceVmap({type(learner.module).__name__})"

@@ -23,14 +23,16 @@ Examples
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence, Union
 
 import brainstate
 import jax
 import numpy as np
+from jax.typing import ArrayLike
 
 from braintrace._algorithm import ETraceAlgorithm, ETraceConfig, MultiStepData
-from braintrace._algorithm.sequence import _check_sequences
+from braintrace._algorithm.drive.checks import check_sequences
+from braintrace._algorithm.drive.host import StepFn
 from braintrace._audit.check import (
     BPTTReference,
     GradientRequest,
@@ -45,19 +47,24 @@ from braintrace._audit.report import (
     format_table,
     plotted_error,
 )
-from braintrace._compile import ALGORITHM_NAMES, compile
+from braintrace._compile import ALGORITHM_NAMES, Learner, compile
+from braintrace._typing import PyTree
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 __all__ = ["compare_learners", "LearnerComparison"]
 
-#: A learning rule: a name, an ``ETraceAlgorithm`` subclass, an ``ETraceConfig``, or one of those
-#: paired with its compile options, ``('pp_prop', {'decay_or_rank': 0.9})``.
-AlgorithmSpec = Any
+#: A learning rule: a name, an ``ETraceAlgorithm`` subclass or an ``ETraceConfig``.
+Rule = Union[str, type[ETraceAlgorithm], ETraceConfig]
+#: A learning rule, or one paired with its compile options, ``('pp_prop', {'decay_or_rank': 0.9})``.
+AlgorithmSpec = Union[Rule, tuple[Rule, Mapping[str, object]]]
 
 
 class _Candidate(NamedTuple):
     label: str
-    algorithm: Any
-    options: dict[str, Any]
+    algorithm: Rule
+    options: dict[str, object]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,12 +118,12 @@ class LearnerComparison:
     def __repr__(self) -> str:
         return self.table()
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """Plain Python values (JSON-serialisable): the tolerance, the objective and every audit."""
         return {"rtol": self.rtol, "objective": self.objective,
                 "learners": [audit.to_dict() for audit in self.audits]}
 
-    def plot(self, ax: Any = None) -> Any:
+    def plot(self, ax: Axes | None = None) -> Axes:
         """Grouped bars of the relative error per parameter leaf (one bar per learner), log axis, ``rtol`` line.
 
         Parameters
@@ -141,13 +148,13 @@ class LearnerComparison:
 def compare_learners(
     model: brainstate.nn.Module,
     algorithms: Sequence[AlgorithmSpec] | Mapping[str, AlgorithmSpec],
-    *sequences: Any,
-    loss_fn: Callable[..., Any],
-    example_inputs: Any = None,
+    *sequences: PyTree,
+    loss_fn: Callable[..., jax.Array],
+    example_inputs: PyTree = None,
     batch_size: int | None = None,
     vmap: bool = False,
     chunk_size: int | None = None,
-    mask: Any = None,
+    mask: ArrayLike | None = None,
     rtol: float = 1e-4,
     **options: Any,
 ) -> LearnerComparison:
@@ -214,12 +221,12 @@ def compare_learners(
         raise TypeError(
             f"compare_learners: loss_fn must be a callable loss_fn(output, *rest) -> loss, got "
             f"{type(loss_fn).__name__}.")
-    _check_sequences("compare_learners", sequences)
+    check_sequences("compare_learners", sequences)
     example_inputs = _example_inputs(sequences, example_inputs)
     window = chunk_size is not None and isinstance(chunk_size, int) and chunk_size >= 2
     audits: list[GradientAudit] = []
     reference: BPTTReference | None = None
-    initial: dict[Path, Any] | None = None
+    initial: dict[Path, PyTree] | None = None
     for candidate in candidates:
         learner = compile(model, candidate.algorithm, *example_inputs, batch_size=batch_size, vmap=vmap,
                           **{**options, **candidate.options})
@@ -231,20 +238,20 @@ def compare_learners(
     return LearnerComparison(tuple(audits), float(rtol), audits[0].objective)
 
 
-def _step_fn(learner: Any, loss_fn: Callable[..., Any], window: bool) -> Callable[..., Any]:
+def _step_fn(learner: Learner, loss_fn: Callable[..., jax.Array], window: bool) -> StepFn:
     """``loss_fn(learner(x), *rest)``, the learner given ``MultiStepData(x)`` in window mode."""
     if window:
         return lambda x, *rest: loss_fn(learner(MultiStepData(x)), *rest)
     return lambda x, *rest: loss_fn(learner(x), *rest)
 
 
-def _example_inputs(sequences: tuple[Any, ...], example_inputs: Any) -> tuple[Any, ...]:
+def _example_inputs(sequences: tuple[PyTree, ...], example_inputs: PyTree) -> tuple[PyTree, ...]:
     if example_inputs is None:
         return (jax.tree.map(lambda a: a[0], sequences[0]),)
     return tuple(example_inputs) if isinstance(example_inputs, tuple) else (example_inputs,)
 
 
-def _same_initial_states(model: brainstate.nn.Module, initial: dict[Path, Any] | None) -> dict[Path, Any]:
+def _same_initial_states(model: brainstate.nn.Module, initial: dict[Path, PyTree] | None) -> dict[Path, PyTree]:
     """The model's state values after the first compile; later compiles get them written back."""
     states = dict(model.states().items())
     if initial is None:
@@ -262,7 +269,7 @@ def _same_initial_states(model: brainstate.nn.Module, initial: dict[Path, Any] |
 # --- the rules --------------------------------------------------------------------------------
 
 
-def _candidates(algorithms: Any) -> list[_Candidate]:
+def _candidates(algorithms: object) -> list[_Candidate]:
     """The rules checked and labelled, before anything is compiled."""
     if isinstance(algorithms, (str, ETraceConfig, type)) or not isinstance(algorithms, (Sequence, Mapping)):
         raise TypeError(
@@ -281,32 +288,36 @@ def _candidates(algorithms: Any) -> list[_Candidate]:
     return candidates
 
 
-def _candidate(spec: Any, label: str | None) -> _Candidate:
+def _candidate(spec: object, label: str | None) -> _Candidate:
     rule, options = spec if isinstance(spec, tuple) and len(spec) == 2 else (spec, {})
     if not isinstance(options, Mapping) or isinstance(spec, tuple) and len(spec) != 2:
         raise TypeError(
             f"compare_learners: a rule with options is a pair (rule, options_dict), got {spec!r}. "
             f"Write e.g. ('pp_prop', {{'decay_or_rank': 0.9}}).")
-    _check_rule(rule)
-    return _Candidate(label if label is not None else _label(rule, options), rule, dict(options))
+    checked = _checked_rule(rule)
+    return _Candidate(label if label is not None else _label(checked, options), checked, dict(options))
 
 
-def _check_rule(rule: Any) -> None:
+def _checked_rule(rule: object) -> Rule:
+    """``rule``, refused unless it is a known name, an ``ETraceAlgorithm`` subclass or an ``ETraceConfig``."""
     if isinstance(rule, str):
         if rule.strip().lower() not in ALGORITHM_NAMES:
             raise ValueError(
                 f"compare_learners: unknown algorithm {rule!r}; valid names are {sorted(ALGORITHM_NAMES)}, or "
                 f"pass an ETraceAlgorithm subclass or a braintrace.ETraceConfig.")
-    elif isinstance(rule, type):
+        return rule
+    if isinstance(rule, type):
         if not issubclass(rule, ETraceAlgorithm):
             raise TypeError(f"compare_learners: {rule.__name__} is not a braintrace.ETraceAlgorithm subclass.")
-    elif not isinstance(rule, ETraceConfig):
+        return rule
+    if not isinstance(rule, ETraceConfig):
         raise TypeError(
             f"compare_learners: a rule is a name, an ETraceAlgorithm subclass or a braintrace.ETraceConfig "
             f"(optionally paired with its options), got {rule!r} of type {type(rule).__name__}.")
+    return rule
 
 
-def _label(rule: Any, options: Mapping[str, Any]) -> str:
+def _label(rule: Rule, options: Mapping[str, object]) -> str:
     name = rule if isinstance(rule, str) else rule.__name__ if isinstance(rule, type) else repr(rule)
     if not options:
         return name

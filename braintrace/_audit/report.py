@@ -25,18 +25,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import brainunit as u
 import jax
 import numpy as np
 
-from braintrace._typing import Path
+from braintrace._typing import Path, PyTree
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 __all__ = ["GradientRow", "GradientAudit", "gradient_figures", "gradient_rows", "overall_row"]
 
 #: ``path -> gradient`` (a pytree for a dict-valued parameter), keyed like the audited weights.
-Grads = Mapping[Path, Any]
+Grads = Mapping[Path, PyTree]
 
 _HEADER = ("parameter", "cosine", "rel. error", "norm ratio", "verdict")
 
@@ -104,7 +107,7 @@ class GradientRow:
         verdict = "exact" if self.exact else "approximate"
         return (self.name, f"{self.cosine:.6f}", f"{self.relative_error:.3e}", f"{self.norm_ratio:.6f}", verdict)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """The row as plain Python values (non-finite figures as ``None``)."""
         return {
             "name": self.name,
@@ -122,7 +125,7 @@ def _finite_or_none(value: float) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def _leaves(grad: Any) -> list[tuple[str, np.ndarray]]:
+def _leaves(grad: PyTree) -> list[tuple[str, np.ndarray]]:
     """``(key string, float64 mantissa)`` of every leaf of one parameter's gradient."""
     flat = jax.tree_util.tree_flatten_with_path(grad, is_leaf=lambda x: isinstance(x, u.Quantity))[0]
     return [(jax.tree_util.keystr(keys), np.asarray(u.get_mantissa(leaf), np.float64)) for keys, leaf in flat]
@@ -217,8 +220,8 @@ class GradientAudit:
     overall: GradientRow
     rtol: float
     objective: float
-    online_grads: dict[Path, Any] = dataclasses.field(repr=False, compare=False)
-    bptt_grads: dict[Path, Any] = dataclasses.field(repr=False, compare=False)
+    online_grads: dict[Path, PyTree] = dataclasses.field(repr=False, compare=False)
+    bptt_grads: dict[Path, PyTree] = dataclasses.field(repr=False, compare=False)
 
     @classmethod
     def from_gradients(cls, learner: str, online: Grads, bptt: Grads, rtol: float, objective: float) -> GradientAudit:
@@ -244,7 +247,7 @@ class GradientAudit:
     def __repr__(self) -> str:
         return self.table()
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """Plain Python values (JSON-serialisable; non-finite figures as ``None``)."""
         return {
             "learner": self.learner,
@@ -255,7 +258,7 @@ class GradientAudit:
             "rows": [row.to_dict() for row in self.rows],
         }
 
-    def plot(self, ax: Any = None) -> Any:
+    def plot(self, ax: Axes | None = None) -> Axes:
         """A bar chart of the relative error per leaf on a log axis, with the ``rtol`` line.
 
         Parameters
@@ -282,7 +285,7 @@ def plotted_error(relative_error: float) -> float:
     return max(relative_error, PLOT_FLOOR) if not math.isnan(relative_error) else math.nan
 
 
-def axes_for(ax: Any) -> Any:
+def axes_for(ax: Axes | None) -> Axes:
     if ax is not None:
         return ax
     import matplotlib.pyplot as plt
@@ -290,7 +293,7 @@ def axes_for(ax: Any) -> Any:
     return plt.subplots(figsize=(6, 3.5))[1]
 
 
-def finish_error_axes(ax: Any, names: list[str], rtol: float, title: str) -> None:
+def finish_error_axes(ax: Axes, names: list[str], rtol: float, title: str) -> None:
     """Log scale, parameter names on the x axis, the tolerance line and its legend."""
     ax.set_yscale("log")
     ax.axhline(rtol, color="tab:red", linestyle="--", label=f"rtol = {rtol:g}")

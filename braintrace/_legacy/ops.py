@@ -12,7 +12,7 @@ Migration: ``ETraceParam({'weight': W}, MatMulOp())`` + ``p.execute(x)`` becomes
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable, Sequence, TypeVar, Union
 
 import brainunit as u
 import jax
@@ -27,14 +27,21 @@ from braintrace._op.sparse import sparse_matmul
 __all__ = ["identity", "ETraceOp", "MatMulOp", "ElemWiseOp", "ConvOp", "SpMatMulOp", "LoraOp"]
 
 Hook = Callable[[jax.Array], jax.Array]
+#: An operand of an operator: an array or a ``brainunit`` quantity.
+Operand = Union[jax.Array, u.Quantity]
+#: An operator's weights: ``{'weight': ..., 'bias'?: ...}`` (``{'B', 'A'}`` for LoRA), or
+#: the weight itself for :class:`ElemWiseOp`.
+Weights = Union[Operand, dict[str, Operand]]
+
+_T = TypeVar("_T")
 
 
-def identity(x: Any) -> Any:
+def identity(x: _T) -> _T:
     """The default transform: return ``x`` unchanged."""
     return x
 
 
-def _dict_weight(weights: Any, keys: tuple[str, ...], op: str) -> dict[str, Any]:
+def _dict_weight(weights: Weights, keys: tuple[str, ...], op: str) -> dict[str, Operand]:
     if not isinstance(weights, dict):
         raise TypeError(
             f"{op}: the weights must be a dict with keys {list(keys)} (plus an optional 'bias'), "
@@ -49,7 +56,7 @@ def _dict_weight(weights: Any, keys: tuple[str, ...], op: str) -> dict[str, Any]
     return weights
 
 
-def _check_mask(mask: Any, op: str) -> Any:
+def _check_mask(mask: object, op: str) -> jax.Array | None:
     if mask is None:
         return None
     if not isinstance(mask, (np.ndarray, jax.Array, u.Quantity)):
@@ -62,13 +69,13 @@ def _check_mask(mask: Any, op: str) -> Any:
     return jnp.asarray(u.get_mantissa(mask))
 
 
-def _check_fn(fn: Any, arg: str, op: str) -> Callable[[Any], Any]:
+def _check_fn(fn: Hook, arg: str, op: str) -> Hook:
     if not callable(fn):
         raise TypeError(f"{op}: {arg} must be callable, got {type(fn).__name__}.")
     return fn
 
 
-def _hook(fn: Callable[[Any], Any], mask: Any, fn_before_mask: bool = False) -> Hook | None:
+def _hook(fn: Hook, mask: jax.Array | None, fn_before_mask: bool = False) -> Hook | None:
     """``w -> fn(w * mask)`` (or ``fn(w) * mask``); ``None`` when it is the identity."""
     if mask is None:
         return None if fn is identity else fn
@@ -79,7 +86,7 @@ def _hook(fn: Callable[[Any], Any], mask: Any, fn_before_mask: bool = False) -> 
     return masked
 
 
-def _apply(hook: Hook | None, value: Any) -> Any:
+def _apply(hook: Hook | None, value: Operand) -> Operand:
     """The hook applied to ``value``'s mantissa, in ``value``'s unit (the raw-path twin)."""
     if hook is None:
         return value
@@ -112,25 +119,25 @@ class ETraceOp:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(is_diagonal={self.is_diagonal})"
 
-    def __call__(self, inputs: Any, weights: Any) -> Any:
+    def __call__(self, inputs: Operand, weights: Weights) -> Operand:
         return self.xw_to_y(inputs, weights)
 
-    def xw_to_y(self, inputs: Any, weights: Any) -> Any:
+    def xw_to_y(self, inputs: Operand, weights: Weights) -> Operand:
         """The output through the ETP operator (seen by the compiler)."""
         raise NotImplementedError(f"{type(self).__name__} does not define xw_to_y.")
 
-    def raw_xw_to_y(self, inputs: Any, weights: Any) -> Any:
+    def raw_xw_to_y(self, inputs: Operand, weights: Weights) -> Operand:
         """The same output through plain JAX (invisible to the compiler)."""
         return self.xw_to_y(inputs, weights)
 
-    def dt_to_t(self, hidden_dim_arr: Any, weight_dim_tree: Any) -> Any:
+    def dt_to_t(self, hidden_dim_arr: Operand, weight_dim_tree: Weights) -> Weights:
         """Not available: trace propagation belongs to the ETP primitives' rules now."""
         raise NotImplementedError(
             f"{type(self).__name__}.dt_to_t is not available; the ETP primitives' registered "
             f"rules propagate traces (see braintrace._op.ETP_RULES_DT_TO_T)."
         )
 
-    def xy_to_dw(self, input_dim_arr: Any, hidden_dim_arr: Any, weights: Any) -> Any:
+    def xy_to_dw(self, input_dim_arr: Operand, hidden_dim_arr: Operand, weights: Weights) -> Weights:
         """The VJP of ``xw_to_y(input_dim_arr, ·)`` at ``weights`` with cotangent ``hidden_dim_arr``.
 
         Raises
@@ -179,8 +186,8 @@ class MatMulOp(ETraceOp):
 
     def __init__(
         self,
-        weight_mask: Any = None,
-        weight_fn: Callable[[Any], Any] = identity,
+        weight_mask: jax.Array | np.ndarray | u.Quantity | None = None,
+        weight_fn: Hook = identity,
         apply_weight_fn_before_mask: bool = False,
     ) -> None:
         super().__init__(is_diagonal=False)
@@ -196,11 +203,11 @@ class MatMulOp(ETraceOp):
     def _hook(self) -> Hook | None:
         return _hook(self.weight_fn, self.weight_mask, self.apply_weight_fn_before_mask)
 
-    def xw_to_y(self, inputs: Any, weights: Any) -> Any:
+    def xw_to_y(self, inputs: Operand, weights: Weights) -> Operand:
         w = _dict_weight(weights, ("weight",), "MatMulOp")
         return matmul(inputs, w["weight"], w.get("bias"), weight_fn=self._hook())
 
-    def raw_xw_to_y(self, inputs: Any, weights: Any) -> Any:
+    def raw_xw_to_y(self, inputs: Operand, weights: Weights) -> Operand:
         w = _dict_weight(weights, ("weight",), "MatMulOp")
         y = u.math.matmul(inputs, _apply(self._hook(), w["weight"]))
         return y if w.get("bias") is None else y + w["bias"]
@@ -226,21 +233,21 @@ class ElemWiseOp(ETraceOp):
 
     __module__ = "braintrace"
 
-    def __init__(self, fn: Callable[[Any], Any] = identity) -> None:
+    def __init__(self, fn: Hook = identity) -> None:
         super().__init__(is_diagonal=True)
         self.fn = _check_fn(fn, "fn", "ElemWiseOp")
 
-    def __call__(self, weights: Any) -> Any:  # type: ignore[override]
+    def __call__(self, weights: Weights) -> Operand:  # type: ignore[override]
         return self.xw_to_y(None, weights)
 
-    def xw_to_y(self, inputs: Any, weights: Any) -> Any:
+    def xw_to_y(self, inputs: Operand, weights: Weights) -> Operand:
         return element_wise(weights, weight_fn=_hook(self.fn, None))
 
-    def raw_xw_to_y(self, inputs: Any, weights: Any) -> Any:
+    def raw_xw_to_y(self, inputs: Operand, weights: Weights) -> Operand:
         return _apply(_hook(self.fn, None), weights)
 
 
-def _bias_on_channels(y: Any, bias: Any, out_feature_axis: int) -> Any:
+def _bias_on_channels(y: Operand, bias: Operand, out_feature_axis: int) -> Operand:
     """Add ``bias`` as :func:`braintrace.conv` does: a ``(C_out,)`` bias on the channel axis."""
     if u.math.ndim(bias) == 1 and bias.shape[0] == y.shape[out_feature_axis]:
         shape = [1] * y.ndim
@@ -249,7 +256,7 @@ def _bias_on_channels(y: Any, bias: Any, out_feature_axis: int) -> Any:
     return y + bias
 
 
-def _per_axis(value: Any, n_spatial: int) -> tuple[int, ...] | None:
+def _per_axis(value: int | Sequence[int] | None, n_spatial: int) -> tuple[int, ...] | None:
     """An int or a length-1 sequence replicated to every spatial axis (as braintrace.conv does)."""
     if value is None:
         return None
@@ -286,16 +293,16 @@ class ConvOp(ETraceOp):
 
     def __init__(
         self,
-        xinfo: Any,
-        window_strides: Any,
-        padding: Any,
-        lhs_dilation: Any = None,
-        rhs_dilation: Any = None,
+        xinfo: jax.ShapeDtypeStruct | None,
+        window_strides: int | Sequence[int],
+        padding: str | Sequence[tuple[int, int]],
+        lhs_dilation: int | Sequence[int] | None = None,
+        rhs_dilation: int | Sequence[int] | None = None,
         feature_group_count: int = 1,
         batch_group_count: int = 1,
-        dimension_numbers: Any = None,
-        weight_mask: Any = None,
-        weight_fn: Callable[[Any], Any] = identity,
+        dimension_numbers: jax.lax.ConvGeneralDilatedDimensionNumbers = None,
+        weight_mask: jax.Array | np.ndarray | u.Quantity | None = None,
+        weight_fn: Hook = identity,
     ) -> None:
         super().__init__(is_diagonal=False)
         self.xinfo = xinfo
@@ -309,7 +316,7 @@ class ConvOp(ETraceOp):
         self.weight_mask = _check_mask(weight_mask, "ConvOp")
         self.weight_fn = _check_fn(weight_fn, "weight_fn", "ConvOp")
 
-    def xw_to_y(self, inputs: Any, weights: Any) -> Any:
+    def xw_to_y(self, inputs: Operand, weights: Weights) -> Operand:
         w = _dict_weight(weights, ("weight",), "ConvOp")
         return conv(
             inputs,
@@ -325,7 +332,7 @@ class ConvOp(ETraceOp):
             kernel_fn=_hook(self.weight_fn, self.weight_mask),
         )
 
-    def raw_xw_to_y(self, inputs: Any, weights: Any) -> Any:
+    def raw_xw_to_y(self, inputs: Operand, weights: Weights) -> Operand:
         w = _dict_weight(weights, ("weight",), "ConvOp")
         x_m, x_unit = split_units(inputs, "inputs", "ConvOp")
         kernel = _apply(_hook(self.weight_fn, self.weight_mask), w["weight"])
@@ -373,7 +380,7 @@ class SpMatMulOp(ETraceOp):
 
     __module__ = "braintrace"
 
-    def __init__(self, sparse_mat: Any, weight_fn: Callable[[Any], Any] = identity) -> None:
+    def __init__(self, sparse_mat: u.sparse.SparseMatrix, weight_fn: Hook = identity) -> None:
         super().__init__(is_diagonal=False)
         if not isinstance(sparse_mat, u.sparse.SparseMatrix):
             raise TypeError(
@@ -383,7 +390,7 @@ class SpMatMulOp(ETraceOp):
         self.sparse_mat = sparse_mat
         self.weight_fn = _check_fn(weight_fn, "weight_fn", "SpMatMulOp")
 
-    def xw_to_y(self, inputs: Any, weights: Any) -> Any:
+    def xw_to_y(self, inputs: Operand, weights: Weights) -> Operand:
         w = _dict_weight(weights, ("weight",), "SpMatMulOp")
         return sparse_matmul(
             inputs,
@@ -393,7 +400,7 @@ class SpMatMulOp(ETraceOp):
             weight_fn=_hook(self.weight_fn, None),
         )
 
-    def raw_xw_to_y(self, inputs: Any, weights: Any) -> Any:
+    def raw_xw_to_y(self, inputs: Operand, weights: Weights) -> Operand:
         w = _dict_weight(weights, ("weight",), "SpMatMulOp")
         data = _apply(_hook(self.weight_fn, None), w["weight"])
         # a dense product: plain JAX on every backend (brainevent's CPU kernels need numba)
@@ -421,18 +428,18 @@ class LoraOp(ETraceOp):
 
     __module__ = "braintrace"
 
-    def __init__(self, alpha: Any = None) -> None:
+    def __init__(self, alpha: float | jax.Array | None = None) -> None:
         super().__init__(is_diagonal=False)
         self.alpha = None if alpha is None else jnp.asarray(alpha)
 
     def _alpha(self) -> float:
         return 1.0 if self.alpha is None else float(self.alpha)
 
-    def xw_to_y(self, inputs: Any, weights: Any) -> Any:
+    def xw_to_y(self, inputs: Operand, weights: Weights) -> Operand:
         w = _dict_weight(weights, ("B", "A"), "LoraOp")
         return lora_matmul(inputs, w["B"], w["A"], alpha=self._alpha(), bias=w.get("bias"))
 
-    def raw_xw_to_y(self, inputs: Any, weights: Any) -> Any:
+    def raw_xw_to_y(self, inputs: Operand, weights: Weights) -> Operand:
         w = _dict_weight(weights, ("B", "A"), "LoraOp")
         y = u.math.matmul(u.math.matmul(self._alpha() * inputs, w["B"]), w["A"])
         return y if w.get("bias") is None else y + w["bias"]

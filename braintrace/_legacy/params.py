@@ -13,11 +13,11 @@ replaces ``NonTempParam``; a plain value replaces the fakes.
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable
+from typing import Callable
 
 import brainstate
 
-from braintrace._legacy.ops import ElemWiseOp, ETraceOp, identity
+from braintrace._legacy.ops import ElemWiseOp, ETraceOp, Hook, Operand, Weights, identity
 
 __all__ = [
     "ETraceGrad",
@@ -37,7 +37,11 @@ class ETraceGrad(enum.Enum):
     adaptive = "adaptive"
 
 
-def _grad_mode(grad: Any) -> ETraceGrad:
+#: A plain-JAX operator ``op(x, weights) -> y``.
+RawOp = Callable[[Operand, Weights], Operand]
+
+
+def _grad_mode(grad: ETraceGrad | str | None) -> ETraceGrad:
     if grad is None:
         return ETraceGrad.adaptive
     if isinstance(grad, ETraceGrad):
@@ -49,7 +53,7 @@ def _grad_mode(grad: Any) -> ETraceGrad:
     )
 
 
-def _raw_op(op: Any, cls: str) -> tuple[Callable[..., Any], ETraceOp | None]:
+def _raw_op(op: ETraceOp | RawOp, cls: str) -> tuple[RawOp, ETraceOp | None]:
     """An operator's plain-JAX form: ``(callable, the ETraceOp or None)``."""
     if isinstance(op, ETraceOp):
         return op.raw_xw_to_y, op
@@ -87,7 +91,9 @@ class ETraceParam(brainstate.ParamState):
 
     __module__ = "braintrace"
 
-    def __init__(self, weight: Any, op: Any, grad: Any = None, name: str | None = None) -> None:
+    def __init__(
+        self, weight: Weights, op: ETraceOp, grad: ETraceGrad | str | None = None, name: str | None = None,
+    ) -> None:
         if not isinstance(op, ETraceOp):
             raise TypeError(
                 f"{type(self).__name__}: op must be an ETraceOp (e.g. MatMulOp()), got "
@@ -99,7 +105,7 @@ class ETraceParam(brainstate.ParamState):
         self.gradient = gradient
         self.is_etrace = True
 
-    def execute(self, x: Any) -> Any:
+    def execute(self, x: Operand) -> Operand:
         """``op(x, value)`` through the ETP operator."""
         return self.op(x, self.value)
 
@@ -124,7 +130,7 @@ class ElemWiseParam(ETraceParam):
 
     __module__ = "braintrace"
 
-    def __init__(self, weight: Any, op: Any = identity, name: str | None = None) -> None:
+    def __init__(self, weight: Operand, op: ElemWiseOp | Hook = identity, name: str | None = None) -> None:
         if not isinstance(op, ElemWiseOp):
             if not callable(op):
                 raise TypeError(
@@ -133,7 +139,7 @@ class ElemWiseParam(ETraceParam):
             op = ElemWiseOp(op)
         super().__init__(weight, op, grad="full", name=name)
 
-    def execute(self) -> Any:  # type: ignore[override]
+    def execute(self) -> Operand:  # type: ignore[override]
         """``op(value)`` through :func:`braintrace.element_wise`."""
         return self.op.xw_to_y(None, self.value)
 
@@ -158,14 +164,14 @@ class NonTempParam(brainstate.ParamState):
 
     __module__ = "braintrace"
 
-    def __init__(self, value: Any, op: Any, name: str | None = None, **_kwargs: Any) -> None:
+    def __init__(self, value: Weights, op: ETraceOp | RawOp, name: str | None = None, **_kwargs: object) -> None:
         raw, etrace_op = _raw_op(op, "NonTempParam")
         super().__init__(value, name=name)
         self.op = raw
         if etrace_op is not None:
             self._op = etrace_op
 
-    def execute(self, x: Any) -> Any:
+    def execute(self, x: Operand) -> Operand:
         """``op(x, value)`` in plain JAX."""
         return self.op(x, self.value)
 
@@ -183,13 +189,13 @@ class FakeETraceParam:
 
     __module__ = "braintrace"
 
-    def __init__(self, value: Any, op: Any) -> None:
+    def __init__(self, value: Weights, op: ETraceOp | RawOp) -> None:
         self.op, etrace_op = _raw_op(op, "FakeETraceParam")
         if etrace_op is not None:
             self._op = etrace_op
         self.value = value
 
-    def execute(self, x: Any) -> Any:
+    def execute(self, x: Operand) -> Operand:
         """``op(x, value)`` in plain JAX."""
         return self.op(x, self.value)
 
@@ -219,7 +225,7 @@ class FakeElemWiseParam:
 
     __module__ = "braintrace"
 
-    def __init__(self, weight: Any, op: Any = identity, name: str | None = None) -> None:
+    def __init__(self, weight: Operand, op: ElemWiseOp | Hook = identity, name: str | None = None) -> None:
         if isinstance(op, ETraceOp) and not isinstance(op, ElemWiseOp):
             raise TypeError(
                 f"FakeElemWiseParam: an ETraceOp must be an ElemWiseOp, got {type(op).__name__}."
@@ -230,7 +236,7 @@ class FakeElemWiseParam:
         self.value = weight
         self.name = name
 
-    def execute(self) -> Any:
+    def execute(self) -> Operand:
         """``op(value)`` in plain JAX."""
         if isinstance(self.op, ElemWiseOp):
             return self.op.raw_xw_to_y(None, self.value)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import brainunit as u
 import jax
 import jax.numpy as jnp
+
+from braintrace._legacy.ops import Operand, Weights
 
 __all__ = ["stop_param_gradients", "general_y2w"]
 
@@ -29,7 +31,7 @@ def stop_param_gradients(stop_or_not: bool = True) -> Iterator[None]:
     yield
 
 
-def general_y2w(xw2y: Callable[[Any, Any], Any], x: Any, y: Any, w: Any) -> Any:
+def general_y2w(xw2y: Callable[[Operand, Weights], Operand], x: Operand, y: Operand, w: Weights) -> Weights:
     """Pull ``y`` back to the weights of ``xw2y`` with the input replaced by ones.
 
     Returns the VJP of ``w -> xw2y(ones_like(x), w)`` at ``w`` with cotangent ``y``

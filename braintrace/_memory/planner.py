@@ -1,11 +1,12 @@
-"""``estimate_memory`` and ``learner_memory``: how much memory a training step needs, before a run.
+"""``estimate_memory``: how much memory a training step of each method needs, before a run.
 
 For each method the planner builds the learner at the user's sizes (``braintrace.compile`` on
 a deep copy of the model, so the model's own states stay as they are), compiles one training
 step with XLA and reads its memory analysis; no step runs. BPTT's step covers the whole
 sequence, so its memory grows with ``seq_len``; an online learner's step covers one time step
 and is the same for any sequence length (the learner carries its traces from step to step in
-the same buffers).
+the same buffers). The measurement of one learner (:func:`~braintrace.learner_memory`) sits below
+the learners, in :mod:`braintrace._footprint`; the planner, which compiles learners, sits above.
 
 Examples
 --------
@@ -39,13 +40,14 @@ import jax.numpy as jnp
 from braintrace._algorithm.batch_size import checked_batch_size
 from braintrace._compile import compile as compile_learner
 from braintrace._errors import CompilationError
+from braintrace._footprint.estimate import MemoryEstimate
+from braintrace._footprint.inventory import model_state_bytes, state_bytes
+from braintrace._footprint.step_memory import bptt_step_memory, online_step_memory
 from braintrace._memory.batch_fit import largest_fitting_batch
-from braintrace._memory.inventory import algorithm_of, model_state_bytes, state_bytes
 from braintrace._memory.methods import Method, read_methods
-from braintrace._memory.plan import MemoryEstimate, MemoryPlan
-from braintrace._memory.step_memory import bptt_step_memory, online_step_memory
+from braintrace._memory.plan import MemoryPlan
 
-__all__ = ["estimate_memory", "learner_memory"]
+__all__ = ["estimate_memory"]
 
 
 # --- checks of the arguments --------------------------------------------------------------------
@@ -192,7 +194,7 @@ def estimate_memory(
     Each method is built on a deep copy of ``model`` (``braintrace.compile(copy, algorithm,
     *example_inputs, batch_size=batch_size, **options)``; BPTT: the copy's states initialised),
     its states are counted, and one training step is compiled by XLA and its memory analysis
-    read (see :mod:`braintrace._memory.step_memory`): an online learner's step is one time step,
+    read (see :mod:`braintrace._footprint.step_memory`): an online learner's step is one time step,
     the same for any ``seq_len``; BPTT's step is ``seq_len`` time steps. The states are
     allocated at the measured sizes; no step runs.
 
@@ -282,57 +284,3 @@ def estimate_memory(
         rows.append(row)
     return MemoryPlan(tuple(rows), batch_size=batch_size, seq_len=seq_len, budget_bytes=budget,
                       backend=jax.default_backend())
-
-
-def learner_memory(learner: Any, *example_inputs: Any) -> MemoryEstimate:
-    """How much memory one training step of an already compiled learner needs (no step runs).
-
-    The same figures as a row of :func:`estimate_memory`, for the learner as it is: its traces,
-    parameters and states, and XLA's memory of one online training step (the gradient of the
-    sum of its output with respect to ``learner.param_states``) for ``example_inputs``. The
-    learner's states are not changed.
-
-    Parameters
-    ----------
-    learner : ETraceAlgorithm or ETraceVmap
-        A learner built by :func:`braintrace.compile`.
-    *example_inputs
-        Inputs of one step, as the learner is called with (arrays or ``jax.ShapeDtypeStruct``).
-
-    Returns
-    -------
-    MemoryEstimate
-
-    Raises
-    ------
-    TypeError
-        If ``learner`` is not a compiled learner.
-    ValueError
-        If it is not compiled, or no example input is given.
-
-    Examples
-    --------
-    >>> import jax.numpy as jnp, braintrace
-    >>> from braintrace._memory import learner_memory
-    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), 'd_rtrl', jnp.ones((2, 3)), batch_size=2)
-    >>> row = learner_memory(learner, jnp.ones((2, 3)))
-    >>> row.method, row.batch_size, row.trace_bytes  # traces: 2 samples · (7·4 + 4) · 1 state · 4 B
-    ('D_RTRL', 2, 256)
-    >>> row.total_bytes >= row.persistent_bytes  # the step reads every state it keeps
-    True
-    """
-    algorithm = algorithm_of(learner)
-    if not algorithm.is_compiled:
-        raise ValueError(
-            f"learner_memory: {type(algorithm).__name__} is not compiled; build it with "
-            f"braintrace.compile(model, algorithm, example_input)."
-        )
-    if not example_inputs:
-        raise ValueError(
-            f"learner_memory: give an example input of one step, as {type(algorithm).__name__} is called "
-            f"with, e.g. learner.memory(x0)."
-        )
-    parts = state_bytes(learner)
-    step = online_step_memory(learner, example_inputs)
-    return MemoryEstimate(method=type(algorithm).__name__, batch_size=algorithm.batch_size, steps=1,
-                          trace_bytes=parts.traces, param_bytes=parts.params, state_bytes=parts.states, step=step)

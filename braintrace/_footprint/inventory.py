@@ -14,7 +14,7 @@ falls in exactly one of three parts, leaf by leaf:
 Examples
 --------
 >>> import jax.numpy as jnp, braintrace
->>> from braintrace._memory.inventory import state_bytes
+>>> from braintrace._footprint.inventory import state_bytes
 >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), 'd_rtrl', jnp.ones((2, 3)), batch_size=2)
 >>> state_bytes(learner)  # traces 2·(7·4 + 4)·4 B, params (7·4 + 4)·4 B, states h (2·4·4 B) and a counter
 StateBytes(traces=256, params=128, states=36)
@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from braintrace._typing import LearnerLike
+
 __all__ = ["StateBytes", "state_bytes", "model_state_bytes", "tree_bytes", "algorithm_of"]
 
 
@@ -38,7 +40,7 @@ class StateBytes(NamedTuple):
 
     Examples
     --------
-    >>> from braintrace._memory.inventory import StateBytes
+    >>> from braintrace._footprint.inventory import StateBytes
     >>> StateBytes(traces=256, params=128, states=36).total
     420
     """
@@ -59,7 +61,7 @@ def leaf_bytes(leaf: Any) -> int:
     Examples
     --------
     >>> import jax, jax.numpy as jnp
-    >>> from braintrace._memory.inventory import leaf_bytes
+    >>> from braintrace._footprint.inventory import leaf_bytes
     >>> leaf_bytes(jnp.zeros((3, 4))), leaf_bytes(jax.ShapeDtypeStruct((2,), jnp.int8))
     (48, 2)
     """
@@ -73,34 +75,42 @@ def tree_bytes(tree: Any) -> int:
     Examples
     --------
     >>> import jax.numpy as jnp
-    >>> from braintrace._memory.inventory import tree_bytes
+    >>> from braintrace._footprint.inventory import tree_bytes
     >>> tree_bytes({'w': jnp.zeros((3, 4)), 'b': jnp.zeros(4, jnp.int32)})
     64
     """
     return sum(leaf_bytes(leaf) for leaf in jax.tree.leaves(tree))
 
 
-def algorithm_of(learner: Any) -> Any:
-    """The ``ETraceAlgorithm`` of ``learner`` (the learner itself, or the one an ``ETraceVmap`` maps).
+def algorithm_of(learner: Any) -> LearnerLike:
+    """The learner inside ``learner``: the learner itself, or the one an ``ETraceVmap`` maps.
+
+    A learner is told by its attributes (:class:`~braintrace._typing.LearnerLike`); a wrapper is a
+    ``brainstate.nn.Vmap`` of one that, as ``ETraceVmap`` does, forwards its ``param_states`` (the
+    training step differentiates with respect to them).
+
+    Raises
+    ------
+    TypeError
+        For anything else, naming what was given.
 
     Examples
     --------
     >>> import jax.numpy as jnp, braintrace
-    >>> from braintrace._memory.inventory import algorithm_of
+    >>> from braintrace._footprint.inventory import algorithm_of
     >>> vmapped = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), 'd_rtrl', jnp.ones((2, 3)),
     ...                              batch_size=2, vmap=True)
     >>> type(algorithm_of(vmapped)).__name__
     'D_RTRL'
     """
-    from braintrace._algorithm import ETraceAlgorithm, ETraceVmap
-
-    if isinstance(learner, ETraceVmap):
-        return learner.module
-    if isinstance(learner, ETraceAlgorithm):
+    if isinstance(learner, LearnerLike):
         return learner
+    if (isinstance(learner, brainstate.nn.Vmap) and isinstance(learner.module, LearnerLike)
+            and hasattr(type(learner), "param_states")):
+        return learner.module
     raise TypeError(
-        f"expected a compiled learner (braintrace.compile(model, algorithm, x)), got "
-        f"{type(learner).__name__}."
+        f"expected a compiled learner (braintrace.compile(model, algorithm, x), or with vmap=True for a "
+        f"vmapped one), got {type(learner).__name__}."
     )
 
 
@@ -131,7 +141,7 @@ def state_bytes(learner: Any) -> StateBytes:
     Examples
     --------
     >>> import jax.numpy as jnp, braintrace
-    >>> from braintrace._memory.inventory import state_bytes
+    >>> from braintrace._footprint.inventory import state_bytes
     >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), 'pp_prop', jnp.ones((2, 3)),
     ...                              batch_size=2, decay_or_rank=0.9)
     >>> state_bytes(learner).traces  # x trace (2, 7) and output trace (2, 4, 1), float32
@@ -159,7 +169,7 @@ def model_state_bytes(model: brainstate.nn.Module) -> StateBytes:
     Examples
     --------
     >>> import brainstate, braintrace
-    >>> from braintrace._memory.inventory import model_state_bytes
+    >>> from braintrace._footprint.inventory import model_state_bytes
     >>> cell = braintrace.nn.ValinaRNNCell(3, 4)
     >>> _ = brainstate.nn.init_all_states(cell, batch_size=2)
     >>> model_state_bytes(cell)

@@ -17,7 +17,7 @@ depends on the loss, as long as it reads the output.
 Examples
 --------
 >>> import jax.numpy as jnp, braintrace
->>> from braintrace._memory.step_memory import online_step_memory
+>>> from braintrace._footprint.step_memory import online_step_memory
 >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), 'd_rtrl', jnp.ones((2, 3)), batch_size=2)
 >>> memory = online_step_memory(learner, (jnp.ones((2, 3)),))
 >>> memory.total_bytes == memory.argument_bytes + memory.output_bytes + memory.temp_bytes - memory.alias_bytes
@@ -56,7 +56,7 @@ class StepMemory:
 
     Examples
     --------
-    >>> from braintrace._memory.step_memory import StepMemory
+    >>> from braintrace._footprint.step_memory import StepMemory
     >>> StepMemory(argument_bytes=100, output_bytes=80, temp_bytes=40, alias_bytes=30).total_bytes
     190
     """
@@ -81,7 +81,7 @@ class StepMemory:
         Examples
         --------
         >>> import jax, jax.numpy as jnp
-        >>> from braintrace._memory.step_memory import StepMemory
+        >>> from braintrace._footprint.step_memory import StepMemory
         >>> compiled = jax.jit(lambda x: x * 2).lower(jnp.ones(4)).compile()
         >>> StepMemory.of_compiled(compiled).argument_bytes
         16
@@ -106,7 +106,7 @@ def output_loss(output: Any) -> jax.Array:
     Examples
     --------
     >>> import jax.numpy as jnp
-    >>> from braintrace._memory.step_memory import output_loss
+    >>> from braintrace._footprint.step_memory import output_loss
     >>> float(output_loss({'y': jnp.ones((2, 3)), 'spikes': jnp.ones(2, jnp.int32)}))
     6.0
     """
@@ -128,7 +128,7 @@ def online_step(learner: Any) -> Any:
     Examples
     --------
     >>> import jax.numpy as jnp, braintrace
-    >>> from braintrace._memory.step_memory import online_step
+    >>> from braintrace._footprint.step_memory import online_step
     >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), 'd_rtrl', jnp.ones(3))
     >>> grads = online_step(learner)(jnp.ones(3))
     >>> list(grads)
@@ -151,7 +151,7 @@ def bptt_step(model: brainstate.nn.Module) -> Any:
     Examples
     --------
     >>> import brainstate, jax.numpy as jnp, braintrace
-    >>> from braintrace._memory.step_memory import bptt_step
+    >>> from braintrace._footprint.step_memory import bptt_step
     >>> cell = braintrace.nn.ValinaRNNCell(3, 4)
     >>> _ = brainstate.nn.init_all_states(cell)
     >>> grads = bptt_step(cell)(jnp.ones((5, 3)))
@@ -175,7 +175,7 @@ def sequence_inputs(example_inputs: tuple[Any, ...], seq_len: int) -> tuple[Any,
     Examples
     --------
     >>> import jax.numpy as jnp
-    >>> from braintrace._memory.step_memory import sequence_inputs
+    >>> from braintrace._footprint.step_memory import sequence_inputs
     >>> sequence_inputs((jnp.ones((2, 3)),), 10)
     (ShapeDtypeStruct(shape=(10, 2, 3), dtype=float32),)
     """
@@ -203,7 +203,7 @@ def bptt_step_memory(model: brainstate.nn.Module, example_inputs: tuple[Any, ...
     Examples
     --------
     >>> import brainstate, jax.numpy as jnp, braintrace
-    >>> from braintrace._memory.step_memory import bptt_step_memory
+    >>> from braintrace._footprint.step_memory import bptt_step_memory
     >>> cell = braintrace.nn.ValinaRNNCell(3, 4)
     >>> _ = brainstate.nn.init_all_states(cell)
     >>> short, long = (bptt_step_memory(cell, (jnp.ones(3),), n) for n in (4, 64))

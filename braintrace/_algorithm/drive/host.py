@@ -1,0 +1,113 @@
+"""What a sequence driver reads from the learner it drives: the :class:`SequenceHost` protocol.
+
+The drivers (:mod:`braintrace._algorithm.drive.drivers`) are functions of a learner. They read
+the learner through the ``_seq_*`` members named here and nothing else, so any object that has
+them can be driven: every learner (:class:`~braintrace.ETraceAlgorithm`) and the vmapped learner
+(:class:`~braintrace.ETraceVmap`), through the defaults of
+:class:`~braintrace.SequenceDriverMixin`. This module also names the drivers' own types: a
+gradient keyed like its weights (:data:`Grads`), a user's step function (:data:`StepFn`), and the
+loop that takes a sequence's gradient (:class:`SequenceRun`, built by a :class:`SequenceRunType`).
+
+It imports the non-finite status only (:mod:`braintrace._algorithm.finite`).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Callable, ClassVar, Mapping, Protocol
+
+import jax
+
+from braintrace._algorithm.finite import Status
+from braintrace._typing import Path
+
+__all__ = ["Grads", "StepFn", "SequenceHost", "SequenceRun", "SequenceRunType"]
+
+#: ``path -> gradient`` keyed like the ``weights`` that were differentiated.
+Grads = dict[Path, Any]
+#: ``step_fn(*slices) -> loss`` (or ``(loss, aux)``): calls the learner once and scores its output.
+StepFn = Callable[..., Any]
+
+
+class SequenceRun(Protocol):
+    """The loop that takes a sequence's gradient, ``(Σ_c ĝ_c, losses, aux, status)``.
+
+    ``sequences`` are time-major, ``mask`` is ``(T,)`` and ``steps`` the steps' indices ``(T,)``
+    in the whole stream; ``status`` is the non-finite status entering the loop (``None``:
+    unchecked, or the first span of a checked run). ``losses`` are ``(T,)`` (plain) or
+    ``(T // k, k)`` (windows of ``k`` steps); ``aux`` is stacked over calls.
+    """
+
+    def __call__(
+        self, sequences: tuple[Any, ...], mask: jax.Array, steps: jax.Array, status: Status | None = None
+    ) -> tuple[Grads, jax.Array, Any, Status | None]: ...
+
+
+class SequenceRunType(Protocol):
+    """How a host builds its :class:`SequenceRun`: a class such as
+    :class:`~braintrace._algorithm.drive.grad_run.GradRun` (the sum of the per-call estimates)."""
+
+    def __call__(
+        self, call: str, step_fn: StepFn, weights: dict[Path, Any], window: int | None, has_aux: bool,
+        host: SequenceHost, guarded: list[Any] | None = None,
+    ) -> SequenceRun: ...
+
+
+class SequenceHost(Protocol):
+    """The learner a driver drives, as the driver sees it.
+
+    :class:`~braintrace.SequenceDriverMixin` gives every member a default but
+    :attr:`_seq_param_states`, which the learner provides.
+
+    Attributes
+    ----------
+    _seq_is_vmapped : bool
+        Whether the host maps its calls over a batch axis (window mode is then refused).
+    """
+
+    _seq_is_vmapped: ClassVar[bool]
+
+    @property
+    def _seq_call(self) -> Callable[..., Any]:
+        """The callable ``etrace_evolve`` drives when it is given no ``step_fn``."""
+
+    @property
+    def _seq_calls(self) -> int:
+        """How many calls of the learner have been traced or run so far: a ``step_fn`` that leaves
+        it unchanged never called the learner and is refused."""
+
+    @property
+    def _seq_param_states(self) -> Mapping[Path, Any]:
+        """The ``path -> ParamState`` mapping a driver differentiates by default."""
+
+    @property
+    def _seq_guarded(self) -> list[Any]:
+        """The states ``check_finite=True`` freezes after a non-finite step."""
+
+    @property
+    def _seq_vjp_method(self) -> str | None:
+        """``'single-step'``, ``'multi-step'`` or ``None``; window mode of ``etrace_grad`` needs
+        ``'multi-step'``."""
+
+    @property
+    def _seq_batch_size(self) -> int | None:
+        """The batch size the learner runs at, against which a sequence's layout is checked
+        (``None``: unbatched, or unknown)."""
+
+    @property
+    def _seq_run_type(self) -> SequenceRunType:
+        """The loop that takes a sequence's gradient: the sum of the learner's per-call estimates,
+        or BPTT's gradient through the whole loop."""
+
+    def _seq_after_gradient(self, grads: Grads) -> None:
+        """Called with each call's gradient inside the traced step (a learner orders its trace
+        writes after the gradient there)."""
+
+    def _seq_roll_sink(self) -> Any:
+        """Zeros shaped like the traces the next call rolls in its backward pass (``None``: none)."""
+
+    def _seq_rolling_into(self, sink: Any) -> AbstractContextManager[None]:
+        """Within this block, the learner's call rolls those traces into ``sink``'s cotangent."""
+
+    def _seq_write_rolled(self, rolled: Any) -> None:
+        """Write the traces rolled in the backward pass (``rolled``: the sink's cotangent)."""
