@@ -229,7 +229,7 @@ class BackwardRollMixin:
                     host.kappa, has_bias)
                 traces.append({"eps": new, "filt": new_filter})
             covered = local_keys.get(index, frozenset())
-            if covered:  # weights left out of the one-step VJP: their gradient is the whole ⟨g, ε^t⟩
+            if covered:  # weights left out of the one-step VJP: their gradient is the whole ⟨g, ε^t⟩ (ē^t)
                 weights = host._relation_operands(rel, weight_vals)
                 same_step = host._solve_instant(rel, rel.output_layout(group, g), entry.x, entry.df, weights)
                 history = {k: v + same_step[k] if k in covered else v for k, v in history.items()}

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import brainstate
 import brainunit as u
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from braintrace._algorithm.batch_size import checked_batch_size
 from braintrace._algorithm.config import ETraceConfig
 from braintrace._algorithm.graph_executor import ETraceGraphExecutor, ETraceVjpGraphExecutor
-from braintrace._algorithm.input_data import has_multistep_data
+from braintrace._algorithm.input_data import get_single_step_data, has_multistep_data
 from braintrace._algorithm.call_lock import serialised
 from braintrace._algorithm.compiled_model import (
     SplitStates,
@@ -72,6 +72,8 @@ from braintrace._footprint import MemoryEstimate, learner_memory
 from braintrace._typing import Path, PyTree
 
 __all__ = ["EligibilityTrace", "ETraceAlgorithm", "ETraceVjpAlgorithm"]
+
+Shapes = TypeVar("Shapes")
 
 class EligibilityTrace(brainstate.ShortTermState):
     """The state type eligibility traces are stored in (a ``ShortTermState``).
@@ -820,6 +822,19 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         every path of the step, which a rule needs where outputs read that value past its update.
         """
         return trace_for_bwd
+
+    def _shapes_after_one_step(self, roll: Callable[[Any, dict[Path, PyTree]], Shapes], *args: Any) -> Shapes:
+        """The shapes ``roll(jacobians, weight_vals)`` gives on one step of ``args``, evaluated
+        abstractly (nothing runs): what a trace becomes once the step's Jacobians meet it."""
+        ex = self.vjp_executor
+        state_vals = {p: st.value for p, st in ex.states.items()}
+        weight_vals = {p: state_vals[p] for p in self.param_states}
+
+        def one_step() -> Shapes:
+            _, _, env = ex.run_step(get_single_step_data(*args), state_vals)
+            return roll(ex.extract_jacobians(env), weight_vals)
+
+        return jax.eval_shape(one_step)
 
     def _make_etrace_stepper(self, weight_vals: Any) -> Any:
         return None

@@ -79,7 +79,6 @@ from braintrace._algorithm.config import (
     require_single_step_modulator,
 )
 from braintrace._algorithm.graph_executor import detached_df_key, df_key, history_jacobian_key, trace_key, widens
-from braintrace._algorithm.input_data import get_single_step_data
 from braintrace._algorithm.learning_signal import SignalPair, draw_feedback, feedback_signals
 from braintrace._algorithm.modulator import ModulatorSlot, modulator_signals, without_etp_gradients
 from braintrace._algorithm.snn_helpers import FixedRandomFeedback
@@ -408,16 +407,12 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
         """
         if not args:
             return
-        ex = self.vjp_executor
-        state_vals = {p: st.value for p, st in ex.states.items()}
-        weight_vals = {p: state_vals[p] for p in self.param_states}
 
-        def one_step() -> dict[TraceKey, Trace]:
-            _, _, env = ex.run_step(get_single_step_data(*args), state_vals)
-            (xs, dfs), Ds = ex.extract_jacobians(env)
+        def roll(jac: Any, weight_vals: dict[Path, PyTree]) -> dict[TraceKey, Trace]:
+            (xs, dfs), Ds = jac
             return self._step_all(self._trace_views(), xs, dfs, Ds, weight_vals)
 
-        stepped = jax.eval_shape(one_step)
+        stepped = self._shapes_after_one_step(roll, *args)
         for key, st in self.etrace_bwg.items():
             view = self._view(key, st.value)
             grown = {k: v for k, v in stepped[key].items() if v.shape != view[k].shape}

@@ -59,7 +59,6 @@ import jax.numpy as jnp
 
 from braintrace._algorithm.base import EligibilityTrace, ETraceVjpAlgorithm
 from braintrace._algorithm.graph_executor import df_key, trace_key
-from braintrace._algorithm.input_data import get_single_step_data
 from braintrace._compiler import ControlFlowPolicy
 from braintrace._compiler.hid_param_op import HiddenParamOpRelation
 from braintrace._compiler.hidden_group import HiddenGroup
@@ -233,16 +232,11 @@ class RuleLearner(ETraceVjpAlgorithm):
             self._allocate_final_shapes(*args)
 
     def _allocate_final_shapes(self, *args: Any) -> None:
-        ex = self.vjp_executor
-        state_vals = {p: st.value for p, st in ex.states.items()}
-        weight_vals = {p: state_vals[p] for p in self.param_states}
-
-        def one_step() -> dict[TraceKey, Carrier]:
-            _, _, env = ex.run_step(get_single_step_data(*args), state_vals)
-            steps = self._steps(ex.extract_jacobians(env), weight_vals)
+        def roll(jac: Any, weight_vals: dict[Path, PyTree]) -> dict[TraceKey, Carrier]:
+            steps = self._steps(jac, weight_vals)
             return {key: self.rule.roll(st.value, steps[key]) for key, st in self.carriers.items()}
 
-        stepped = jax.eval_shape(one_step)
+        stepped = self._shapes_after_one_step(roll, *args)
         for key, st in self.carriers.items():
             rolled, entering = jax.tree.structure(stepped[key]), jax.tree.structure(st.value)
             if rolled != entering:  # type: ignore[operator]  # PyTreeDef has no stub

@@ -67,14 +67,18 @@ def roll(eps: Eps, step: braintrace.RelationStep) -> Eps:
     return Eps(weight, None if eps.bias is None else d * eps.bias + df)
 
 
-def solve(eps: Eps, g: jax.Array, step: braintrace.RelationStep) -> dict[str, jax.Array]:
-    q = g[..., 0] * step.diag[..., 0, 0]  # Dᵀ g: the history ⟨Dᵀ g, ε^{t-1}⟩
+def contract(eps: Eps, q: jax.Array, step: braintrace.RelationStep) -> dict[str, jax.Array]:
+    """``⟨q, ε⟩`` per operand, ``q`` over the output units (per sample)."""
     if step.x is None:
         return {"weight": eps.weight * q}
     out = {"weight": eps.weight * q[..., None, :]}
     if eps.bias is not None:
         out["bias"] = eps.bias * q
     return out
+
+
+def solve(eps: Eps, g: jax.Array, step: braintrace.RelationStep) -> dict[str, jax.Array]:
+    return contract(eps, g[..., 0] * step.diag[..., 0, 0], step)  # the history ⟨Dᵀ g, ε^{t-1}⟩
 
 
 D_RTRL_RULE = braintrace.TraceRule(init, roll, solve)
@@ -112,13 +116,7 @@ def test_a_residual_function_chooses_what_the_backward_pass_keeps(x64: None) -> 
     def from_new(eps: Eps, g: jax.Array, step: braintrace.RelationStep) -> dict[str, jax.Array]:
         instant = roll(Eps(jnp.zeros_like(eps.weight), None if eps.bias is None else jnp.zeros_like(eps.bias)), step)
         history = Eps(eps.weight - instant.weight, None if eps.bias is None else eps.bias - instant.bias)
-        g1 = g[..., 0]
-        if step.x is None:
-            return {"weight": history.weight * g1}
-        out = {"weight": history.weight * g1[..., None, :]}
-        if history.bias is not None:
-            out["bias"] = history.bias * g1
-        return out
+        return contract(history, g[..., 0], step)
 
     xs = normal(11, (T, B, I))
     learner = _compile(braintrace.TraceRule(init, roll, from_new, residual))
