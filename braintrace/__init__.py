@@ -77,7 +77,7 @@ from braintrace._compiler import (
     find_hidden_param_op_relations_from_minfo,
     find_hidden_param_op_relations_from_module,
 )
-from braintrace._errors import CompilationError, EagerCallWarning, NonFiniteError, NonFiniteWarning, NotSupportedError
+from braintrace._errors import CompilationError, ConcurrentCallError, EagerCallWarning, NonFiniteError, NonFiniteWarning, NotSupportedError
 from braintrace._grad_exponential import GradExpon
 from braintrace._op import (
     ETPPrimitive,
@@ -179,6 +179,7 @@ __all__ = [
     "NonFiniteError",
     "NonFiniteWarning",
     "EagerCallWarning",
+    "ConcurrentCallError",
     "nn",
     "trainer",
     "save_checkpoint",

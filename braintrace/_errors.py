@@ -16,6 +16,7 @@ __all__ = [
     "CompilationError",
     "NonFiniteError",
     "EagerCallWarning",
+    "ConcurrentCallError",
     "internal_error",
 ]
 
@@ -64,6 +65,16 @@ class CompilationError(Exception):
     Traceback (most recent call last):
         ...
     braintrace.CompilationError: No trainable weights are routed through ETP ops to a hidden state, ...
+    """
+
+
+class ConcurrentCallError(RuntimeError):
+    """A compiled function calling a learner was called by two threads at once; the later write-back was refused.
+
+    ``brainstate.transform.jit`` of a step that calls a learner reads the learner's states, runs
+    the compiled program and writes them back. When another thread changed those states in
+    between, writing back would erase its update: the call raises this instead and writes
+    nothing. Hold ``learner.lock`` around the call (or give each thread its own learner).
     """
 
 

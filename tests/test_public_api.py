@@ -30,6 +30,7 @@ EXPECTED_ALL = [
     "EProp", "OSTLRecurrent", "OSTLFeedforward", "OTPE", "OTTT", "OSTTP",
     "FixedRandomFeedback", "KappaFilter", "PresynapticTrace",
     "NotSupportedError", "CompilationError", "NonFiniteError", "NonFiniteWarning", "EagerCallWarning",
+    "ConcurrentCallError",
     "nn", "trainer",
     "save_checkpoint", "load_checkpoint",
     "RandomProjectionVjpAlgorithm", "UORO", "SnAp",

@@ -36,10 +36,12 @@ freezes every state update from that step on (:mod:`braintrace._algorithm.finite
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, ClassVar, Iterator, Mapping
 
 import brainstate
 
+from braintrace._algorithm.call_lock import learner_lock
 from braintrace._algorithm.drive import drivers, train
 from braintrace._algorithm.drive.grad_run import GradRun
 from braintrace._algorithm.drive.host import Grads, SequenceRunType
@@ -84,6 +86,28 @@ class SequenceDriverMixin:
     #: Calls of the learner so far, traced or run: a host counts them in its call (or overrides
     #: :attr:`_seq_calls`).
     calls_traced: int
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The learner's re-entrant lock, held by its calls, drivers and reset.
+
+        Threads sharing a learner wait for each other's calls. A function *you* compile around
+        the learner (``brainstate.transform.jit``) is not entered through the learner: called
+        from two threads at once, the later write-back is refused
+        (:class:`~braintrace.ConcurrentCallError`); hold this lock around such calls to run
+        them one after another.
+
+        Examples
+        --------
+        >>> import brainstate, jax.numpy as jnp, braintrace
+        >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL, jnp.ones(3))
+        >>> step = brainstate.transform.jit(lambda x: learner(x))
+        >>> with learner.lock:
+        ...     _ = step(jnp.ones(3))
+        >>> int(learner.running_index.value)
+        1
+        """
+        return learner_lock(self)
 
     # --- the SequenceHost protocol, with its defaults ----------------------------------------
 

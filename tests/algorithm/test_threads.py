@@ -34,12 +34,12 @@ def _learner() -> Any:
         return braintrace.compile(braintrace.nn.ValinaRNNCell(I, H), "d_rtrl", jnp.ones((B, I)), batch_size=B)
 
 
-def _in_threads(work: Callable[[], None]) -> list[BaseException]:
+def _in_threads(work: Callable[[], None], calls: int = CALLS) -> list[BaseException]:
     errors: list[BaseException] = []
 
     def run() -> None:
         try:
-            for _ in range(CALLS):
+            for _ in range(calls):
                 work()
         except BaseException as err:  # reported by the test
             errors.append(err)
@@ -79,3 +79,68 @@ def test_threads_calling_one_learner_step_by_step_lose_no_step() -> None:
     with pytest.warns(braintrace.EagerCallWarning):  # eager calls, step by step: warned once
         assert _in_threads(lambda: learner(x)) == []
     assert int(learner.running_index.value) == THREADS * CALLS
+
+
+def _hidden(learner: Any) -> list[np.ndarray]:
+    return [np.asarray(st.value) for st in learner.hidden_states.values()]
+
+
+def _jitted_step(learner: Any) -> Callable[[Any], Any]:
+    return brainstate.transform.jit(lambda x: learner(x))
+
+
+def test_a_jitted_step_whose_states_changed_during_the_call_is_refused_and_writes_nothing() -> None:
+    # The compiled program's host callback writes a state between the call's read and its
+    # write-back, as another thread's call would: writing back would erase that write.
+    learner = _learner()
+    x = normal(3, (B, I))
+
+    def other_call(_: Any) -> None:
+        learner.running_index.value = jnp.asarray(100, learner.running_index.value.dtype)
+
+    def step(x: Any) -> Any:
+        out = learner(x)
+        jax.debug.callback(other_call, out)
+        return out
+
+    jitted = brainstate.transform.jit(step)
+    before = _weights(learner) + _hidden(learner)
+    with pytest.raises(braintrace.ConcurrentCallError, match=r"one thread at a time.*learner\.lock"):
+        jitted(x)
+    assert int(learner.running_index.value) == 100  # the other call's write stands
+    after = _weights(learner) + _hidden(learner)
+    for got, want in zip(after, before, strict=True):
+        np.testing.assert_array_equal(got, want)  # nothing of the refused call was written
+
+
+def test_threads_calling_one_jitted_step_lose_no_update() -> None:
+    learner = _learner()
+    step, x = _jitted_step(learner), normal(3, (B, I))
+    step(x)  # compiled before the threads start
+    landed: list[int] = []
+
+    def call() -> None:
+        step(x)
+        landed.append(1)
+
+    errors = _in_threads(call, calls=50)
+    assert all(isinstance(err, braintrace.ConcurrentCallError) for err in errors), errors
+    assert int(learner.running_index.value) == 1 + len(landed)  # every call that returned counted once
+
+
+def test_threads_holding_the_learner_lock_around_a_jitted_step_run_one_after_another() -> None:
+    shared, alone = _learner(), _learner()
+    x = normal(3, (B, I))
+    step = _jitted_step(shared)
+
+    def call() -> None:
+        with shared.lock:
+            step(x)
+
+    assert _in_threads(call, calls=20) == []
+    assert int(shared.running_index.value) == THREADS * 20
+    step_alone = _jitted_step(alone)
+    for _ in range(THREADS * 20):
+        step_alone(x)
+    for got, want in zip(_hidden(shared), _hidden(alone), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
