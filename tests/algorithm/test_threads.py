@@ -90,27 +90,27 @@ def _jitted_step(learner: Any) -> Callable[[Any], Any]:
 
 
 def test_a_jitted_step_whose_states_changed_during_the_call_is_refused_and_writes_nothing() -> None:
-    # The compiled program's host callback writes a state between the call's read and its
-    # write-back, as another thread's call would: writing back would erase that write.
+    # Another call's write lands between this call's read of the states and its write-back: a
+    # one-shot read hook on the step counter writes it right after the call has read it.
     learner = _learner()
     x = normal(3, (B, I))
+    step = _jitted_step(learner)
+    step(x)  # compiled; the step counter is now 1
+    counter = learner.running_index
 
     def other_call(_: Any) -> None:
-        learner.running_index.value = jnp.asarray(100, learner.running_index.value.dtype)
+        handle.remove()
+        counter.value = jnp.asarray(100, counter.value.dtype)
 
-    def step(x: Any) -> Any:
-        out = learner(x)
-        jax.debug.callback(other_call, out)
-        return out
-
-    jitted = brainstate.transform.jit(step)
+    handle = counter.register_hook("read", other_call)
     before = _weights(learner) + _hidden(learner)
     with pytest.raises(braintrace.ConcurrentCallError, match=r"one thread at a time.*learner\.lock"):
-        jitted(x)
-    assert int(learner.running_index.value) == 100  # the other call's write stands
-    after = _weights(learner) + _hidden(learner)
-    for got, want in zip(after, before, strict=True):
+        step(x)
+    assert int(counter.value) == 100  # the other call's write stands
+    for got, want in zip(_weights(learner) + _hidden(learner), before, strict=True):
         np.testing.assert_array_equal(got, want)  # nothing of the refused call was written
+    step(x)  # the learner stays usable
+    assert int(counter.value) == 101
 
 
 def test_threads_calling_one_jitted_step_lose_no_update() -> None:
