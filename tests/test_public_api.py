@@ -45,7 +45,7 @@ EXPECTED_ALL = [
 
 def test_all_is_exactly_upstreams() -> None:
     assert braintrace.__all__ == EXPECTED_ALL
-    assert len(EXPECTED_ALL) == 86
+    assert len(EXPECTED_ALL) == 87
     for name in EXPECTED_ALL:
         assert hasattr(braintrace, name), name
 
