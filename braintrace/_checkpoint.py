@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import TYPE_CHECKING, Any, Hashable, NamedTuple
+from typing import TYPE_CHECKING, Hashable, NamedTuple, TypeGuard, TypedDict
 
 import brainstate
 import brainunit as u
@@ -76,6 +76,27 @@ _QUANTITY_FIELDS = frozenset({"mantissa", "scale", "base", "dim", "factor"})
 #: Path keys at least this large are object ids (addresses), never a list index or a user key.
 _ID_LIKE = 2**32
 _PYTHON_SCALARS = (bool, int, float, complex)
+
+
+class Header(TypedDict, total=False):
+    """A checkpoint's header as :func:`save_checkpoint` writes it (read key by key: a file of
+    version 1 has no ``checksum``)."""
+
+    format: str
+    version: int
+    learner: str
+    optimizer: str | None
+    has_extra: bool
+    entries: dict[str, dict[str, str | None]]
+    checksum: str
+
+
+class Stored(TypedDict):
+    """A checkpoint file as read: its header, its stored leaves by entry name, and its ``extra``."""
+
+    header: Header
+    entries: dict[str, object]
+    extra: PyTree
 
 
 class Entry(NamedTuple):
@@ -380,7 +401,7 @@ def save_checkpoint(
     entries = _learner_entries(learner, call)
     if optimizer is not None:
         entries.update(_optimizer_entries(optimizer, {id(e.state) for e in entries.values()}, call))
-    header = {
+    header: Header = {
         "format": FORMAT,
         "version": VERSION,
         "learner": _learner_kind(learner),
@@ -562,7 +583,12 @@ def _feed(digest: hashlib._Hash, value: object) -> None:
         digest.update(array.tobytes())
 
 
-def _read(filename: str) -> dict[str, Any]:
+def _is_header(value: object) -> TypeGuard[Header]:
+    """Whether ``value`` is the header of a braintrace checkpoint: a dict that names its format."""
+    return isinstance(value, dict) and value.get("format") == FORMAT
+
+
+def _read(filename: str) -> Stored:
     import braintools
 
     if not os.path.isfile(filename):
@@ -578,7 +604,7 @@ def _read(filename: str) -> dict[str, Any]:
             f"not a checkpoint ({type(err).__name__}: {err}); nothing was restored. Load an intact copy."
         ) from err
     header = raw.get("header") if isinstance(raw, dict) else None
-    if not isinstance(header, dict) or header.get("format") != FORMAT:
+    if not _is_header(header):
         raise ValueError(
             f"load_checkpoint: {filename!r} is not a braintrace checkpoint (no {FORMAT!r} header); "
             f"write checkpoints with braintrace.save_checkpoint."
@@ -597,8 +623,7 @@ def _read(filename: str) -> dict[str, Any]:
                 f"intact copy (save_checkpoint replaces a file only once the new one is whole)."
             )
     entries = raw.get("entries")
-    result: dict[str, Any] = {**raw, "entries": {} if entries is None else entries}
-    return result
+    return Stored(header=header, entries={} if entries is None else entries, extra=raw.get("extra"))
 
 
 def _entry_problems(
@@ -630,12 +655,12 @@ def _entry_problems(
     return problems
 
 
-def _restore_extra(raw: dict[str, Any], template: PyTree, problems: list[str]) -> tuple[PyTree, StateWrites]:
+def _restore_extra(raw: Stored, template: PyTree, problems: list[str]) -> tuple[PyTree, StateWrites]:
     """The restored ``extra`` and the values for the template's ``State`` leaves (written by the
     caller once nothing is amiss)."""
     import braintools
 
-    stored = raw.get("extra")
+    stored = raw["extra"]
     writes: StateWrites = []
     if template is None:
         return decode_raw(stored), writes

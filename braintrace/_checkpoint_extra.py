@@ -35,7 +35,7 @@ True
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeGuard, Union
+from typing import Callable, TypeGuard, Union
 
 import brainstate
 import brainunit as u
@@ -134,7 +134,7 @@ def decode_raw(stored: PyTree) -> PyTree:
     return stored
 
 
-def _decode_tagged(stored: dict[str, Any]) -> int | jax.Array | np.random.Generator:
+def _decode_tagged(stored: dict[str, PyTree]) -> int | jax.Array | np.random.Generator:
     kind = stored[TAG]
     if kind == "int":
         return int(stored["digits"])

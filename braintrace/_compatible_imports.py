@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence, TypeGuard, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence, TypeGuard, TypeVar, Union
 
 import jax
 import jax.extend.core as _extend_core
@@ -38,6 +38,7 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Primitive, Var
 from jax.interpreters import ad, batching, mlir
+from jax.typing import ArrayLike
 
 __all__ = [
     # names
@@ -100,7 +101,7 @@ __all__ = [
 # --- names --------------------------------------------------------------------------------
 
 
-def _core_name(name: str) -> Any:
+def _core_name(name: str) -> object:
     """``name`` from ``jax.extend.core`` where JAX exports it there, else from its core module.
 
     JAX 0.8 and 0.9 export ``DropVar``, ``DebugInfo`` and ``new_jaxpr_eqn`` only from
@@ -118,7 +119,7 @@ else:
     DropVar = _core_name("DropVar")
     new_jaxpr_eqn = _core_name("new_jaxpr_eqn")
 
-_eval_jaxpr: Callable[..., Any] = getattr(_extend_core, "eval_jaxpr", None) or jax.core.eval_jaxpr
+_eval_jaxpr: Callable[..., list[Any]] = getattr(_extend_core, "eval_jaxpr", None) or jax.core.eval_jaxpr
 
 #: An operand of an equation: a variable, or a literal constant.
 Atom = Union[Var, Literal]
@@ -148,7 +149,7 @@ def pullback_takes_symbolic_zeros() -> bool:
     Found by tracing a two-output pullback given one symbolic zero, once per process; no array
     is computed.
     """
-    def probe(x: jax.Array) -> Any:
+    def probe(x: jax.Array) -> tuple[jax.Array, ...]:
         _, vjp_fn = jax.vjp(lambda a: (a, a), x)
         return vjp_fn((x, ad.Zero(jax.typeof(x))))
 
@@ -159,7 +160,11 @@ def pullback_takes_symbolic_zeros() -> bool:
     return True
 
 
-def call_pullback(vjp_fn: Callable[[Any], Any], cotangents: Any) -> Any:
+Cotangents = TypeVar("Cotangents")
+PulledBack = TypeVar("PulledBack")
+
+
+def call_pullback(vjp_fn: Callable[[Cotangents], PulledBack], cotangents: Cotangents) -> PulledBack:
     """``vjp_fn(cotangents)`` for a ``jax.vjp`` pullback, where ``cotangents`` may hold ``ad.Zero``.
 
     The symbolic zeros pass through where JAX takes them (:func:`pullback_takes_symbolic_zeros`)
@@ -178,7 +183,7 @@ def call_pullback(vjp_fn: Callable[[Any], Any], cotangents: Any) -> Any:
     return vjp_fn(cotangents)
 
 
-def bind_equation(eqn: JaxprEqn, operands: Sequence[Any]) -> list[Any]:
+def bind_equation(eqn: JaxprEqn, operands: Sequence[ArrayLike]) -> list[jax.Array]:
     """The outputs of ``eqn`` at ``operands``, bound as JAX's own evaluator binds it.
 
     ``Primitive.get_bind_params`` gives the parameters to bind with, and in some releases also
@@ -200,12 +205,18 @@ def bind_equation(eqn: JaxprEqn, operands: Sequence[Any]) -> list[Any]:
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
-def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], *args: Any) -> list[Any]:
+def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[ArrayLike], *args: ArrayLike) -> list[Any]:
     """Evaluate ``jaxpr`` with ``[*consts, *args]`` bound to its inputs, constants first.
 
     Only the total count has to match: the values are re-split by however many constant inputs
     the jaxpr stores, so a symbol-only jaxpr whose constants JAX folds into its ordinary inputs
     evaluates the same as one that keeps them apart.
+
+    Returns
+    -------
+    list
+        The outputs: arrays (or tracers), and for an output the jaxpr holds as a literal, the
+        literal's Python or NumPy value, as JAX's evaluator returns it.
 
     Raises
     ------
@@ -284,7 +295,7 @@ def split_jaxpr_invars(jaxpr: Jaxpr, n_invars: int) -> tuple[list[Var], list[Var
     return every[:cut], every[cut:]
 
 
-def source_line(source_info: Any) -> str | None:
+def source_line(source_info: source_info_util.SourceInfo | None) -> str | None:
     """``file:line (function)`` of the user code that created an equation, or ``None``."""
     if source_info is None:
         return None
@@ -509,7 +520,7 @@ def jit_body(eqn: JaxprEqn) -> ClosedJaxpr:
     return body
 
 
-def _jaxprs_in(value: Any) -> Iterator[Jaxpr]:
+def _jaxprs_in(value: object) -> Iterator[Jaxpr]:
     if isinstance(value, ClosedJaxpr):
         yield value.jaxpr
     elif isinstance(value, Jaxpr):
@@ -546,7 +557,7 @@ def map_closed_subjaxprs(eqn: JaxprEqn, fn: Callable[[ClosedJaxpr], ClosedJaxpr]
     >>> map_closed_subjaxprs(eqn, lambda body: body) is eqn
     True
     """
-    params: dict[str, Any] = {}
+    params: dict[str, object] = {}
     for key, value in eqn.params.items():
         if isinstance(value, ClosedJaxpr):
             params[key] = fn(value)

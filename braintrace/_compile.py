@@ -20,7 +20,7 @@ Examples
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Union
+from typing import Any, Iterator, Mapping, Union
 
 import brainstate
 import jax
@@ -53,11 +53,18 @@ from braintrace._algorithm.sharding import Sharding, check_batch_size, plan_shar
 from braintrace._errors import CompilationError
 from braintrace._typing import PyTree
 
-__all__ = ["compile", "ALGORITHM_NAMES", "ENGINES", "Learner"]
+__all__ = ["compile", "ALGORITHM_NAMES", "ENGINES", "Learner", "Algorithm", "AlgorithmSpec"]
 
 #: A compiled learner, what :func:`compile` returns: the learning rule around the model, or
 #: its :class:`~braintrace.ETraceVmap` (``vmap=True``).
 Learner = Union[ETraceAlgorithm, ETraceVmap]
+
+#: A learning rule by name, class or coordinate: a name (see :data:`ALGORITHM_NAMES`), an
+#: ``ETraceAlgorithm`` subclass or an :class:`~braintrace.ETraceConfig`.
+Algorithm = Union[str, type[ETraceAlgorithm], ETraceConfig]
+#: A learning rule, or one paired with its compile options, ``('pp_prop', {'decay_or_rank': 0.9})``:
+#: what the planner and the audit compare.
+AlgorithmSpec = Union[Algorithm, tuple[Algorithm, Mapping[str, object]]]
 
 #: Case-insensitive names accepted by :func:`compile`.
 ALGORITHM_NAMES: dict[str, type[ETraceAlgorithm]] = {
@@ -192,7 +199,7 @@ def _seeded(seed: int | None) -> Iterator[None]:
 
 def compile(
     model: brainstate.nn.Module,
-    algorithm: str | type[ETraceAlgorithm] | ETraceConfig | TraceRule,
+    algorithm: Algorithm | TraceRule,
     *example_inputs: PyTree,
     batch_size: int | None = None,
     seed: int | None = None,

@@ -75,6 +75,23 @@ class ConcurrentCallError(RuntimeError):
     the compiled program and writes them back. When another thread changed those states in
     between, writing back would erase its update: the call raises this instead and writes
     nothing. Hold ``learner.lock`` around the call (or give each thread its own learner).
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.D_RTRL, jnp.ones(3))
+    >>> step = brainstate.transform.jit(lambda x: learner(x))
+    >>> _ = step(jnp.ones(3))
+    >>> def another_call(_):  # another thread's step lands while this call runs
+    ...     handle.remove()
+    ...     learner.running_index.value = learner.running_index.value + 1
+    >>> handle = learner.running_index.register_hook('read', another_call)
+    >>> step(jnp.ones(3))
+    Traceback (most recent call last):
+        ...
+    braintrace.ConcurrentCallError: A compiled function that calls a learner was called from thread ...
+    >>> int(learner.running_index.value)  # the other step stands, this one wrote nothing
+    2
     """
 
 
@@ -193,7 +210,7 @@ def internal_error(what: str) -> RuntimeError:
     )
 
 
-for _cls in (NotSupportedError, CompilationError, NonFiniteError, NonFiniteWarning, EagerCallWarning):
+for _cls in (NotSupportedError, CompilationError, NonFiniteError, NonFiniteWarning, EagerCallWarning, ConcurrentCallError):
     _cls.__module__ = "braintrace"
 
 

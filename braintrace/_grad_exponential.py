@@ -14,17 +14,17 @@ Array([1.9, 1.9], dtype=float32)
 
 from __future__ import annotations
 
-from typing import Any
-
 import brainstate
 import brainunit as u
 import jax
 import numpy as np
 
+from braintrace._typing import PyTree
+
 __all__ = ["GradExpon"]
 
 
-def _decay_of(tau_or_decay: Any) -> float:
+def _decay_of(tau_or_decay: u.Quantity | float) -> float:
     """The per-step decay from a time constant (a Quantity) or a decay (a float in (0, 1))."""
     if isinstance(tau_or_decay, u.Quantity):
         dt = brainstate.environ.get_dt()
@@ -78,13 +78,13 @@ class GradExpon(brainstate.nn.Module):
     0.9048
     """
 
-    def __init__(self, grad_shape: Any, tau_or_decay: Any) -> None:
+    def __init__(self, grad_shape: PyTree, tau_or_decay: u.Quantity | float) -> None:
         super().__init__()
         self.decay = _decay_of(tau_or_decay)
         zeros = jax.tree.map(u.math.zeros_like, grad_shape, is_leaf=u.math.is_quantity)
         self.gradients = brainstate.LongTermState(zeros)
 
-    def update(self, grads: Any) -> None:
+    def update(self, grads: PyTree) -> None:
         """Accumulate one gradient pytree (same structure as ``grad_shape``)."""
         self.gradients.value = jax.tree.map(
             lambda g, new: self.decay * g + new, self.gradients.value, grads, is_leaf=u.math.is_quantity

@@ -32,7 +32,7 @@ __all__ = [
 #: A JAX array (or a tracer standing for one).
 Array = jax.Array
 #: Anything an ETP operator accepts as an operand: arrays, NumPy arrays, ``brainunit`` quantities.
-ArrayLike = Union[jax.Array, np.ndarray, Any]
+ArrayLike = Union[jax.Array, np.ndarray, u.Quantity]
 #: A shape-preserving parameter transform applied inside an ETP primitive (``weight_fn`` & co).
 WeightFn = Callable[[jax.Array], jax.Array]
 #: Any JAX pytree.
@@ -95,7 +95,7 @@ class RelationLike(Protocol):
         """The ETP primitive of the relation's equation."""
 
     @property
-    def eqn_params(self) -> dict[str, Any]:
+    def eqn_params(self) -> Params:
         """The equation's static parameters."""
 
     @property

@@ -26,14 +26,30 @@ deferred traces read their entering value until the step's gradient is taken.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Iterator, NamedTuple, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from braintrace._algorithm.graph_executor import trace_key
+from braintrace._algorithm.drive.host import RolledTrace, RollSink
+from braintrace._algorithm.graph_executor import CallJacobians, is_step_jacobians, trace_key
+from braintrace._algorithm.param_trace_residual import plain_rolls
+from braintrace._algorithm.param_trace_solve import solve_instant
+from braintrace._algorithm.param_trace_types import (
+    BackwardResidual,
+    Carried,
+    FilteredTraces,
+    ParamTraceHost,
+    Traces,
+    split_filtered,
+)
+from braintrace._algorithm.sharding import ShardingPlan
+from braintrace._compiler.hid_param_op import HiddenParamOpRelation
+from braintrace._compiler.hidden_group import HiddenGroup
+from braintrace._errors import internal_error
 from braintrace._op import _registries as reg
 from braintrace._op._rule_helpers import mix_states, shape_of
+from braintrace._typing import Path, PyTree, Trace, TraceKey
 
 __all__ = ["BackwardRollMixin", "ROLL_MIN_BYTES"]
 
@@ -47,9 +63,9 @@ class Rolled(NamedTuple):
     """One trace's part of the backward residual."""
 
     #: The entering trace, in its stored form.
-    old: dict[str, jax.Array]
+    old: Trace
     #: The entering filter of a filtered trace (stored form; ``None``: no filter).
-    old_filter: dict[str, jax.Array] | None
+    old_filter: Trace | None
     #: The group's Jacobian ``D`` that rolls the trace.
     diag: jax.Array
     #: The relation's input.
@@ -60,60 +76,88 @@ class Rolled(NamedTuple):
     history_jacobian: jax.Array
 
 
+#: A trace the backward pass may roll: its relation's index, the relation, the group.
+RolledRelation = tuple[int, HiddenParamOpRelation, HiddenGroup]
+
+
+class _RollHost(ParamTraceHost, Protocol):
+    """The learner (``ParamDimVjpAlgorithm``) as the backward roll reads it."""
+
+    _roll_sink: RollSink | None
+    _rolled_now: frozenset[TraceKey]
+    _rolled_relations: dict[TraceKey, RolledRelation]
+    _sink_keys: tuple[TraceKey, ...]
+
+    @property
+    def vjp_method(self) -> str:
+        """``'single-step'`` or ``'multi-step'``."""
+
+    @property
+    def sharding_plan(self) -> ShardingPlan | None:
+        """Where the states live on a device mesh (``None``: not sharded)."""
+
+    @property
+    def _squeezed(self) -> frozenset[TraceKey]:
+        """The trace keys stored without their trailing state axis."""
+
+    def _stored(self, key: TraceKey, view: Trace) -> Trace:
+        """The trace of ``key`` as the learner stores it."""
+
+    def _defined_in_library(self, *methods: str) -> bool:
+        """Whether the learner's ``methods`` are the library's."""
+
+
 class BackwardRollMixin:
     """The backward roll of ``ParamDimVjpAlgorithm`` (see the module docstring)."""
 
-    _roll_sink: list[Any] | None = None
-    _rolled_now: frozenset[Any] = frozenset()
+    _roll_sink: RollSink | None = None
+    _rolled_now: frozenset[TraceKey] = frozenset()
     #: Per trace key the backward pass may roll: the relation's index, the relation, the group
     #: (set with the traces, :meth:`_find_rolled_relations`).
-    _rolled_relations: dict[Any, tuple[int, Any, Any]] = {}
+    _rolled_relations: dict[TraceKey, RolledRelation] = {}
     #: The keys the driver's current sink holds, in its order (:meth:`_seq_roll_sink`).
-    _sink_keys: tuple[Any, ...] = ()
+    _sink_keys: tuple[TraceKey, ...] = ()
 
-    def _find_rolled_relations(self) -> dict[Any, tuple[int, Any, Any]]:
+    def _find_rolled_relations(self: _RollHost) -> dict[TraceKey, RolledRelation]:
         """The keys of :attr:`_rolled_relations`, found from the stored traces."""
-        host: Any = self
-        filtered = bool(host._trace_filters)
-        hooks = ("_trace_for_backward", "_solve_weight_gradients", "_history_trace") + (
-            ("_filtered_step",) if filtered else ())
-        if not (host._squeezed and host.vjp_method == "single-step" and not host.replaces_signal
-                and host._rolls_plainly() and host._defined_in_library(*hooks)):
+        filtered = bool(self._trace_filters)
+        hooks = ("_trace_for_backward", "_solve_weight_gradients")
+        if not (self._squeezed and self.vjp_method == "single-step" and not self.replaces_signal
+                and self._rolls_plainly() and self._defined_in_library(*hooks)):
             return {}
-        found = {}
-        for index, rel in enumerate(host.graph.hidden_param_op_relations):
-            fp = host._fast_path(rel)
+        found: dict[TraceKey, RolledRelation] = {}
+        for index, rel in enumerate(self.graph.hidden_param_op_relations):
+            fp = self._fast_path(rel)
             kernel = None if fp is None else (fp.roll_filter_and_solve if filtered else fp.roll_and_solve)
             if (kernel is None or not reg.is_batched_primitive(rel.primitive)
-                    or rel.control_flow_context is not None or len(shape_of(rel.x_var)) != 2):
+                    or rel.control_flow_context is not None or rel.x_var is None or len(shape_of(rel.x_var)) != 2):
                 continue
             for group in rel.hidden_groups:
                 key = trace_key(rel, group)
-                stored = host.etrace_bwg[key].value
-                if (key in host._squeezed and stored["weight"].ndim == 3
+                stored = self.etrace_bwg[key].value
+                if (key in self._squeezed and stored["weight"].ndim == 3
                         and all(v.dtype == jnp.float32 for v in stored.values())):
                     found[key] = (index, rel, group)
         return found
 
     # --- the driver's side ----------------------------------------------------------------
 
-    def _seq_roll_sink(self) -> list[Any] | None:
+    def _seq_roll_sink(self: _RollHost) -> RollSink | None:
         """Zeros shaped like each trace the backward pass may roll, in order (``None``: none)."""
-        host: Any = self
-        if host.sharding_plan is not None:
+        if self.sharding_plan is not None:
             return None
-        traces = {key: host.etrace_bwg[key].value for key in self._rolled_relations}
+        traces = {key: self.etrace_bwg[key].value for key in self._rolled_relations}
         self._sink_keys = tuple(key for key, trace in traces.items()
                                 if trace["weight"].size * trace["weight"].dtype.itemsize >= ROLL_MIN_BYTES)
         if not self._sink_keys:
             return None
         sink = [{k: jnp.zeros(v.shape, v.dtype) for k, v in traces[key].items()} for key in self._sink_keys]
-        if host._trace_filters:
+        if self._trace_filters:
             return [{"eps": zeros, "filt": jax.tree.map(jnp.zeros_like, zeros)} for zeros in sink]
         return sink
 
     @contextlib.contextmanager
-    def _seq_rolling_into(self, sink: list[Any] | None) -> Iterator[None]:
+    def _seq_rolling_into(self, sink: RollSink | None) -> Iterator[None]:
         """Within this block, the learner's next call rolls its traces into ``sink``'s cotangent."""
         self._roll_sink, self._rolled_now = sink, frozenset()
         try:
@@ -121,19 +165,18 @@ class BackwardRollMixin:
         finally:
             self._roll_sink = None
 
-    def _seq_write_rolled(self, rolled: Sequence[Any]) -> None:
+    def _seq_write_rolled(self: _RollHost, rolled: Sequence[RolledTrace]) -> None:
         """Write the traces the backward pass rolled (``rolled``: the sink's cotangent)."""
-        host: Any = self
         for key, value in zip(self._sink_keys, rolled):
             if key not in self._rolled_now:
                 continue
-            if host._trace_filters:
-                host.etrace_bwg[key].value = value["eps"]
-                host._trace_filters[key].value = value["filt"]
+            if self._trace_filters:
+                self.etrace_bwg[key].value = value["eps"]
+                self._trace_filters[key].value = value["filt"]
             else:
-                host.etrace_bwg[key].value = value
+                self.etrace_bwg[key].value = value
 
-    def _take_roll_sink(self) -> list[Any] | None:
+    def _take_roll_sink(self) -> RollSink | None:
         """The sink of the driver's step for this call (once: a second call gets none)."""
         sink, self._roll_sink = self._roll_sink, None
         return sink
@@ -141,8 +184,8 @@ class BackwardRollMixin:
     # --- the learner's side ---------------------------------------------------------------
 
     def _roll_in_backward(
-        self, entering: dict[Any, Any], new: dict[Any, Any], residual: Any, jac: Any,
-    ) -> tuple[Any, dict[Any, Any]]:
+        self: _RollHost, entering: Carried, new: Carried, residual: BackwardResidual, jac: CallJacobians,
+    ) -> tuple[BackwardResidual, Carried]:
         """Move the roll of the plainly rolled keys from the forward to the backward pass.
 
         ``entering`` and ``new`` are the traces as the learner passes them (``{'eps', 'filt'}``
@@ -151,30 +194,36 @@ class BackwardRollMixin:
         backward pass needs (for a key rolled in the forward pass: zeros, its sink's cotangent),
         and the new traces with the deferred keys as they entered.
         """
-        host: Any = self
-        filtered = bool(host._trace_filters)
-        eps_in, eps_new = (entering["eps"], new["eps"]) if filtered else (entering, new)
+        if not is_step_jacobians(jac):
+            raise internal_error("a learner that rolls traces in the backward pass got transition points")
+        filtered = bool(self._trace_filters)
+        eps_in, filt_in = split_filtered(entering, filtered)
+        eps_new, filt_new = split_filtered(new, filtered)
         history = residual.trace
-        plain = host._plain_rolls(jac, history.through_while)
-        local_keys = host._local_relation_weights().keys
-        rolled: list[Rolled | dict[str, Any]] = []
+        plain = plain_rolls(self, jac, history.through_while)
+        local_keys = self._local_relation_weights().keys
+        rolled: list[Rolled | RolledTrace] = []
         kept, taken = dict(eps_new), set()
-        kept_filter = dict(new["filt"]) if filtered else {}
+        kept_filter: Traces = {} if filt_new is None else dict(filt_new)
         for key in self._sink_keys:
             index, _, group = self._rolled_relations[key]
-            stored = host._stored(key, eps_in[key])
-            stored_filter = host._stored(key, entering["filt"][key]) if filtered else None
+            stored = self._stored(key, eps_in[key])
+            stored_filter = None if filt_in is None else self._stored(key, filt_in[key])
             # Weights left out of the one-step VJP have a history read off the new trace only.
             if key not in plain or (key not in history.instant and local_keys.get(index)):
                 zeros = jax.tree.map(jnp.zeros_like, stored)
                 rolled.append({"eps": zeros, "filt": jax.tree.map(jnp.zeros_like, stored)} if filtered else zeros)
                 continue
             x, df = plain[key][2]
+            if x is None:  # a rolled relation is a batched matmul (see _find_rolled_relations)
+                raise internal_error(f"the relation of trace {key} rolled in the backward pass reads no input")
+            if history.history_jacobians is None:
+                raise internal_error(f"trace {key} rolled in the backward pass without its group's history Jacobian")
             rolled.append(Rolled(stored, stored_filter, jac[1][group.index], x, df,
                                  history.history_jacobians[group.index]))
             kept[key] = eps_in[key]
-            if filtered:
-                kept_filter[key] = entering["filt"][key]
+            if filt_in is not None:
+                kept_filter[key] = filt_in[key]
             taken.add(key)
         self._rolled_now = frozenset(taken)
         history = history._replace(
@@ -184,11 +233,12 @@ class BackwardRollMixin:
         if old_filter is not None:
             old_filter = {k: v for k, v in old_filter.items() if k not in taken}
         residual = residual._replace(trace=history, old_filter=old_filter, rolled=rolled)
-        return residual, ({"eps": kept, "filt": kept_filter} if filtered else kept)
+        return residual, (FilteredTraces(eps=kept, filt=kept_filter) if filtered else kept)
 
     def _solve_rolled(
-        self, residual: Any, signals: Sequence[jax.Array], weight_vals: dict[Any, Any], grads: dict[Any, Any],
-    ) -> tuple[dict[Any, Any], list[Any] | None]:
+        self: _RollHost, residual: BackwardResidual, signals: Sequence[jax.Array], weight_vals: dict[Path, PyTree],
+        grads: dict[Path, PyTree],
+    ) -> tuple[dict[Path, PyTree], RollSink | None]:
         """Roll the traces the ``residual`` deferred and add their history term to ``grads``.
 
         The history term is the entering trace met by the signal the forward roll's history
@@ -198,13 +248,12 @@ class BackwardRollMixin:
         rolled traces, the roll sink's cotangent (zeros for the keys rolled in the forward pass,
         which the driver does not write; ``None``: no sink).
         """
-        rolled: Sequence[Rolled | dict[str, Any]] | None = residual.rolled
+        rolled: Sequence[Rolled | RolledTrace] | None = residual.rolled
         if rolled is None:
             return grads, None
-        host: Any = self
-        local_keys = host._local_relation_weights().keys
+        local_keys = self._local_relation_weights().keys
         read_past = residual.trace.read_past_update
-        traces: list[Any] = []
+        traces: list[RolledTrace] = []
         for key, entry in zip(self._sink_keys, rolled):
             index, rel, group = self._rolled_relations[key]
             if not isinstance(entry, Rolled):
@@ -215,24 +264,30 @@ class BackwardRollMixin:
                 history_signal = read_past[group.index]
             else:
                 history_signal = mix_states(jnp.swapaxes(entry.history_jacobian, -1, -2), g)
-            fp = host._fast_path(rel)
+            fp = self._fast_path(rel)
             diag = rel.output_layout(group, entry.diag)[..., 0, 0]
             signal = rel.output_layout(group, history_signal)[..., 0]
             has_bias = bool(rel.eqn_params.get("has_bias", False))
             if entry.old_filter is None:
-                new, history = fp.roll_and_solve(entry.old, diag, entry.x, entry.df[..., 0], signal, has_bias)
+                roll = None if fp is None else fp.roll_and_solve
+                if roll is None:
+                    raise internal_error(f"trace {key} rolled in the backward pass without its kernel")
+                new, history = roll(entry.old, diag, entry.x, entry.df[..., 0], signal, has_bias)
                 traces.append(new)
             else:
-                filt_signal = rel.output_layout(group, host.kappa * g)[..., 0]
-                new, new_filter, history = fp.roll_filter_and_solve(
+                roll_filtered = None if fp is None else fp.roll_filter_and_solve
+                if roll_filtered is None:
+                    raise internal_error(f"filtered trace {key} rolled in the backward pass without its kernel")
+                filt_signal = rel.output_layout(group, self.kappa * g)[..., 0]
+                new, new_filter, history = roll_filtered(
                     entry.old, entry.old_filter, diag, entry.x, entry.df[..., 0], signal, filt_signal,
-                    host.kappa, has_bias)
+                    self.kappa, has_bias)
                 traces.append({"eps": new, "filt": new_filter})
             covered = local_keys.get(index, frozenset())
             if covered:  # weights left out of the one-step VJP: their gradient is the whole ⟨g, ε^t⟩ (ē^t)
-                weights = host._relation_operands(rel, weight_vals)
-                same_step = host._solve_instant(rel, rel.output_layout(group, g), entry.x, entry.df, weights)
+                weights = self._relation_operands(rel, weight_vals)
+                same_step = solve_instant(rel, rel.output_layout(group, g), entry.x, entry.df, weights, fp)
                 history = {k: v + same_step[k] if k in covered else v for k, v in history.items()}
             for k, v in history.items():
-                grads = host._add_operand_gradient(grads, rel, k, v, weight_vals)
+                grads = self._add_operand_gradient(grads, rel, k, v, weight_vals)
         return grads, traces

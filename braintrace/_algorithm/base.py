@@ -15,14 +15,16 @@ every weight gradient through its output is ``xy_to_dw(x, ∂L/∂y, weights)`` 
 :mod:`braintrace._algorithm.rule_vjp`).
 
 A learning rule is a subclass that fills in the trace hooks (:meth:`init_etrace_state`,
-:meth:`_update_etrace_data`, :meth:`_solve_weight_gradients`, ...); the engine is shared.
+:meth:`_update_etrace_data`, :meth:`_solve_weight_gradients`, ...); the engine is shared. The hooks
+pass the rule's own trace data (:data:`TraceData`) and backward residual (:data:`Residual`), the
+type parameters of :class:`ETraceVjpAlgorithm`.
 """
 
 from __future__ import annotations
 
 import difflib
 import inspect
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Generic, Self, Sequence, TypeVar, cast
 
 import brainstate
 import brainunit as u
@@ -31,7 +33,15 @@ import jax.numpy as jnp
 
 from braintrace._algorithm.batch_size import checked_batch_size
 from braintrace._algorithm.config import ETraceConfig
-from braintrace._algorithm.graph_executor import ETraceGraphExecutor, ETraceVjpGraphExecutor
+from braintrace._algorithm.drive.host import RollSink, StepFn
+from braintrace._algorithm.graph_executor import (
+    CallHiddenJacobians,
+    CallJacobians,
+    CallWeightJacobians,
+    ETraceGraphExecutor,
+    ETraceVjpGraphExecutor,
+    EtraceStepper,
+)
 from braintrace._algorithm.input_data import get_single_step_data, has_multistep_data
 from braintrace._algorithm.call_lock import serialised
 from braintrace._algorithm.compiled_model import (
@@ -71,9 +81,27 @@ from braintrace._errors import internal_error
 from braintrace._footprint import MemoryEstimate, learner_memory
 from braintrace._typing import Path, PyTree
 
-__all__ = ["EligibilityTrace", "ETraceAlgorithm", "ETraceVjpAlgorithm"]
+__all__ = ["EligibilityTrace", "ETraceAlgorithm", "ETraceVjpAlgorithm", "TraceData", "Residual"]
 
+#: A learning rule's own trace data: what its ``_get_etrace_data`` returns, its
+#: ``_update_etrace_data`` rolls and its ``_assign_etrace_data`` stores (a pytree of arrays).
+TraceData = TypeVar("TraceData")
+#: What a learning rule's backward pass reads of its traces: its ``_trace_for_backward`` returns
+#: it, the forward pass keeps it, and its ``_solve_weight_gradients`` meets it with the signal.
+Residual = TypeVar("Residual")
+#: What an abstract evaluation of one step gives (:meth:`ETraceVjpAlgorithm._shapes_after_one_step`).
 Shapes = TypeVar("Shapes")
+#: Values by state path: parameters, hidden or other states (each a pytree of arrays).
+StateValues = dict[Path, PyTree]
+#: A call's results: ``(out, new hidden values, new other values, new traces)``.
+CallOutput = tuple[PyTree, StateValues, StateValues, TraceData]
+#: What a call's forward pass keeps for its backward pass: ``(pullback of the step or window,
+#: the rule's residual, weight values, running index, model inputs, aux, exit cotangent)``.
+CallResiduals = tuple[Callable[..., PyTree], Residual, StateValues, jax.Array, tuple[PyTree, ...], PyTree,
+                      StateValues | None]
+#: The cotangents of a call's ``(model inputs, weight values, hidden values, other values)``.
+InputCotangents = tuple[tuple[PyTree, ...], StateValues, StateValues, StateValues]
+
 
 class EligibilityTrace(brainstate.ShortTermState):
     """The state type eligibility traces are stored in (a ``ShortTermState``).
@@ -131,7 +159,7 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
     [(0, [('h',)])]
     """
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+    def __new__(cls, *args: object, **kwargs: object) -> Self:
         check_constructor_keywords(cls, kwargs)
         check_required_arguments(cls, args, kwargs)
         return super().__new__(cls)
@@ -153,7 +181,7 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
         #: Set while :meth:`predict` runs: a call runs the model forward only (:meth:`_forward_step`).
         self._forward_only = False
         self._split_cache: SplitStates | None = None
-        self._trace_shapes: Any = None
+        self._trace_shapes: object = None
         # id(operand var) -> how a relation's trainable operand is computed from parameters.
         self._operand_chains: OperandChains = {}
 
@@ -220,7 +248,7 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
     #: (a rule outside ETraceConfig's space names its own); read by the exactness labels.
     rule_approximations: tuple[str, ...] = ()
 
-    def compile_graph(self, *args: Any) -> None:
+    def compile_graph(self, *args: PyTree) -> None:
         """Compile the model step for example inputs and allocate the traces (once)."""
         probe = getattr(brainstate.transform, "in_new_state_probe", None)
         if probe is not None and probe():
@@ -237,7 +265,7 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
         self._trace_shapes = self._current_trace_shapes()
         self.is_compiled = True
 
-    def _current_trace_shapes(self) -> Any:
+    def _current_trace_shapes(self) -> object:
         """The shapes of the traces as they are now (``None`` before they exist)."""
         getter = getattr(self, "_get_etrace_data", None)
         return None if getter is None else jax.tree.map(jnp.shape, getter())
@@ -257,12 +285,13 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
         """The parameters some relation reads (:func:`~braintrace._algorithm.operand_credit.relation_parameter_paths`)."""
         return relation_parameter_paths(self.graph, self._operand_chains)
 
-    def _relation_operands(self, rel: HiddenParamOpRelation, weight_vals: dict[Path, PyTree]) -> dict[str, Any]:
+    def _relation_operands(self, rel: HiddenParamOpRelation, weight_vals: dict[Path, PyTree]) -> dict[str, jax.Array]:
         """The current values of a relation's trainable operands (mantissas)."""
         return relation_operands(self._operand_chains, rel, weight_vals)
 
     def _add_operand_gradient(
-        self, grads: dict[Path, PyTree], rel: HiddenParamOpRelation, key: str, g: Any, weight_vals: dict[Path, PyTree]
+        self, grads: dict[Path, PyTree], rel: HiddenParamOpRelation, key: str, g: jax.Array,
+        weight_vals: dict[Path, PyTree],
     ) -> dict[Path, PyTree]:
         """``grads`` plus ``g``, credited from the relation's operand ``key`` to the parameters it is
         computed from (:func:`~braintrace._algorithm.operand_credit.add_operand_gradient`)."""
@@ -312,7 +341,7 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
             self.sharding_plan.place()
 
     @serialised
-    def predict(self, *sequences: Any, step_fn: Callable[..., Any] | None = None, time_axis: int = 0) -> Any:
+    def predict(self, *sequences: PyTree, step_fn: StepFn | None = None, time_axis: int = 0) -> PyTree:
         """The model's per-step outputs over ``sequences``, from fresh states, at their batch size.
 
         The model runs forward from states initialised afresh (its ``init_state``) at the batch
@@ -366,7 +395,7 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
         """
         return predict_sequences(self, self, sequences, step_fn, time_axis, mapped=False)
 
-    def _forward_step(self, args: tuple[Any, ...]) -> Any:
+    def _forward_step(self, args: tuple[PyTree, ...]) -> PyTree:
         """A call while :meth:`predict` runs: the model forward on ``args``, nothing else."""
         self.calls_traced += 1
         return forward_step(self.model4compile, args)
@@ -375,7 +404,7 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
         return self.graph_executor.show_graph(verbose=verbose, return_msg=return_msg)
 
     @serialised
-    def __call__(self, *args: Any, **options: Any) -> Any:
+    def __call__(self, *args: PyTree, **options: object) -> PyTree:
         """:meth:`update`: model inputs positionally, the learner's own options (``modulator=``) by keyword.
 
         A sharded learner (``braintrace.compile(..., sharding=...)``) constrains the inputs and
@@ -387,13 +416,14 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
         return watched_call(self, lambda: sharded_call(self.sharding_plan, self.update, args, options),
                             lambda out: (args, options, out, self.running_index.value))
 
-    def update(self, *args: Any, **options: Any) -> Any:
+    # ``Any`` options: a learner's update may name its own (OSTTP's ``update(x, y_target)``).
+    def update(self, *args: PyTree, **options: Any) -> PyTree:
         raise NotImplementedError(f"{type(self).__name__} must implement update().")
 
-    def init_etrace_state(self, *args: Any, **kwargs: Any) -> None:
+    def init_etrace_state(self, *args: PyTree, **kwargs: object) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement init_etrace_state().")
 
-    def memory(self, *example_inputs: Any) -> MemoryEstimate:
+    def memory(self, *example_inputs: PyTree) -> MemoryEstimate:
         """How much memory one training step of this learner needs (compiled by XLA, not run).
 
         Parameters
@@ -420,7 +450,7 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
         """
         return learner_memory(self, *example_inputs)
 
-    def get_etrace_of(self, weight: Any) -> Any:
+    def get_etrace_of(self, weight: brainstate.ParamState | Path) -> PyTree:
         raise NotImplementedError(f"{type(self).__name__} must implement get_etrace_of().")
 
     def _states_without_state_axis(self) -> list[brainstate.State]:
@@ -428,7 +458,7 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
         see ``ParamDimVjpAlgorithm._stored``). Checkpoints store them with the axis."""
         return []
 
-    def named_etraces(self) -> dict[tuple[Path, int], Any]:
+    def named_etraces(self) -> dict[tuple[Path, int], PyTree]:
         """Every trace, keyed by ``(parameter path, hidden group index)`` instead of object ids.
 
         The value is the relation's trace for that group, in the learner's own form (what
@@ -444,7 +474,7 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
         {(('W', 'weight'), 0): {'weight': (7, 4, 1), 'bias': (4, 1)}}
         """
         self._assert_compiled_for("named_etraces")
-        found: dict[tuple[Path, int], list[Any]] = {}
+        found: dict[tuple[Path, int], list[PyTree]] = {}
         for rel in self.graph.hidden_param_op_relations:
             for group in rel.hidden_groups:
                 trace = self._relation_etrace(rel, group)
@@ -452,7 +482,7 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
                     found.setdefault((path, group.index), []).append(trace)
         return {key: traces[0] if len(traces) == 1 else tuple(traces) for key, traces in found.items()}
 
-    def _relation_etrace(self, rel: HiddenParamOpRelation, group: HiddenGroup) -> Any:
+    def _relation_etrace(self, rel: HiddenParamOpRelation, group: HiddenGroup) -> PyTree:
         """The trace of one relation for one of its groups (see :meth:`named_etraces`)."""
         raise NotImplementedError(f"{type(self).__name__} must implement _relation_etrace().")
 
@@ -467,8 +497,10 @@ class ETraceAlgorithm(SequenceDriverMixin, brainstate.nn.Module):
 ETraceAlgorithm.__module__ = "braintrace"
 
 
-class ETraceVjpAlgorithm(ETraceAlgorithm):
+class ETraceVjpAlgorithm(ETraceAlgorithm, Generic[TraceData, Residual]):
     """The custom-VJP engine shared by the learning rules (see the module docstring).
+
+    Generic over the rule's :data:`TraceData` and :data:`Residual`, which its hooks pass.
 
     Parameters
     ----------
@@ -541,7 +573,7 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         fn.defvjp(self._update_fn_fwd_primals, self._update_fn_bwd, symbolic_zeros=True)
         self._true_update_fun = fn
 
-    def _check_config(self, config: Any) -> ETraceConfig | None:
+    def _check_config(self, config: ETraceConfig | None) -> ETraceConfig | None:
         """The learner's coordinate given ``config`` (an engine checks it and supplies its default)."""
         if config is not None:
             raise TypeError(
@@ -566,7 +598,7 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
                 f"the learner with braintrace.compile(model, algorithm, example_input))."
             )
 
-    def update(self, *args: Any, **options: Any) -> Any:
+    def update(self, *args: PyTree, **options: Any) -> PyTree:
         """Run one call (a step, or a :class:`MultiStepData` window) and roll the traces.
 
         ``args`` are the model's inputs; ``options`` are the learner's own keyword options
@@ -600,31 +632,31 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
     # --- the custom VJP -------------------------------------------------------------------
 
     def _update_fn(
-        self, args: Any, weight_vals: Any, hidden_vals: Any, other_vals: Any, etrace_vals: Any,
-        running_index: Any, aux: Any = None, roll_sink: Any = None,
-    ) -> tuple[Any, Any, Any, Any]:
+        self, args: tuple[PyTree, ...], weight_vals: StateValues, hidden_vals: StateValues, other_vals: StateValues,
+        etrace_vals: TraceData, running_index: jax.Array, aux: PyTree = None, roll_sink: RollSink | None = None,
+    ) -> CallOutput[TraceData]:
         ex = self.vjp_executor
         multi = has_multistep_data(*args)
         stepper = self._make_etrace_stepper(weight_vals) if multi else None
-        out, new_vals, jac, final = ex.run_call(args, {**weight_vals, **hidden_vals, **other_vals}, stepper, etrace_vals)
+        called = ex.run_call(args, {**weight_vals, **hidden_vals, **other_vals}, stepper, etrace_vals)
+        out, new_vals, jac, final = called
         if stepper is not None:
-            new_etrace = final
+            new_etrace = _rolled(final)
         else:
-            if jac is None:
-                raise internal_error("the executor returned no Jacobians for a call without a stepper")
+            jac = _jacobians(jac)
             new_etrace = self._update_etrace_data(running_index, etrace_vals, jac[0], jac[1], weight_vals, multi)
         hid, oth = ex.split_hidden_other(new_vals)
         return out, hid, oth, new_etrace
 
-    def _update_fn_fwd_primals(self, *primals: Any) -> tuple[Any, Any]:
+    def _update_fn_fwd_primals(self, *primals: PyTree) -> tuple[CallOutput[TraceData], CallResiduals[Residual]]:
         """:meth:`_update_fn_fwd` on the values of ``custom_vjp``'s primal wrappers."""
         values = jax.tree.map(lambda p: p.value, primals, is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
         return self._update_fn_fwd(*values)
 
     def _update_fn_fwd(
-        self, args: Any, weight_vals: Any, hidden_vals: Any, other_vals: Any, etrace_vals: Any,
-        running_index: Any, aux: Any = None, roll_sink: Any = None,
-    ) -> tuple[Any, Any]:
+        self, args: tuple[PyTree, ...], weight_vals: StateValues, hidden_vals: StateValues, other_vals: StateValues,
+        etrace_vals: TraceData, running_index: jax.Array, aux: PyTree = None, roll_sink: RollSink | None = None,
+    ) -> tuple[CallOutput[TraceData], CallResiduals[Residual]]:
         ex = self.vjp_executor
         multi = has_multistep_data(*args)
         if ex.is_single_step_vjp:
@@ -636,7 +668,9 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
             perturb0 = self.graph.hidden_perturb.init_perturb_data()  # type: ignore[union-attr]
             detached = self._local_relation_weights().paths
 
-            def step(a: Any, w: Any, h: Any, o: Any, p: Any) -> Any:
+            def step(
+                a: tuple[PyTree, ...], w: StateValues, h: StateValues, o: StateValues, p: list[jax.Array],
+            ) -> tuple[tuple[PyTree, StateValues, StateValues], CallJacobians]:
                 w = {k: jax.lax.stop_gradient(v) if k in detached else v for k, v in w.items()}
                 out, new_vals, env = ex.run_step(a, {**w, **h, **o}, p)
                 return (out, *ex.split_hidden_other(new_vals)), ex.extract_jacobians(env)
@@ -650,14 +684,20 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         else:
             stepper = self._make_etrace_stepper(weight_vals) if multi else None
 
-            def window(a: Any, w: Any, h: Any, o: Any) -> Any:
-                out, new_vals, jac, final = ex.run_call(a, {**w, **h, **o}, stepper, etrace_vals)
-                return (out, *ex.split_hidden_other(new_vals)), (jac, final)
+            def window(
+                a: tuple[PyTree, ...], w: StateValues, h: StateValues, o: StateValues,
+            ) -> tuple[tuple[PyTree, StateValues, StateValues], tuple[CallJacobians | None, TraceData | None]]:
+                called = ex.run_call(a, {**w, **h, **o}, stepper, etrace_vals)
+                out, new_vals, jacs, final = called
+                return (out, *ex.split_hidden_other(new_vals)), (jacs, final)
 
-            primal, vjp_fn, (jac, final) = jax.vjp(window, args, weight_vals, hidden_vals, other_vals, has_aux=True)
-            new_etrace = final if stepper is not None else self._update_etrace_data(
-                running_index, etrace_vals, jac[0], jac[1], weight_vals, multi)
-            trace_for_bwd = self._trace_for_backward(etrace_vals, new_etrace, jac, single_step=False)
+            primal, vjp_fn, (jacs, final) = jax.vjp(window, args, weight_vals, hidden_vals, other_vals, has_aux=True)
+            if stepper is not None:
+                new_etrace = _rolled(final)
+            else:
+                jacs = _jacobians(jacs)
+                new_etrace = self._update_etrace_data(running_index, etrace_vals, jacs[0], jacs[1], weight_vals, multi)
+            trace_for_bwd = self._trace_for_backward(etrace_vals, new_etrace, jacs, single_step=False)
         out, hid, oth = primal
         # A learner that injects a cotangent at the window's exit (DNI) computes it here, where
         # the exit hidden values exist; ``None`` (every other learner) traces no second pass.
@@ -666,7 +706,7 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         return (out, hid, oth, new_etrace), residuals
 
     @rows_follow_sharding
-    def _update_fn_bwd(self, residuals: Any, cotangents: Any) -> tuple[Any, ...]:
+    def _update_fn_bwd(self, residuals: CallResiduals[Residual], cotangents: tuple[PyTree, ...]) -> tuple[PyTree, ...]:
         vjp_fn, trace_for_bwd, weight_vals, running_index, args, aux, exit_cotangent = residuals
         d_out, d_hid, d_oth, _ = jax.tree.map(
             lambda c: ad.Zero(c.aval) if isinstance(c, SymbolicZero) else c, cotangents,
@@ -695,32 +735,18 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         dg_weights, rolled = self._solve_rolled(trace_for_bwd, signal, weight_vals, dg_weights)
         if exit_cotangent is not None:
             injected = call_pullback(vjp_fn, _injection_cotangents(d_out, d_hid, d_oth, exit_cotangent))
-            dg_args, dg_weights, dg_hidden, dg_other = self._with_exit_pass(
-                (dg_args, dg_weights, dg_hidden, dg_other), injected)
+            dg_args, dg_weights, dg_hidden, dg_other = _with_exit_pass(
+                (dg_args, dg_weights, dg_hidden, dg_other), injected, self._relation_parameter_paths())
         return dg_args, dg_weights, dg_hidden, dg_other, None, None, None, rolled
-
-    def _with_exit_pass(self, first: tuple[Any, Any, Any, Any], second: tuple[Any, Any, Any, Any]) -> tuple[Any, ...]:
-        """Route the second linear pass (the exit cotangent pushed through the window).
-
-        The boundary learning signal and the gradients of the parameters some relation reads
-        (their cross-window credit is already in the trace) keep the first pass only; plain
-        parameters, the inputs, the other states and the returned hidden cotangent get both.
-        """
-        etp = self._relation_parameter_paths()
-        dg_args, dg_weights, dg_hidden, dg_other = first
-        in_args, in_weights, in_hidden, in_other = second
-        weights = {p: g if p in etp else _add_cotangents(g, in_weights[p]) for p, g in dg_weights.items()}
-        return (_add_cotangents(dg_args, in_args), weights, _add_cotangents(dg_hidden, in_hidden),
-                _add_cotangents(dg_other, in_other))
 
     # --- hooks ----------------------------------------------------------------------------
 
-    def _exit_cotangent(self, aux: Any, new_hidden: dict[Path, PyTree]) -> dict[Path, PyTree] | None:
+    def _exit_cotangent(self, aux: PyTree, new_hidden: dict[Path, PyTree]) -> dict[Path, PyTree] | None:
         """Multi-step: an extra cotangent on the window's exit hidden values (default: none).
 
         A learner that returns ``{path: cotangent}`` (shaped, typed and unit-carrying like
         ``new_hidden[path]``; missing paths count as zero) gets it pushed through the window's
-        transposed computation a second time (see :meth:`_with_exit_pass`); ``aux`` is what
+        transposed computation a second time (see :func:`_with_exit_pass`); ``aux`` is what
         :meth:`_get_update_aux` returned for the call.
         """
         return None
@@ -742,43 +768,50 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         ordered = [_or_zero_bits(v, zero) if i in self._entering_reads else v for i, v in enumerate(leaves)]
         self._assign_etrace_data(jax.tree.unflatten(treedef, ordered))
 
-    def _get_etrace_data(self) -> Any:
+    def _get_etrace_data(self) -> TraceData:
         raise NotImplementedError
 
     # --- traces rolled in the backward pass (``braintrace._algorithm.backward_roll``) --------
 
-    def _take_roll_sink(self) -> Any:
+    def _take_roll_sink(self) -> RollSink | None:
         """The sink a driver gave this call for traces rolled in the backward pass (``None``:
         this learner rolls every trace in its forward pass)."""
         return None
 
-    def _roll_in_backward(self, entering: Any, new: Any, residual: Any, jac: Any) -> tuple[Any, Any]:
+    def _roll_in_backward(
+        self, entering: TraceData, new: TraceData, residual: Residual, jac: CallJacobians,
+    ) -> tuple[Residual, TraceData]:
         raise internal_error(f"{type(self).__name__} took a roll sink but rolls no trace in its backward pass")
 
     def _solve_rolled(
-        self, residual: Any, signals: Sequence[Any], weight_vals: dict[Path, PyTree], grads: dict[Path, PyTree]
-    ) -> tuple[dict[Path, PyTree], Any]:
+        self, residual: Residual, signals: Sequence[Any], weight_vals: dict[Path, PyTree], grads: dict[Path, PyTree]
+    ) -> tuple[dict[Path, PyTree], RollSink | None]:
         """``grads`` and the cotangent of the call's roll sink (``None``: it had none)."""
         return grads, None
 
-    def _assign_etrace_data(self, etrace_vals: Any) -> None:
+    def _assign_etrace_data(self, etrace_vals: TraceData) -> None:
         raise NotImplementedError
 
     def _update_etrace_data(
-        self, running_index: Any, etrace_vals_util_t_1: Any, hid2weight_jac_single_or_multi_times: Any,
-        hid2hid_jac_single_or_multi_times: Any, weight_vals: Any, input_is_multi_step: bool,
-    ) -> Any:
+        self, running_index: jax.Array, etrace_vals_util_t_1: TraceData,
+        hid2weight_jac_single_or_multi_times: CallWeightJacobians,
+        hid2hid_jac_single_or_multi_times: CallHiddenJacobians, weight_vals: StateValues, input_is_multi_step: bool,
+    ) -> TraceData:
         raise NotImplementedError
 
     def _solve_weight_gradients(
-        self, running_index: Any, etrace_h2w_at_t: Any, dl_to_hidden_groups: Sequence[Any],
+        self, running_index: jax.Array, etrace_h2w_at_t: Residual, dl_to_hidden_groups: Sequence[Any],
         weight_vals: dict[Path, PyTree], dl_to_nonetws_at_t: dict[Path, PyTree], dl_to_etws_at_t: dict[Path, PyTree],
     ) -> dict[Path, PyTree]:
         raise NotImplementedError
 
-    def _trace_for_backward(self, old_etrace: Any, new_etrace: Any, jac: Any, single_step: bool) -> Any:
-        """What the backward pass receives as the trace (default: the trace entering the call)."""
-        return old_etrace
+    def _trace_for_backward(
+        self, old_etrace: TraceData, new_etrace: TraceData, jac: CallJacobians | None, single_step: bool,
+    ) -> Residual:
+        """What the backward pass receives of the traces (``jac``: ``None`` where a stepper rolled
+        them); by default the traces entering the call, so a rule that keeps the default has the
+        :data:`Residual` of its :data:`TraceData`."""
+        return cast(Residual, old_etrace)
 
     def _groups_read_past_update(self) -> frozenset[int]:
         """The groups whose previous value an output of the step reads other than through its update."""
@@ -815,7 +848,7 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         cls = type(self)
         return all(getattr(cls, name).__module__.startswith("braintrace._algorithm") for name in methods)
 
-    def _with_previous_signal(self, trace_for_bwd: Any, previous: list[Any]) -> Any:
+    def _with_previous_signal(self, trace_for_bwd: Residual, previous: list[jax.Array]) -> Residual:
         """Single step: give the backward residual ``∂L/∂h^{t-1}`` per group (default: unused).
 
         It is the step loss's derivative with respect to each group's previous value through
@@ -823,7 +856,9 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
         """
         return trace_for_bwd
 
-    def _shapes_after_one_step(self, roll: Callable[[Any, dict[Path, PyTree]], Shapes], *args: Any) -> Shapes:
+    def _shapes_after_one_step(
+        self, roll: Callable[[CallJacobians, dict[Path, PyTree]], Shapes], *args: PyTree,
+    ) -> Shapes:
         """The shapes ``roll(jacobians, weight_vals)`` gives on one step of ``args``, evaluated
         abstractly (nothing runs): what a trace becomes once the step's Jacobians meet it."""
         ex = self.vjp_executor
@@ -836,13 +871,17 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
 
         return jax.eval_shape(one_step)
 
-    def _make_etrace_stepper(self, weight_vals: Any) -> Any:
+    def _make_etrace_stepper(self, weight_vals: dict[Path, PyTree]) -> EtraceStepper[TraceData] | None:
         return None
 
-    def _compute_learning_signal(self, dl_to_hidden_from_autodiff: list[Any], args: Any) -> list[Any]:
+    def _compute_learning_signal(
+        self, dl_to_hidden_from_autodiff: list[jax.Array], args: tuple[PyTree, ...],
+    ) -> list[Any]:
+        """Each group's signal for the rule's gradient: ``∂L/∂h`` (default), or a rule's own
+        (:class:`~braintrace._algorithm.learning_signal.SignalPair`, a modulator's ...)."""
         return dl_to_hidden_from_autodiff
 
-    def _get_update_aux(self, args: tuple[Any, ...], **options: Any) -> Any:
+    def _get_update_aux(self, args: tuple[PyTree, ...], **options: object) -> PyTree:
         """What the call passes to the rule beside the model's inputs (read before tracing).
 
         A learner that takes keyword options validates them here; by default there are none.
@@ -860,7 +899,21 @@ class ETraceVjpAlgorithm(ETraceAlgorithm):
 ETraceVjpAlgorithm.__module__ = "braintrace"
 
 
-def _entering_leaves_read(old: Any, new: Any, residual: Any) -> frozenset[int]:
+def _rolled(final: TraceData | None) -> TraceData:
+    """The trace a call's stepper rolled inside the executor's scan."""
+    if final is None:
+        raise internal_error("the executor returned no rolled trace for a call with a stepper")
+    return final
+
+
+def _jacobians(jac: CallJacobians | None) -> CallJacobians:
+    """The Jacobians of a call without a stepper."""
+    if jac is None:
+        raise internal_error("the executor returned no Jacobians for a call without a stepper")
+    return jac
+
+
+def _entering_leaves_read(old: object, new: object, residual: object) -> frozenset[int]:
     """The positions (in ``old``'s flattened order) of the entering trace's arrays that the
     backward ``residual`` holds while it holds no new value at that position."""
     held = {id(leaf) for leaf in jax.tree.leaves(residual)}
@@ -871,7 +924,7 @@ def _entering_leaves_read(old: Any, new: Any, residual: Any) -> frozenset[int]:
                      if id(o) in held and id(n) not in held)
 
 
-def _zero_after(tree: Any) -> jax.Array:
+def _zero_after(tree: object) -> jax.Array:
     """A float32 zero that XLA can compute only once every floating leaf of ``tree`` is.
 
     ``0 · s`` for the sum ``s`` of one element of each leaf (``0`` where ``s`` is not finite):
@@ -891,7 +944,7 @@ def _zero_after(tree: Any) -> jax.Array:
     return jnp.where(jnp.isfinite(s), 0.0 * s, 0.0)
 
 
-def _zero_after_written(tree: Any, after: jax.Array) -> jax.Array:
+def _zero_after_written(tree: object, after: jax.Array) -> jax.Array:
     """A float32 zero that XLA can compute only once every array of ``tree`` is in memory.
 
     :func:`_zero_after` reads one element of each leaf, which XLA computes inline from the
@@ -911,10 +964,10 @@ def _zero_after_written(tree: Any, after: jax.Array) -> jax.Array:
     >>> _zero_after_written({'e': jnp.ones((2, 3))}, jnp.zeros(()))
     Array(0., dtype=float32)
     """
-    def in_a_branch(t: Any, a: jax.Array) -> jax.Array:
+    def in_a_branch(t: object, a: jax.Array) -> jax.Array:
         return jax.lax.cond(a == 0, _zero_after, lambda _: jnp.zeros((), jnp.float32), t)
 
-    def inline(t: Any, a: jax.Array) -> jax.Array:
+    def inline(t: object, a: jax.Array) -> jax.Array:
         return _zero_after(t) + a
 
     return jax.lax.platform_dependent(tree, after, cpu=in_a_branch, default=inline)
@@ -938,12 +991,12 @@ def _or_zero_bits(value: jax.Array, zero: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(or_ed, value.dtype)
 
 
-def _zero_cotangent(c: Any) -> Any:
+def _zero_cotangent(c: jax.Array | ad.Zero) -> ad.Zero:
     """A symbolic zero in place of the cotangent ``c``."""
     return c if isinstance(c, ad.Zero) else ad.Zero(jax.typeof(c).to_tangent_aval())
 
 
-def _materialised(tree: Any) -> Any:
+def _materialised(tree: PyTree) -> PyTree:
     """``tree`` with its symbolic zeros made arrays.
 
     For a window's outputs: JAX's transpose of the scan that stacks them passes a symbolic zero
@@ -954,19 +1007,33 @@ def _materialised(tree: Any) -> Any:
 
 
 def _injection_cotangents(
-    d_out: Any, d_hid: Any, d_oth: Any, exit_cotangent: dict[Path, PyTree],
-) -> tuple[Any, Any, Any]:
+    d_out: PyTree, d_hid: StateValues, d_oth: StateValues, exit_cotangent: StateValues,
+) -> tuple[PyTree, StateValues, StateValues]:
     """The window's output cotangents with only ``exit_cotangent`` on the new hidden values."""
-    def zeros(tree: Any) -> Any:
+    def zeros(tree: PyTree) -> PyTree:
         return jax.tree.map(_zero_cotangent, tree, is_leaf=lambda x: isinstance(x, ad.Zero))
 
     hidden = {p: exit_cotangent[p] if p in exit_cotangent else zeros(c) for p, c in d_hid.items()}
     return _materialised(zeros(d_out)), hidden, zeros(d_oth)
 
 
-def _add_cotangents(a: Any, b: Any) -> Any:
+def _with_exit_pass(first: InputCotangents, second: InputCotangents, etp: frozenset[Path]) -> InputCotangents:
+    """Route the second linear pass (the exit cotangent pushed through the window).
+
+    The boundary learning signal and the gradients of ``etp``, the parameters some relation reads
+    (their cross-window credit is already in the trace), keep the first pass only; plain
+    parameters, the inputs, the other states and the returned hidden cotangent get both.
+    """
+    dg_args, dg_weights, dg_hidden, dg_other = first
+    in_args, in_weights, in_hidden, in_other = second
+    weights = {p: g if p in etp else _add_cotangents(g, in_weights[p]) for p, g in dg_weights.items()}
+    return (_add_cotangents(dg_args, in_args), weights, _add_cotangents(dg_hidden, in_hidden),
+            _add_cotangents(dg_other, in_other))
+
+
+def _add_cotangents(a: PyTree, b: PyTree) -> PyTree:
     """``a + b`` leaf by leaf (integer inputs' ``float0`` cotangents stay as they are)."""
-    def add(x: Any, y: Any) -> Any:
+    def add(x: jax.Array, y: jax.Array) -> jax.Array:
         return x if getattr(x, "dtype", None) == jax.dtypes.float0 else x + y
 
     return jax.tree.map(add, a, b)
@@ -988,7 +1055,7 @@ def constructor_options(cls: type) -> list[str]:
     return names
 
 
-def check_constructor_keywords(cls: type, kwargs: dict[str, Any]) -> None:
+def check_constructor_keywords(cls: type, kwargs: dict[str, object]) -> None:
     """Refuse keywords ``cls`` does not take, naming its options and the closest match.
 
     Raises
@@ -1011,7 +1078,7 @@ def check_constructor_keywords(cls: type, kwargs: dict[str, Any]) -> None:
     )
 
 
-def check_required_arguments(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def check_required_arguments(cls: type, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
     """Refuse a construction that leaves out an argument without a default, naming it and how to pass it.
 
     Raises

@@ -14,12 +14,11 @@ pass the number of sequences in a batch, the leading axis of each step's input, 
 from __future__ import annotations
 
 import numbers
-from typing import Any
 
 __all__ = ["checked_batch_size"]
 
 
-def checked_batch_size(batch_size: Any, call: str) -> int | None:
+def checked_batch_size(batch_size: object, call: str) -> int | None:
     """``batch_size`` as an ``int`` (``None`` stays ``None``), refused unless a positive integer.
 
     Raises

@@ -18,8 +18,6 @@ optimizer applied after each. Only the model's step is compiled (its state table
 
 from __future__ import annotations
 
-from typing import Any
-
 import brainstate
 import brainunit as u
 import jax
@@ -33,6 +31,7 @@ from braintrace._algorithm.finite import Status, StateGuard, advance, all_finite
 from braintrace._algorithm.graph_executor import ETraceGraphExecutor, _arg_dtypes, _arg_signature
 from braintrace._algorithm.input_data import get_single_step_data, run_model
 from braintrace._compiler import ETraceGraph, extract_module_info
+from braintrace._typing import Path, PyTree
 
 __all__ = ["BPTT", "BpttRun", "ModelStepExecutor"]
 
@@ -50,7 +49,7 @@ class ModelStepExecutor(ETraceGraphExecutor):
     ([('W', 'weight'), ('h',)], ())
     """
 
-    def compile_graph(self, *args: Any) -> None:
+    def compile_graph(self, *args: PyTree) -> None:
         """Trace one step for example inputs (multi-step inputs contribute their first step)."""
         args = get_single_step_data(*args)
         minfo = extract_module_info(self.model, *args, control_flow=self.control_flow)
@@ -73,14 +72,14 @@ class BpttRun(GradRun):
     """
 
     def __call__(
-        self, sequences: tuple[Any, ...], mask: jax.Array, steps: jax.Array, status: Status | None = None
-    ) -> tuple[Grads, jax.Array, Any, Status | None]:
+        self, sequences: tuple[PyTree, ...], mask: jax.Array, steps: jax.Array, status: Status | None = None
+    ) -> tuple[Grads, jax.Array, PyTree, Status | None]:
         xs = windows(sequences, self.window)
         mask_rows = mask if self.window is None else mask.reshape((-1, self.window))
         starts = steps if self.window is None else steps[:: self.window]
         entering = Status.fresh() if self.guarded is not None and status is None else status
 
-        def objective() -> tuple[Any, tuple[jax.Array, Any, Status | None]]:
+        def objective() -> tuple[jax.Array, tuple[jax.Array, PyTree, Status | None]]:
             last, (losses, aux) = brainstate.transform.scan(self._scored, entering, (xs, mask_rows, starts))
             return u.math.sum(mask_rows * losses), (losses, aux, last)
 
@@ -90,8 +89,8 @@ class BpttRun(GradRun):
         return grads, losses, aux, last
 
     def _scored(
-        self, status: Status | None, inputs: tuple[tuple[Any, ...], jax.Array, jax.Array]
-    ) -> tuple[Status | None, tuple[Any, Any]]:
+        self, status: Status | None, inputs: tuple[tuple[PyTree, ...], jax.Array, jax.Array]
+    ) -> tuple[Status | None, tuple[jax.Array, PyTree]]:
         """One call's ``(loss, aux)``; checked, and its updates frozen once bad, under ``check_finite``."""
         slices, w, step = inputs
         if status is None:
@@ -161,7 +160,7 @@ class BPTT(ETraceAlgorithm):
     def _seq_vjp_method(self) -> str:
         return self.vjp_method
 
-    def compile_graph(self, *args: Any) -> None:
+    def compile_graph(self, *args: PyTree) -> None:
         """Compile the model step for example inputs (once): its state tables, no traces."""
         probe = getattr(brainstate.transform, "in_new_state_probe", None)
         if (probe is not None and probe()) or self.is_compiled:
@@ -172,7 +171,7 @@ class BPTT(ETraceAlgorithm):
         self._split_states()  # the state tables, made once, as the online learners make them
         self.is_compiled = True
 
-    def update(self, *args: Any, **options: Any) -> Any:
+    def update(self, *args: PyTree, **options: object) -> PyTree:
         """One call: the model on ``args`` (one step, or a ``MultiStepData`` window), no traces."""
         if self._forward_only:
             return self._forward_step(args)
@@ -191,11 +190,11 @@ class BPTT(ETraceAlgorithm):
         self.running_index.value = jax.lax.stop_gradient(jnp.where(ri >= 0, ri, 0))
         return out
 
-    def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+    def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
         """Zero the step counter (BPTT keeps no traces; the model's states are not touched)."""
         self.running_index.value = jnp.zeros_like(self.running_index.value)
 
-    def get_etrace_of(self, weight: Any) -> Any:
+    def get_etrace_of(self, weight: brainstate.ParamState | Path) -> PyTree:
         raise ValueError(
             "BPTT keeps no eligibility traces: it differentiates through the whole loop. Use an online "
             "learner (braintrace.compile(model, 'd_rtrl', ...)) to inspect traces."

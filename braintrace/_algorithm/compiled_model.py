@@ -16,8 +16,6 @@ that compiled model outside the learning rule:
 
 from __future__ import annotations
 
-from typing import Any
-
 import brainstate
 import brainunit as u
 import jax
@@ -232,7 +230,7 @@ def reset_in_place(model: brainstate.nn.Module, minfo: ModuleInfo, batch_size: i
         raise
 
 
-def _state_at(root: Any, path: Path) -> Any:
+def _state_at(root: brainstate.nn.Module, path: Path) -> object:
     """What sits at ``path`` (attribute names, list indices, dict keys) under ``root``, or ``None``."""
     node = root
     for key in path:
@@ -243,7 +241,7 @@ def _state_at(root: Any, path: Path) -> Any:
     return node
 
 
-def _put_at(root: Any, path: Path, obj: Any) -> None:
+def _put_at(root: brainstate.nn.Module, path: Path, obj: brainstate.State) -> None:
     """Place ``obj`` at ``path`` (attribute names, list indices, dict keys) under ``root``."""
     node = root
     for key in path[:-1]:

@@ -40,10 +40,12 @@ import dataclasses
 import difflib
 import numbers
 import operator
-from typing import Any, NamedTuple, NoReturn, Sequence
+from typing import Any, NamedTuple, NoReturn, Sequence, SupportsIndex, TypeVar
 
 import jax
 import jax.numpy as jnp
+
+from braintrace._errors import internal_error
 
 __all__ = [
     "ETraceConfig", "Recurrence", "recurrence", "engine_config", "require_feedback_key",
@@ -67,6 +69,8 @@ ENGINES = {
 #: A recursion or decay under ``io_factorized``: ``(x side, f side)``.
 Recursion = str | tuple[str, str]
 Decay = float | tuple[float, float]
+#: The value of one side of an ``io_factorized`` recursion or decay.
+Side = TypeVar("Side", str, float)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,11 +177,13 @@ class ETraceConfig:
     def decay_f(self) -> float:
         return float(self._side("decay_f", self.decay, 1))
 
-    def _side(self, view: str, pair: Any, index: int) -> Any:
+    def _side(self, view: str, pair: Side | tuple[Side, Side] | None, index: int) -> Side:
         if not self.is_factorized:
             raise AttributeError(
                 f"ETraceConfig.{view} exists only under trace_factorization='io_factorized' (this "
                 f"config is {self.trace_factorization!r}); read temporal_recursion / decay instead.")
+        if not isinstance(pair, tuple):  # the canonical io_factorized config holds both sides
+            raise internal_error(f"ETraceConfig.{view} of {pair!r}, not a pair")
         return pair[index]
 
     @property
@@ -214,7 +220,7 @@ _AXES = {
 }
 
 
-def _unknown(field: str, value: Any, legal: Sequence[str]) -> ValueError:
+def _unknown(field: str, value: object, legal: Sequence[str]) -> ValueError:
     close = difflib.get_close_matches(value, legal, n=1) if isinstance(value, str) else []
     hint = f" Did you mean {close[0]!r}?" if close else ""
     return ValueError(f"ETraceConfig: {field}={value!r} is not a known value; the legal values are {tuple(legal)}.{hint}")
@@ -238,7 +244,7 @@ def _check_vocabulary(cfg: ETraceConfig) -> None:
         raise _unknown("temporal_recursion", recursion, TEMPORAL_RECURSIONS)
 
 
-def _coefficient(value: Any, name: str) -> float:
+def _coefficient(value: object, name: str) -> float:
     """``value`` as a float in ``[0, 1)`` (``TypeError`` for a bool or non-number, else ``ValueError``)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"ETraceConfig: {name} must be a float in [0, 1), got {type(value).__name__} {value!r}.")
@@ -249,13 +255,16 @@ def _coefficient(value: Any, name: str) -> float:
     return float(value)
 
 
-def _order(value: Any) -> int:
+def _order(value: object) -> int:
     if isinstance(value, bool):
         raise TypeError(f"ETraceConfig: sparse_n must be an int >= 1, got the bool {value!r}.")
+    not_an_int = TypeError(f"ETraceConfig: sparse_n must be an int >= 1, got {type(value).__name__} {value!r}.")
+    if not isinstance(value, SupportsIndex):
+        raise not_an_int
     try:
         order = operator.index(value)
     except TypeError:
-        raise TypeError(f"ETraceConfig: sparse_n must be an int >= 1, got {type(value).__name__} {value!r}.") from None
+        raise not_an_int from None
     if order < 1:
         raise ValueError(
             f"ETraceConfig: sparse_n must be >= 1, got {order} (n = 1 is recurrence_scope='coupled'; "
@@ -276,12 +285,15 @@ def _one_side(recursion: str, decay: float | None, where: str) -> tuple[str, flo
     return recursion, decay
 
 
-def _io_sides(recursion: Any, decay: Any) -> tuple[tuple[str, str], tuple[float | None, float | None] | None]:
+def _io_sides(
+    recursion: Recursion, decay: Decay | None,
+) -> tuple[tuple[str, str], tuple[float | None, float | None] | None]:
     if isinstance(recursion, str):
         # A single value applies to both sides; the input trace never involves a Jacobian.
         recursions = ("scalar_leak" if recursion == "jacobian" else recursion, recursion)
     else:
         recursions = (recursion[0], recursion[1])
+    decays: tuple[float | None, ...]
     if isinstance(decay, (tuple, list)):
         if len(decay) != 2:
             raise ValueError(f"ETraceConfig: decay={decay!r} must be one float or a pair (x_side, f_side).")
@@ -296,19 +308,13 @@ def _io_sides(recursion: Any, decay: Any) -> tuple[tuple[str, str], tuple[float 
     return (rx, rf), (None if dx is None and df is None else (dx, df))
 
 
-def _canonical(cfg: ETraceConfig) -> dict[str, Any]:
-    recursion: Any = cfg.temporal_recursion
-    decay: Any = cfg.decay
+def _canonical(cfg: ETraceConfig) -> dict[str, object]:
+    recursion: Recursion
+    decay: float | tuple[float | None, float | None] | None
     if cfg.trace_factorization == "io_factorized":
-        recursion, decay = _io_sides(recursion, decay)
+        recursion, decay = _io_sides(cfg.temporal_recursion, cfg.decay)
     else:
-        for name, value in (("temporal_recursion", recursion), ("decay", decay)):
-            if isinstance(value, (tuple, list)):
-                raise ValueError(
-                    f"ETraceConfig: {name}={value!r} may only be a pair under io_factorized; "
-                    f"trace_factorization={cfg.trace_factorization!r} keeps one trace, give one value.")
-        decay = None if decay is None else _coefficient(decay, "decay")
-        recursion, decay = _one_side(recursion, decay, "temporal_recursion")
+        recursion, decay = _one_trace(cfg)
     scope, sparse_n = cfg.recurrence_scope, cfg.sparse_n
     if sparse_n is not None:
         sparse_n = _order(sparse_n)
@@ -321,6 +327,22 @@ def _canonical(cfg: ETraceConfig) -> dict[str, Any]:
             trace_filter, kappa = "none", None
     return {"temporal_recursion": recursion, "decay": decay, "recurrence_scope": scope, "sparse_n": sparse_n,
             "trace_filter": trace_filter, "kappa": kappa}
+
+
+def _one_trace(cfg: ETraceConfig) -> tuple[str, float | None]:
+    """The canonical recursion and decay of a factorization that keeps one trace (refusing pairs)."""
+    recursion, decay = cfg.temporal_recursion, cfg.decay
+    if isinstance(recursion, (tuple, list)):
+        raise _pair_refused("temporal_recursion", recursion, cfg)
+    if isinstance(decay, (tuple, list)):
+        raise _pair_refused("decay", decay, cfg)
+    return _one_side(recursion, None if decay is None else _coefficient(decay, "decay"), "temporal_recursion")
+
+
+def _pair_refused(name: str, value: object, cfg: ETraceConfig) -> ValueError:
+    return ValueError(
+        f"ETraceConfig: {name}={value!r} may only be a pair under io_factorized; "
+        f"trace_factorization={cfg.trace_factorization!r} keeps one trace, give one value.")
 
 
 def _check_compatibility(cfg: ETraceConfig) -> None:
@@ -439,7 +461,7 @@ _SIGNAL_PROVIDERS = {
 }
 
 
-def engine_config(config: Any, factorization: str, learner: str, signals: Sequence[str]) -> ETraceConfig:
+def engine_config(config: object, factorization: str, learner: str, signals: Sequence[str]) -> ETraceConfig:
     """``config`` checked for an engine of ``factorization`` that realises ``signals``.
 
     Raises
@@ -473,7 +495,7 @@ def require_single_step_modulator(config: ETraceConfig, vjp_method: str, learner
             f"unmodulated. Call the learner once per time step with its modulator.")
 
 
-def require_feedback_key(config: ETraceConfig, key: Any, learner: str) -> None:
+def require_feedback_key(config: ETraceConfig, key: object, learner: str) -> None:
     """Refuse ``learning_signal='random_feedback'`` without ``random_feedback_key``."""
     if config.learning_signal == "random_feedback" and key is None:
         raise ValueError(

@@ -40,7 +40,7 @@ Examples
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Union
 
 import brainstate
 import brainunit as u
@@ -192,7 +192,7 @@ class DNI(ParamDimVjpAlgorithm):
                     f"learner's group {index} has shape {expected.get(index)} (None: no such group). Build "
                     f"it as braintrace.SyntheticGradient(learner.group_signal_shapes(), ...).")
 
-    def _get_update_aux(self, args: tuple[PyTree, ...], **options: Any) -> PyTree:
+    def _get_update_aux(self, args: tuple[PyTree, ...], **options: object) -> PyTree:
         if options:
             return super()._get_update_aux(args, **options)
         synth = self.synthesizer

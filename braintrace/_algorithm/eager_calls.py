@@ -33,7 +33,7 @@ import dataclasses
 import time
 import warnings
 import weakref
-from typing import Any, Callable, TypeVar
+from typing import Callable, TypeVar
 
 import jax
 
@@ -57,10 +57,10 @@ class _EagerCalls:
     warned: bool = False
 
 
-_WATCHED: weakref.WeakKeyDictionary[Any, _EagerCalls] = weakref.WeakKeyDictionary()
+_WATCHED: weakref.WeakKeyDictionary[object, _EagerCalls] = weakref.WeakKeyDictionary()
 
 
-def watched_call(learner: Any, call: Callable[[], Result], seen: Callable[[Result], Any]) -> Result:
+def watched_call(learner: object, call: Callable[[], Result], seen: Callable[[Result], object]) -> Result:
     """``call()``, timed; ``seen(result)`` is a pytree (the call's inputs, its output, the
     learner's step counter) holding a tracer unless the call ran eagerly.
 

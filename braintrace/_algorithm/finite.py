@@ -10,7 +10,7 @@ reads the status on the host and raises :class:`~braintrace.NonFiniteError`.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, NamedTuple
+from typing import Iterable, NamedTuple
 
 import brainstate
 import brainunit as u
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from braintrace._compatible_imports import Tracer
 from braintrace._errors import NonFiniteError, internal_error
+from braintrace._typing import PyTree
 
 __all__ = ["WHAT", "Status", "StateGuard", "all_finite", "advance", "refuse_traced", "raise_if_bad"]
 
@@ -44,7 +45,7 @@ class Status(NamedTuple):
         return self.code == 0
 
 
-def all_finite(tree: Any) -> jax.Array:
+def all_finite(tree: PyTree) -> jax.Array:
     """Whether every floating leaf of ``tree`` is finite (the mantissa of a quantity); a bool scalar."""
     ok = jnp.asarray(True)
     for leaf in jax.tree.leaves(tree):
@@ -54,7 +55,7 @@ def all_finite(tree: Any) -> jax.Array:
     return ok
 
 
-def advance(status: Status, step: Any, checks: dict[str, jax.Array]) -> Status:
+def advance(status: Status, step: jax.typing.ArrayLike, checks: dict[str, jax.Array]) -> Status:
     """The status after ``step``, whose ``checks`` (``what -> all finite``) are given."""
     code = jnp.asarray(0, jnp.int32)
     for what in reversed(WHAT):  # the first failing check in WHAT's order wins
@@ -70,7 +71,7 @@ class StateGuard:
     def __init__(self, states: Iterable[brainstate.State]) -> None:
         self._saved = [(st, st.value) for st in states]
 
-    def written(self) -> list[Any]:
+    def written(self) -> list[PyTree]:
         """The new values of the states written since the guard was made."""
         return [st.value for st, old in self._saved if st.value is not old]
 
@@ -81,7 +82,7 @@ class StateGuard:
                 st.value = jax.tree.map(lambda new, prev: jnp.where(keep, new, prev), st.value, old)
 
 
-def refuse_traced(call: str, *trees: Any) -> None:
+def refuse_traced(call: str, *trees: PyTree) -> None:
     """Refuse ``check_finite=True`` under ``jax.jit``: the status is read on the host after the loop."""
     if any(isinstance(leaf, Tracer) for tree in trees for leaf in jax.tree.leaves(tree)):
         raise ValueError(

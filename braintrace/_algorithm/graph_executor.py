@@ -30,7 +30,7 @@ Array([0.5, 0.5], dtype=float32)
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence, TypedDict, Union
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence, TypedDict, TypeGuard, TypeVar, Union
 
 import brainstate
 import jax
@@ -72,6 +72,8 @@ from braintrace._typing import Array, Path, PyTree, TraceKey
 
 __all__ = [
     "ETraceGraphExecutor", "ETraceVjpGraphExecutor", "StepJacobians", "StepPoints", "DfKey", "EtraceStepper",
+    "WeightJacobians", "WeightPoints", "CallWeightJacobians", "CallHiddenJacobians", "CallJacobians",
+    "is_step_jacobians",
     "TransitionPoint", "TailPoint", "df_key",
     "detached_df_key", "trace_key", "history_jacobian_key", "widens",
 ]
@@ -117,15 +119,45 @@ class TailPoint(NamedTuple):
     consts: list[Array]
 
 
-#: ``((xs, dfs), Ds)`` of one step: every relation's ``x`` (keyed by ``id(x_var)``) and ``df``
-#: (keyed by :data:`DfKey`), and the list of per-group ``D``.
-StepJacobians = tuple[tuple[dict[int, Array], dict[DfKey, Array]], list[Array]]
+#: ``(xs, dfs)`` of one step: every relation's ``x`` (keyed by ``id(x_var)``) and ``df`` (keyed by
+#: :data:`DfKey`).
+WeightJacobians = tuple[dict[int, Array], dict[DfKey, Array]]
+#: :data:`WeightJacobians` with each relation's :class:`TailPoint` in place of its ``df``.
+WeightPoints = tuple[dict[int, Array], dict[DfKey, Union[Array, TailPoint]]]
+#: ``((xs, dfs), Ds)`` of one step: :data:`WeightJacobians` and the list of per-group ``D``.
+StepJacobians = tuple[WeightJacobians, list[Array]]
 #: :data:`StepJacobians` of a learner that sets :attr:`ETraceGraphExecutor.transition_points`:
 #: each relation's :class:`TailPoint` in place of its ``df``, each group's :class:`TransitionPoint`
 #: in place of its ``D``.
-StepPoints = tuple[tuple[dict[int, Array], dict[DfKey, Union[Array, TailPoint]]], list[TransitionPoint]]
+StepPoints = tuple[WeightPoints, list[TransitionPoint]]
+#: A call's ``(xs, dfs)`` as a learner receives it (stacked over the steps of a window).
+CallWeightJacobians = Union[WeightJacobians, WeightPoints]
+#: A call's ``Ds`` as a learner receives it (stacked over the steps of a window).
+CallHiddenJacobians = Union[list[Array], list[TransitionPoint]]
+#: A call's ``((xs, dfs), Ds)``: :data:`StepJacobians` or :data:`StepPoints` (stacked over the steps of a window).
+CallJacobians = Union[StepJacobians, StepPoints]
+#: A learner's trace carried through the scan of a window (its own pytree of arrays).
+Carry = TypeVar("Carry")
 #: ``stepper(trace, (xs, dfs, Ds)) -> (trace, None)``: rolls a learner's trace over one step of a scan.
-EtraceStepper = Callable[[PyTree, tuple[Any, ...]], tuple[PyTree, None]]
+#: The slots hold :data:`StepJacobians`' arrays, or :data:`StepPoints`' points under
+#: ``transition_points`` (a flag of the executor), so their types are the learner's to name.
+EtraceStepper = Callable[[Carry, tuple[Any, ...]], tuple[Carry, None]]
+
+
+def is_step_jacobians(jac: CallJacobians) -> TypeGuard[StepJacobians]:
+    """Whether ``jac`` holds Jacobians (:data:`StepJacobians`), not the points of an executor
+    with ``transition_points`` (:data:`StepPoints`).
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp
+    >>> is_step_jacobians((({}, {}), [jnp.ones((4, 1, 1))]))
+    True
+    >>> is_step_jacobians((({}, {}), [TransitionPoint([jnp.zeros(4)], [])]))
+    False
+    """
+    return not any(isinstance(D, TransitionPoint) for D in jac[1]) and not any(
+        isinstance(df, TailPoint) for df in jac[0][1].values())
 
 
 def df_key(relation: HiddenParamOpRelation, group: HiddenGroup) -> tuple[int, str]:
@@ -329,7 +361,7 @@ class ETraceGraphExecutor:
         }
         return out, new_vals, env
 
-    def extract_jacobians(self, env: Mapping[Var, Array]) -> StepJacobians | StepPoints:
+    def extract_jacobians(self, env: Mapping[Var, Array]) -> CallJacobians:
         """``((xs, dfs), Ds)`` of one step from its variable values (all ``stop_gradient``-ed).
 
         With :attr:`transition_points`, ``Ds`` holds each group's :class:`TransitionPoint` and
@@ -402,9 +434,10 @@ class ETraceGraphExecutor:
         self,
         *args: PyTree,
         state_vals: dict[Path, PyTree] | None = None,
-        etrace_stepper: EtraceStepper | None = None,
+        etrace_stepper: EtraceStepper[PyTree] | None = None,
         init_etrace: PyTree = None,
-    ) -> tuple[PyTree, dict[Path, PyTree], dict[Path, PyTree], PyTree, PyTree, PyTree]:
+    ) -> tuple[PyTree, dict[Path, PyTree], dict[Path, PyTree], CallWeightJacobians | None, CallHiddenJacobians | None,
+               PyTree]:
         """Run the call (one step, or a scan over :class:`MultiStepData`) and extract Jacobians.
 
         Returns
@@ -434,9 +467,9 @@ class ETraceGraphExecutor:
         self,
         args: Sequence[PyTree],
         state_vals: dict[Path, PyTree],
-        etrace_stepper: EtraceStepper | None = None,
-        init_etrace: PyTree = None,
-    ) -> tuple[PyTree, dict[Path, PyTree], StepJacobians | StepPoints | None, PyTree]:
+        etrace_stepper: EtraceStepper[Carry] | None = None,
+        init_etrace: Carry | None = None,
+    ) -> tuple[PyTree, dict[Path, PyTree], CallJacobians | None, Carry | None]:
         """``(out, new state values, jacobians or None, rolled trace or None)`` for one call."""
         self._check_call_args(args)
         single, multi, treedef = split_input_data_types(*args)
@@ -449,17 +482,19 @@ class ETraceGraphExecutor:
         carried = {p: v for p, v in state_vals.items() if p not in params}
 
         def body(
-            carry: tuple[dict[Path, PyTree], PyTree], xs_t: PyTree,
-        ) -> tuple[tuple[dict[Path, PyTree], PyTree], tuple[PyTree, StepJacobians | StepPoints | None]]:
+            carry: tuple[dict[Path, PyTree], Carry | None], xs_t: PyTree,
+        ) -> tuple[tuple[dict[Path, PyTree], Carry | None], tuple[PyTree, CallJacobians | None]]:
             vals, trace = carry
             step_args = merge_data(treedef, single, xs_t)
             out, new_vals, env = self.run_step(step_args, {**params, **vals})
             jac = self.extract_jacobians(env)
             new_carry = {p: new_vals[p] for p in vals}
-            if etrace_stepper is not None:
-                trace, _ = etrace_stepper(trace, (*jac[0], jac[1]))
-                return (new_carry, trace), (out, None)
-            return (new_carry, trace), (out, jac)
+            if etrace_stepper is None:
+                return (new_carry, trace), (out, jac)
+            if trace is None:
+                raise internal_error("a trace stepper without the trace it rolls")
+            trace, _ = etrace_stepper(trace, (*jac[0], jac[1]))
+            return (new_carry, trace), (out, None)
 
         (final_vals, final_trace), (outs, jacs) = jax.lax.scan(body, (carried, init_etrace), multi, length=length)
         return outs, {**params, **final_vals}, jacs, final_trace
@@ -591,7 +626,10 @@ def _extract_descended_relation(
     The relation's variables are body-scoped; their per-substep values are the scan's stacked
     outputs, and ``df`` is the tail's Jacobian at every substep (vmapped over the substep axis).
     """
-    stacked = rel.control_flow_context.scan.stacked_var_map
+    context = rel.control_flow_context
+    if context is None:
+        raise internal_error(f"the relation of {rel.primitive.name} read as descended is outside any scan")
+    stacked = context.scan.stacked_var_map
     if rel.x_var is not None:
         xs[id(rel.x_var)] = env[stacked[rel.x_var]]
     y_seq = env[stacked[rel.y_var]]
@@ -609,8 +647,11 @@ def _extract_descended_relation(
 
 def _descended_group_jacobian(group: HiddenGroup, env: Mapping[Var, Array]) -> Array:
     """``D`` of a group carried by a descended scan at every substep: ``(L, *varshape, S, S)``."""
-    stacked = group.descent.scan.stacked_var_map
-    hidden_seq = [env[stacked[v]] for v in group.descent.body_hidden_invars]
+    descent = group.descent
+    if descent is None:
+        raise internal_error(f"hidden group {group.index} read as descended is outside any scan")
+    stacked = descent.scan.stacked_var_map
+    hidden_seq = [env[stacked[v]] for v in descent.body_hidden_invars]
     input_seq = [env[stacked[v]] for v in group.transition_jaxpr_constvars]
     return jax.vmap(group.diagonal_jacobian)(hidden_seq, input_seq)
 

@@ -27,11 +27,12 @@ ValueError: etrace_grad: sequences[0] has shape (5, 7, 3): axis 0 is the batch s
 from __future__ import annotations
 
 import numbers
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from braintrace._typing import PyTree
 
 __all__ = ["TIME_AXES", "checked_time_axis", "check_layout", "time_major", "in_declared_layout"]
 
@@ -39,7 +40,7 @@ __all__ = ["TIME_AXES", "checked_time_axis", "check_layout", "time_major", "in_d
 TIME_AXES = (0, 1)
 
 
-def checked_time_axis(call: str, time_axis: Any) -> int:
+def checked_time_axis(call: str, time_axis: object) -> int:
     """``time_axis`` (0 or 1), refused otherwise.
 
     Raises
@@ -87,14 +88,14 @@ def check_layout(call: str, where: str, shape: tuple[int, ...], time_axis: int, 
         )
 
 
-def time_major(sequences: tuple[Any, ...], time_axis: int) -> tuple[Any, ...]:
+def time_major(sequences: tuple[PyTree, ...], time_axis: int) -> tuple[PyTree, ...]:
     """The sequences with time on axis 0 of every leaf: batch-major ones (``time_axis=1``) transposed."""
     if time_axis == 0:
         return sequences
     return tuple(jax.tree.map(lambda a: jnp.swapaxes(jnp.asarray(a), 0, 1), seq) for seq in sequences)
 
 
-def in_declared_layout(tree: Any, time_axis: int, batch_size: int | None, time_dims: int = 1) -> Any:
+def in_declared_layout(tree: PyTree, time_axis: int, batch_size: int | None, time_dims: int = 1) -> PyTree:
     """Per-step results stacked time-major, back in the declared layout.
 
     ``tree``'s leaves have ``time_dims`` leading time axes (``(T, ...)``, or ``(T // k, k, ...)``
@@ -111,7 +112,7 @@ def in_declared_layout(tree: Any, time_axis: int, batch_size: int | None, time_d
     if time_axis == 0 or batch_size is None:
         return tree
 
-    def declared(a: Any) -> Any:
+    def declared(a: jax.Array) -> jax.Array:
         shape = np.shape(a)
         if len(shape) > time_dims and shape[time_dims] == batch_size:
             return jnp.moveaxis(a, time_dims, 0)

@@ -17,7 +17,7 @@ Array([[0.6],
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import brainstate
 import jax
@@ -36,7 +36,7 @@ class SignalPair(NamedTuple):
     learning: jax.Array
 
 
-def draw_feedback(graph: ETraceGraph, key: Any) -> dict[int, FixedRandomFeedback]:
+def draw_feedback(graph: ETraceGraph, key: int | jax.Array) -> dict[int, FixedRandomFeedback]:
     """One ``(n, n)`` matrix per hidden group that a relation trains, drawn from ``key``.
 
     The draws follow the relations' order (then their groups'), so every engine given the same

@@ -27,7 +27,7 @@ Examples
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import brainstate
 import brainunit as u
@@ -37,11 +37,12 @@ import numpy as np
 
 from braintrace._compiler import ETraceGraph
 from braintrace._compiler.hidden_group import HiddenGroup
+from braintrace._typing import Path, PyTree
 
 __all__ = ["ModulatorSlot", "expand_modulator", "modulator_signals", "without_etp_gradients"]
 
 
-def _as_array(modulator: Any, learner: str) -> jax.Array:
+def _as_array(modulator: object, learner: str) -> jax.Array:
     if isinstance(modulator, (list, tuple)):
         raise TypeError(
             f"{learner}: the modulator is one array for every hidden group (a scalar, the group's varshape, "
@@ -57,7 +58,7 @@ def _as_array(modulator: Any, learner: str) -> jax.Array:
     return value
 
 
-def expand_modulator(modulator: Any, varshape: tuple[int, ...], num_state: int, where: str) -> jax.Array:
+def expand_modulator(modulator: jax.Array, varshape: tuple[int, ...], num_state: int, where: str) -> jax.Array:
     """``modulator`` expanded to a group's signal shape ``(*varshape, num_state)``.
 
     Raises
@@ -95,7 +96,7 @@ def modulator_signals(modulator: jax.Array, signals: Sequence[jax.Array], graph:
     return out
 
 
-def without_etp_gradients(grads: dict[Any, Any], etp_paths: frozenset[Any]) -> dict[Any, Any]:
+def without_etp_gradients(grads: dict[Path, PyTree], etp_paths: frozenset[Path]) -> dict[Path, PyTree]:
     """``grads`` with the ETP parameters' entries zeroed: a modulated rule gives them its trace
     term alone (no same-step autodiff term, whatever path it took), so ``m = 0`` zeroes them."""
     return {p: jax.tree.map(jnp.zeros_like, g) if p in etp_paths else g for p, g in grads.items()}
@@ -126,7 +127,7 @@ class ModulatorSlot:
         return None if state is None else state.value
 
     @modulator.setter
-    def modulator(self, value: Any) -> None:
+    def modulator(self, value: object) -> None:
         name = type(self).__name__
         if value is None:
             self._standing_modulator = None
@@ -148,7 +149,7 @@ class ModulatorSlot:
         """Whether the host's coordinate is ``learning_signal='modulatory'``."""
         return bool(self.config.learning_signal == "modulatory")  # type: ignore[attr-defined]
 
-    def _get_update_aux(self, args: tuple[Any, ...], **options: Any) -> Any:
+    def _get_update_aux(self, args: tuple[PyTree, ...], **options: object) -> PyTree:
         """Under ``learning_signal='modulatory'``, the call's ``modulator=`` (the other options go
         to the host's own check); elsewhere ``modulator=`` is refused like any unknown option."""
         host_check = getattr(super(), "_get_update_aux")
@@ -158,7 +159,7 @@ class ModulatorSlot:
         host_check(args, **options)
         return self._call_modulator(modulator)
 
-    def _call_modulator(self, modulator: Any) -> jax.Array:
+    def _call_modulator(self, modulator: object) -> jax.Array:
         """The call's modulator (the keyword wins over the standing value), checked against
         every hidden group before tracing.
 

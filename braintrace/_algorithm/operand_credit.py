@@ -11,8 +11,6 @@ once, at compile time, and refuses an operand whose trace cannot be credited to 
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 
 from braintrace._compiler import ETraceGraph
@@ -91,7 +89,7 @@ def relation_parameter_paths(graph: ETraceGraph, chains: OperandChains) -> froze
 
 def relation_operands(
     chains: OperandChains, rel: HiddenParamOpRelation, weight_vals: dict[Path, PyTree]
-) -> dict[str, Any]:
+) -> dict[str, jax.Array]:
     """The current values of a relation's trainable operands (mantissas).
 
     Examples
@@ -112,7 +110,7 @@ def relation_operands(
 
 
 def add_operand_gradient(
-    chains: OperandChains, grads: dict[Path, PyTree], rel: HiddenParamOpRelation, key: str, g: Any,
+    chains: OperandChains, grads: dict[Path, PyTree], rel: HiddenParamOpRelation, key: str, g: jax.Array,
     weight_vals: dict[Path, PyTree],
 ) -> dict[Path, PyTree]:
     """``grads`` plus ``g``, a gradient with respect to the relation's operand ``key``, credited
@@ -146,7 +144,7 @@ def add_operand_gradient(
     return grads
 
 
-def add_to_leaf(tree: Any, leaf_index: int, value: Any) -> Any:
+def add_to_leaf(tree: PyTree, leaf_index: int, value: jax.Array) -> PyTree:
     """``tree`` with ``value`` added to its ``leaf_index``-th leaf.
 
     Examples

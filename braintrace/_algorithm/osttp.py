@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from braintrace._algorithm.config import ETraceConfig
 from braintrace._algorithm.d_rtrl import ParamDimVjpAlgorithm
 from braintrace._algorithm.snn_helpers import extract_y_target
+from braintrace._typing import PyTree
 
 __all__ = ["OSTTP"]
 
@@ -109,7 +110,7 @@ class OSTTP(ParamDimVjpAlgorithm):
     def __init__(
         self,
         model: brainstate.nn.Module,
-        B_list: Sequence[Any],
+        B_list: Sequence[jax.typing.ArrayLike],
         target_timing: str = "per-step",
         name: str | None = None,
         vjp_method: str = "single-step",
@@ -131,9 +132,9 @@ class OSTTP(ParamDimVjpAlgorithm):
         super().__init__(model, name=name, vjp_method=vjp_method, fast_solve=fast_solve, **kwargs)
         self.B_list = matrices
         self.target_timing = target_timing
-        self._y_target: Any = None
+        self._y_target: jax.typing.ArrayLike | None = None
 
-    def _check_config(self, config: Any) -> ETraceConfig:
+    def _check_config(self, config: ETraceConfig | None) -> ETraceConfig:
         checked = super()._check_config(config)
         if checked.learning_signal != "symmetric":
             raise ValueError(
@@ -145,7 +146,7 @@ class OSTTP(ParamDimVjpAlgorithm):
     def replaces_signal(self) -> bool:
         return True
 
-    def compile_graph(self, *args: Any) -> None:
+    def compile_graph(self, *args: PyTree) -> None:
         """Compile, then check ``B_list`` against the hidden groups (uncompiled on failure)."""
         super().compile_graph(*args)
         if not self.is_compiled:  # the state-probe pass of a vmapped compile builds nothing
@@ -171,7 +172,7 @@ class OSTTP(ParamDimVjpAlgorithm):
                     f"({group.hidden_paths}) has {n} units on its last axis; use shape (n_target, {n})."
                 )
 
-    def update(self, x: Any, y_target: Any = None) -> Any:
+    def update(self, x: PyTree, y_target: jax.typing.ArrayLike | None = None) -> PyTree:
         """One call on input ``x`` with the target ``y_target`` of shape ``(..., n_target)``."""
         if y_target is None and self.target_timing == "per-step":
             raise ValueError(
@@ -183,11 +184,11 @@ class OSTTP(ParamDimVjpAlgorithm):
         finally:
             self._y_target = None
 
-    def _get_update_aux(self, args: tuple[Any, ...], **options: Any) -> Any:
+    def _get_update_aux(self, args: tuple[PyTree, ...], **options: object) -> jax.typing.ArrayLike | None:
         super()._get_update_aux(args, **options)
         return self._y_target
 
-    def _learning_signals(self, signals: Sequence[jax.Array], args: Any) -> list[jax.Array]:
+    def _learning_signals(self, signals: Sequence[jax.Array], args: tuple[PyTree, ...]) -> list[jax.Array]:
         y_target = extract_y_target(args)
         if y_target is None:
             return [jnp.zeros_like(s) for s in signals]

@@ -44,9 +44,9 @@ import brainstate
 import jax
 import jax.numpy as jnp
 
+from braintrace._algorithm.carrier_store import CarrierStore
 from braintrace._algorithm.ottt import DenseLeakRule, outer_sum
 from braintrace._algorithm.graph_executor import df_key
-from braintrace._algorithm.trace_storage import fresh_zeros
 from braintrace._compiler import ControlFlowPolicy
 from braintrace._compiler.hid_param_op import HiddenParamOpRelation
 from braintrace._compiler.hidden_group import HiddenGroup
@@ -58,6 +58,8 @@ from braintrace._typing import Path
 __all__ = ["OTPE"]
 
 Store = dict[str, jax.Array]
+#: One relation's stores (``'R'``, ``'R_b'`` or ``'Rx'``, ``'Rg'``) as states.
+StoreStates = CarrierStore[str, brainstate.ShortTermState]
 
 
 class OTPE(DenseLeakRule):
@@ -114,7 +116,7 @@ class OTPE(DenseLeakRule):
         ):
             raise ValueError(f"OTPE: trace_clip_abs must be a positive number or None, got {trace_clip_abs!r}.")
         self.trace_clip_abs = None if trace_clip_abs is None else float(trace_clip_abs)
-        self._stores: dict[int, dict[str, brainstate.ShortTermState]] = {}
+        self._stores: dict[int, StoreStates] = {}
 
     def init_etrace_state(self, *args: Any, **kwargs: Any) -> None:
         """Allocate the zero stores of every relation (after checking the graph fits OTPE)."""
@@ -136,7 +138,7 @@ class OTPE(DenseLeakRule):
             )
         self._stores = {id(rel.y_var): self._init_store(rel) for rel in relations}
 
-    def _init_store(self, rel: HiddenParamOpRelation) -> dict[str, brainstate.ShortTermState]:
+    def _init_store(self, rel: HiddenParamOpRelation) -> StoreStates:
         # The stores live in the relation's precision (float64 under x64).
         if rel.x_var is None:
             raise internal_error(f"OTPE's dense relation {rel.path} has no input variable")
@@ -149,33 +151,30 @@ class OTPE(DenseLeakRule):
                 shapes["R_b"] = y_shape
         else:
             shapes = {"Rx": x_shape, "Rg": y_shape}
-        return {k: brainstate.ShortTermState(jnp.zeros(s, dtype)) for k, s in shapes.items()}
+        return CarrierStore.of_zeros({k: jnp.zeros(s, dtype) for k, s in shapes.items()}, brainstate.ShortTermState)
 
     def _get_etrace_data(self) -> dict[int, Store]:
-        return {k: {n: st.value for n, st in store.items()} for k, store in self._stores.items()}
+        return {k: store.read() for k, store in self._stores.items()}
 
     def _assign_etrace_data(self, etrace_vals: dict[int, Store]) -> None:
         for k, store in etrace_vals.items():
-            for n, v in store.items():
-                self._stores[k][n].value = v
+            self._stores[k].assign(store)
 
     def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
         """Zero the stores and the step counter; ``batch_size`` resizes batched relations only."""
-        self.running_index.value = jnp.zeros_like(self.running_index.value)
         for rel in self.graph.hidden_param_op_relations:
-            resize = batch_size is not None and reg.is_batched_primitive(rel.primitive)
-            for st in self._stores[id(rel.y_var)].values():
-                shape = (batch_size, *st.value.shape[1:]) if resize else st.value.shape
-                st.value = fresh_zeros(shape, st.value.dtype)
+            batched = reg.is_batched_primitive(rel.primitive)
+            self._stores[id(rel.y_var)].reset(batch_size, lambda name: batched)
+        self.running_index.value = jnp.zeros_like(self.running_index.value)
 
     def _relation_etrace(self, rel: HiddenParamOpRelation, group: HiddenGroup) -> Store:
-        return {n: st.value for n, st in self._stores[id(rel.y_var)].items()}
+        return self._stores[id(rel.y_var)].read()
 
     def get_etrace_of(self, weight: Any) -> dict[int, Store]:
         """The stores of the relations of ``weight`` (by ``id(y_var)``)."""
         path = weight if isinstance(weight, tuple) else self.state_id_to_path.get(id(weight))
         found = {
-            id(rel.y_var): {n: st.value for n, st in self._stores[id(rel.y_var)].items()}
+            id(rel.y_var): self._stores[id(rel.y_var)].read()
             for rel in self.graph.hidden_param_op_relations if path in rel.trainable_paths.values()
         }
         if not found:

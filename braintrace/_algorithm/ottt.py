@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from braintrace._algorithm.base import ETraceVjpAlgorithm
+from braintrace._algorithm.carrier_store import CarrierStore
 from braintrace._algorithm.input_data import has_multistep_data
 from braintrace._algorithm.snn_helpers import PresynapticTrace
 from braintrace._compiler import ControlFlowPolicy
@@ -208,47 +209,44 @@ class OTTT(DenseLeakRule):
         control_flow: ControlFlowPolicy | None = None,
     ) -> None:
         super().__init__(model, mode, leak, name=name, vjp_method=vjp_method, control_flow=control_flow)
-        self._pre_traces: dict[int, PresynapticTrace] = {}
+        self._pre_traces: CarrierStore[int, PresynapticTrace] = CarrierStore()
         self._bias_trace: brainstate.ShortTermState | None = None
 
     def init_etrace_state(self, *args: Any, **kwargs: Any) -> None:
         """One presynaptic trace per distinct input, one scalar bias trace if any bias learns."""
         self._check_relations()
-        pre: dict[int, PresynapticTrace] = {}
+        pre: dict[int, jax.Array] = {}
         bias_dtype = None
         for rel in self.graph.hidden_param_op_relations:
             x_var = rel.x_var
             if x_var is None:
                 raise internal_error("a dense relation without an input passed _check_relations")
-            pre.setdefault(id(x_var), PresynapticTrace(jnp.zeros(shape_of(x_var), dtype_of(x_var)), self.leak))
+            pre.setdefault(id(x_var), jnp.zeros(shape_of(x_var), dtype_of(x_var)))
             if "bias" in rel.trainable_paths:
                 bias_dtype = dtype_of(rel.y_var)
-        self._pre_traces = pre
+        self._pre_traces = CarrierStore.of_zeros(pre, lambda zeros: PresynapticTrace(zeros, self.leak))
         # The bias trace counts steps; it lives in the outputs' precision (float64 under x64).
         self._bias_trace = None if bias_dtype is None else brainstate.ShortTermState(jnp.zeros((), bias_dtype))
 
     def _get_etrace_data(self) -> dict[int, jax.Array]:
-        data = {k: st.value for k, st in self._pre_traces.items()}
+        data: dict[int, jax.Array] = self._pre_traces.read()
         if self._bias_trace is not None:
             data[-1] = self._bias_trace.value
         return data
 
     def _assign_etrace_data(self, etrace_vals: dict[int, jax.Array]) -> None:
-        for k, v in etrace_vals.items():
-            if k == -1:
-                if self._bias_trace is None:
-                    raise internal_error("a bias trace value for a learner without a bias trace")
-                self._bias_trace.value = v
-            else:
-                self._pre_traces[k].value = v
+        if -1 in etrace_vals and self._bias_trace is None:
+            raise internal_error("a bias trace value for a learner without a bias trace")
+        self._pre_traces.assign({k: v for k, v in etrace_vals.items() if k != -1})
+        if self._bias_trace is not None and -1 in etrace_vals:
+            self._bias_trace.value = etrace_vals[-1]
 
     def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
         """Zero the traces and the step counter; ``batch_size`` resizes the inputs of batched
         (``etp_mm``) relations only."""
-        self.running_index.value = jnp.zeros_like(self.running_index.value)
         batched = {id(r.x_var) for r in self.graph.hidden_param_op_relations if reg.is_batched_primitive(r.primitive)}
-        for key, st in self._pre_traces.items():
-            st.reset_state(batch_size if key in batched else None)
+        self._pre_traces.reset(batch_size, batched.__contains__)
+        self.running_index.value = jnp.zeros_like(self.running_index.value)
         if self._bias_trace is not None:
             self._bias_trace.value = jnp.zeros((), self._bias_trace.value.dtype)
 
@@ -265,7 +263,7 @@ class OTTT(DenseLeakRule):
         found: dict[int, jax.Array] = {}
         for rel in self.graph.hidden_param_op_relations:
             if path in rel.trainable_paths.values():
-                found[id(rel.x_var)] = self._pre_traces[id(rel.x_var)].value
+                found.update(self._pre_traces.select([id(rel.x_var)]))
                 if self._bias_trace is not None and "bias" in rel.trainable_paths:
                     found[-1] = self._bias_trace.value
         if not found:

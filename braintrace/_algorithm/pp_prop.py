@@ -33,6 +33,10 @@ What a call adds to the engine's gradient (see :mod:`.base`):
 After the first step the history term is an approximation (the outer product of two filtered
 factors stands in for the filtered outer product); the decay trades bias for memory length.
 
+The class holds the hooks and the storage of the traces; the step
+(:mod:`~braintrace._algorithm.io_trace_roll`) and the gradient
+(:mod:`~braintrace._algorithm.io_trace_solve`) are functions of the learner.
+
 Examples
 --------
 >>> import brainstate, jax.numpy as jnp, braintrace
@@ -63,6 +67,7 @@ import jax
 import jax.numpy as jnp
 
 from braintrace._algorithm.base import EligibilityTrace, ETraceVjpAlgorithm
+from braintrace._algorithm.carrier_store import CarrierStore, TraceStore
 from braintrace._algorithm.config import (
     ETraceConfig,
     engine_config,
@@ -70,17 +75,19 @@ from braintrace._algorithm.config import (
     require_feedback_key,
     require_single_step_modulator,
 )
-from braintrace._algorithm.graph_executor import detached_df_key, df_key
+from braintrace._algorithm.graph_executor import df_key
+from braintrace._algorithm.io_trace_roll import IOStepper, IOTrace, step, stepper, x_tilde
+from braintrace._algorithm.io_trace_solve import IOResidual, solve_weight_gradients
 from braintrace._algorithm.learning_signal import SignalPair, draw_feedback, feedback_signals
-from braintrace._algorithm.modulator import ModulatorSlot, modulator_signals, without_etp_gradients
+from braintrace._algorithm.modulator import ModulatorSlot, modulator_signals
 from braintrace._algorithm.snn_helpers import FixedRandomFeedback
-from braintrace._algorithm.trace_storage import fresh_zeros, math_dtype, storage_dtype
+from braintrace._algorithm.trace_storage import storage_dtype
 from braintrace._compatible_imports import Var
 from braintrace._compiler import ControlFlowPolicy
 from braintrace._compiler.hid_param_op import HiddenParamOpRelation
 from braintrace._compiler.hidden_group import HiddenGroup
 from braintrace._op import _registries as reg
-from braintrace._op._rule_helpers import dtype_of, mix_states, shape_of, sum_states
+from braintrace._op._rule_helpers import dtype_of, shape_of
 from braintrace._op.elemwise import etp_elemwise_p
 from braintrace._typing import Path, PyTree
 
@@ -88,12 +95,6 @@ __all__ = ["IODimVjpAlgorithm", "pp_prop", "ES_D_RTRL", "parse_decay_or_rank", "
 
 #: A decay (float in ``[0, 1)``) or a rank (int ``>= 1``), or a pair of them ``(x side, f side)``.
 DecayOrRank = float | int | tuple[float | int, float | int] | list[float | int]
-#: The traced state of the rule: ``{'xs': {x key: ε_x}, 'dfs': {df key: ε_f}, 'steps': int}``.
-IOTrace = dict[str, Any]
-
-# The step counter saturates here instead of wrapping around; α^k has long underflowed.
-_MAX_STEPS = 2**30
-
 _DECAY_OR_RANK_MSG = 'Please provide "num_rank" (int) or "decay" (float, 0 <= decay < 1). '
 
 
@@ -267,8 +268,8 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         self.random_feedback_key = random_feedback_key
         self._feedback_matrices: dict[int, FixedRandomFeedback] = {}
         self.fast_solve = bool(fast_solve)
-        self.etrace_xs: dict[int, EligibilityTrace] = {}
-        self.etrace_dfs: dict[tuple[int, str], EligibilityTrace] = {}
+        self.etrace_xs: TraceStore[int] = CarrierStore()
+        self.etrace_dfs: TraceStore[tuple[int, str]] = CarrierStore()
         self.trace_steps = brainstate.LongTermState(jnp.asarray(0, dtype=jnp.int32))
         # Per x key: the primitive's pp_x_repr rule (or None) and the weight avals it reads.
         self._x_reprs: dict[int, tuple[Any, dict[str, Any]]] = {}
@@ -306,8 +307,8 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
     def init_etrace_state(self, *args: Any, **kwargs: Any) -> None:
         """Allocate the zero input and output traces of every relation (and the random feedback
         matrices of ``learning_signal='random_feedback'``)."""
-        xs: dict[int, EligibilityTrace] = {}
-        dfs: dict[tuple[int, str], EligibilityTrace] = {}
+        xs: dict[int, jax.Array] = {}
+        dfs: dict[tuple[int, str], jax.Array] = {}
         reprs: dict[int, tuple[Any, dict[str, Any]]] = {}
         for rel in self.graph.hidden_param_op_relations:
             if rel.x_var is not None:
@@ -317,8 +318,10 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
                 if key in dfs:
                     raise ValueError(f"The relation {rel} has been added (duplicate trace key {key}).")
                 value = self._init_df_trace(rel, group)
-                dfs[key] = EligibilityTrace(value.astype(self._stored_dtype(value.dtype)))
-        self.etrace_xs, self.etrace_dfs, self._x_reprs = xs, dfs, reprs
+                dfs[key] = value.astype(self._stored_dtype(value.dtype))
+        self.etrace_xs = CarrierStore.of_zeros(xs, EligibilityTrace)
+        self.etrace_dfs = CarrierStore.of_zeros(dfs, EligibilityTrace)
+        self._x_reprs = reprs
         self._feedback_matrices = {}
         if self.config.learning_signal == "random_feedback":
             self._feedback_matrices = draw_feedback(self.graph, self.random_feedback_key)
@@ -330,7 +333,7 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         return self.trace_dtype
 
     def _init_x_trace(
-        self, rel: HiddenParamOpRelation, x_var: Var, xs: dict[int, EligibilityTrace],
+        self, rel: HiddenParamOpRelation, x_var: Var, xs: dict[int, jax.Array],
         reprs: dict[int, tuple[Any, dict[str, Any]]],
     ) -> None:
         avals = {k: v.aval for k, v in rel.trainable_vars.items()}
@@ -343,7 +346,7 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         key = id(x_var)
         dtype = self._stored_dtype(spec.dtype)
         if key in xs:
-            old = xs[key].value
+            old = xs[key]
             if (old.shape, old.dtype) != (tuple(spec.shape), dtype):
                 raise ValueError(
                     f"pp_prop: two relations read the same input {rel.x_var} but represent it "
@@ -351,7 +354,7 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
                     f"feed them separate inputs or train them with D_RTRL."
                 )
             return
-        xs[key] = EligibilityTrace(jnp.zeros(spec.shape, dtype))
+        xs[key] = jnp.zeros(spec.shape, dtype)
         reprs[key] = (rule, avals)
 
     @staticmethod
@@ -389,17 +392,11 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         return jnp.asarray(value)
 
     def _get_etrace_data(self) -> IOTrace:
-        return {
-            "xs": {k: st.value for k, st in self.etrace_xs.items()},
-            "dfs": {k: st.value for k, st in self.etrace_dfs.items()},
-            "steps": self.trace_steps.value,
-        }
+        return {"xs": self.etrace_xs.read(), "dfs": self.etrace_dfs.read(), "steps": self.trace_steps.value}
 
     def _assign_etrace_data(self, etrace_vals: IOTrace) -> None:
-        for k, v in etrace_vals["xs"].items():
-            self.etrace_xs[k].value = v
-        for k, v in etrace_vals["dfs"].items():
-            self.etrace_dfs[k].value = v
+        self.etrace_xs.assign(etrace_vals["xs"])
+        self.etrace_dfs.assign(etrace_vals["dfs"])
         self.trace_steps.value = etrace_vals["steps"]
 
     def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
@@ -408,15 +405,12 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         With ``batch_size``, the traces that carry a batch axis (inputs of batched primitives,
         outputs driving batched hidden groups) get that leading size; the others keep theirs.
         """
+        if self.etrace_xs or self.etrace_dfs:
+            batched_xs, batched_dfs = self._batched_trace_keys()
+            self.etrace_xs.reset(batch_size, batched_xs.__contains__)
+            self.etrace_dfs.reset(batch_size, batched_dfs.__contains__)
         self.running_index.value = jnp.zeros_like(self.running_index.value)
         self.trace_steps.value = jnp.zeros_like(self.trace_steps.value)
-        if not self.etrace_xs and not self.etrace_dfs:
-            return
-        batched_xs, batched_dfs = self._batched_trace_keys()
-        for xkey, st in self.etrace_xs.items():
-            st.value = _zeros(st.value, batch_size if xkey in batched_xs else None)
-        for fkey, st in self.etrace_dfs.items():
-            st.value = _zeros(st.value, batch_size if fkey in batched_dfs else None)
 
     def _batched_trace_keys(self) -> tuple[set[int], set[tuple[int, str]]]:
         relations = self.graph.hidden_param_op_relations
@@ -450,15 +444,11 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         """
         self._assert_compiled()
         path = weight if isinstance(weight, tuple) else self.state_id_to_path.get(id(weight))
-        xs: dict[int, jax.Array] = {}
-        dfs: dict[tuple[int, str], jax.Array] = {}
-        for rel in self.graph.hidden_param_op_relations:
-            if path is None or path not in rel.trainable_paths.values():
-                continue
-            if rel.x_var is not None:
-                xs[id(rel.x_var)] = self.etrace_xs[id(rel.x_var)].value
-            for group in rel.hidden_groups:
-                dfs[df_key(rel, group)] = self.etrace_dfs[df_key(rel, group)].value
+        relations = [r for r in self.graph.hidden_param_op_relations
+                     if path is not None and path in r.trainable_paths.values()]
+        xs: dict[int, jax.Array] = self.etrace_xs.select(id(r.x_var) for r in relations if r.x_var is not None)
+        dfs: dict[tuple[int, str], jax.Array] = self.etrace_dfs.select(
+            df_key(r, group) for r in relations for group in r.hidden_groups)
         if not dfs:
             known = sorted({p for r in self.graph.hidden_param_op_relations for p in r.trainable_paths.values()})
             raise ValueError(
@@ -473,41 +463,6 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
 
     # --- one step of the traces -----------------------------------------------------------
 
-    def _x_tilde(self, xs: dict[int, Any]) -> dict[int, Any]:
-        """The inputs as the x traces filter them (``pp_x_repr`` where registered)."""
-        out = {}
-        for key, x in xs.items():
-            rule, avals = self._x_reprs[key]
-            out[key] = x if rule is None else rule(x, avals)
-        return out
-
-    def _step(self, etrace: IOTrace, xs: dict[int, Any], dfs: dict[Any, Any], Ds: Sequence[Any]) -> IOTrace:
-        alpha_x, alpha = self.decay_x, self.decay_f
-        if set(xs) != set(etrace["xs"]):
-            raise ValueError(
-                f"pp_prop: the step's inputs {sorted(xs)} do not match the traced inputs "
-                f"{sorted(etrace['xs'])}; recompile the learner."
-            )
-        x_tilde = self._x_tilde(xs)
-        # A stored trace is upcast to the step's precision, filtered, and rounded once on write,
-        # by astype: these factors are vectors, and on them trace_storage.rounded's split (for
-        # trace-sized updates) measured slower (leaky64 bf16/f32 1.46 against 1.05-1.08).
-        new_xs = {k: (alpha_x * v.astype(math_dtype(v, x_tilde[k])) + x_tilde[k]).astype(v.dtype)
-                  for k, v in etrace["xs"].items()}
-        new_dfs = {}
-        for rel in self.graph.hidden_param_op_relations:
-            for group in rel.hidden_groups:
-                key = df_key(rel, group)
-                old = etrace["dfs"][key]
-                math = math_dtype(old, dfs[key])
-                # (1 − α) rounded like the bias correction's 1 − α^1, so they cancel at step one.
-                # Ds holds the f side's R (the executor substitutes it for D).
-                gain = 1 - jnp.asarray(alpha, math)
-                new = alpha * mix_states(Ds[group.index], old.astype(math)) + gain * dfs[key]
-                new_dfs[key] = new.astype(old.dtype)
-        steps = jnp.minimum(etrace["steps"] + 1, _MAX_STEPS).astype(etrace["steps"].dtype)
-        return {"xs": new_xs, "dfs": new_dfs, "steps": steps}
-
     def _update_etrace_data(
         self, running_index: Any, etrace_vals_util_t_1: Any, hid2weight_jac_single_or_multi_times: Any,
         hid2hid_jac_single_or_multi_times: Any, weight_vals: Any, input_is_multi_step: bool,
@@ -515,30 +470,25 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         xs, dfs = hid2weight_jac_single_or_multi_times
         Ds = hid2hid_jac_single_or_multi_times
         if not input_is_multi_step:
-            return self._step(etrace_vals_util_t_1, xs, dfs, Ds)
-        stepper = self._make_etrace_stepper(weight_vals)
-        rolled, _ = jax.lax.scan(stepper, etrace_vals_util_t_1, (xs, dfs, Ds))
+            return step(self, etrace_vals_util_t_1, xs, dfs, Ds)
+        rolled: IOTrace = jax.lax.scan(self._make_etrace_stepper(weight_vals), etrace_vals_util_t_1, (xs, dfs, Ds))[0]
         return rolled
 
-    def _make_etrace_stepper(self, weight_vals: Any) -> Any:
+    def _make_etrace_stepper(self, weight_vals: Any) -> IOStepper:
         # Always fused into the executor's scan: the counter then advances once per time step.
-        def stepper(carry: IOTrace, jac: Any) -> tuple[IOTrace, None]:
-            xs, dfs, Ds = jac
-            return self._step(carry, xs, dfs, Ds), None
-
-        return stepper
+        return stepper(self)
 
     # --- the gradient ---------------------------------------------------------------------
 
-    def _trace_for_backward(self, old_etrace: Any, new_etrace: Any, jac: Any, single_step: bool) -> Any:
+    def _trace_for_backward(self, old_etrace: Any, new_etrace: Any, jac: Any, single_step: bool) -> IOResidual:
         # Single step: the estimate at the new trace, minus its same-step term (x̃_t, df_t),
         # which the exact one-step gradient already holds. Multi-step: the entering trace.
         if single_step:
             (xs, dfs), _ = jac
-            return new_etrace, (self._x_tilde(xs), dfs), old_etrace, {}
+            return new_etrace, (x_tilde(xs, self._x_reprs), dfs), old_etrace, {}
         return old_etrace, None, None, {}
 
-    def _with_previous_signal(self, trace_for_bwd: Any, previous: list[Any]) -> Any:
+    def _with_previous_signal(self, trace_for_bwd: Any, previous: list[Any]) -> IOResidual:
         # A group whose previous value the step reads past its update takes its history as
         # ⟨∂L/∂h^{t-1}, x̄^{t-1} ⊗ df̄^{t-1}⟩ from the entering traces (as D_RTRL does).
         new, instant, old, _ = trace_for_bwd
@@ -553,105 +503,12 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
                                     type(self).__name__)
         return [SignalPair(g, s) for g, s in zip(dl_to_hidden_from_autodiff, learning)]
 
-    def _correction(self, steps: jax.Array, dtype: Any) -> jax.Array:
-        """``max(1 − α_f^k, 1e-8)`` for a trace that absorbed ``k`` steps (no gradient)."""
-        # An integer power: exact repeated products, so 1 − α^1 rounds like the (1 − α) gain.
-        c = 1 - jax.lax.pow(jnp.asarray(self.decay_f, dtype), steps)
-        return jax.lax.stop_gradient(jnp.maximum(c, jnp.asarray(1e-8, dtype)))
-
     def _solve_weight_gradients(
         self, running_index: Any, etrace_h2w_at_t: Any, dl_to_hidden_groups: Sequence[Any],
         weight_vals: dict[Path, PyTree], dl_to_nonetws_at_t: dict[Path, PyTree], dl_to_etws_at_t: dict[Path, PyTree],
     ) -> dict[Path, PyTree]:
-        etrace, instant, entering, read_past = etrace_h2w_at_t
-        if self._modulated:  # the estimate meets the modulator and is the relation weights' whole gradient
-            return self._solve_modulated(etrace, dl_to_hidden_groups, weight_vals, dl_to_etws_at_t)
-        grads = dict(dl_to_etws_at_t)
-        for path, g in dl_to_nonetws_at_t.items():
-            grads[path] = g if grads.get(path) is None else jax.tree.map(jnp.add, grads[path], g)
-        local_keys = self._local_relation_weights().keys
-        for index, rel in enumerate(self.graph.hidden_param_op_relations):
-            weights = self._relation_operands(rel, weight_vals)
-            x_trace = None if rel.x_var is None else etrace["xs"][id(rel.x_var)]
-            for group in rel.hidden_groups:
-                key = df_key(rel, group)
-                # The estimate meets the learning signal; the same-step term removed is autodiff's.
-                signal = autodiff = dl_to_hidden_groups[group.index]
-                if isinstance(signal, SignalPair):
-                    autodiff, signal = signal
-                if group.index in read_past:
-                    per_key = self._history_from_entering(rel, group, entering, read_past[group.index], weights)
-                    for k, dw in per_key.items():
-                        grads = self._add_operand_gradient(grads, rel, k, dw, weight_vals)
-                    continue
-                eps_f = etrace["dfs"][key]
-                c = self._correction(etrace["steps"], jnp.result_type(eps_f, signal))
-                per_key = self._pull_back(rel, group, x_trace, (eps_f / c) * signal, weights)
-                # The same-step term is subtracted where the one-step VJP holds it too: not the
-                # part of df that crosses a while_loop, which the perturbed step detaches.
-                covered = local_keys.get(index, frozenset())
-                if instant is not None and set(per_key) - covered:
-                    x_t = None if rel.x_var is None else instant[0][id(rel.x_var)]
-                    df = instant[1][key]
-                    if detached_df_key(rel, group) in instant[1]:
-                        df = df - instant[1][detached_df_key(rel, group)]
-                    same = self._pull_back(rel, group, x_t, df * autodiff, weights)
-                    per_key = {k: v if k in covered else v - same[k] for k, v in per_key.items()}
-                for k, dw in per_key.items():
-                    grads = self._add_operand_gradient(grads, rel, k, dw, weight_vals)
-        return grads
-
-    def _solve_modulated(
-        self, etrace: IOTrace, modulators: Sequence[jax.Array], weight_vals: dict[Path, PyTree],
-        grads: dict[Path, PyTree],
-    ) -> dict[Path, PyTree]:
-        """``⟨expand(m), x̄ ⊗ ε_f / c⟩`` per relation, the ETP parameters' autodiff terms dropped."""
-        grads = without_etp_gradients(grads, self._relation_parameter_paths())
-        for rel in self.graph.hidden_param_op_relations:
-            weights = self._relation_operands(rel, weight_vals)
-            x_trace = None if rel.x_var is None else etrace["xs"][id(rel.x_var)]
-            for group in rel.hidden_groups:
-                eps_f = etrace["dfs"][df_key(rel, group)]
-                m = modulators[group.index]
-                c = self._correction(etrace["steps"], jnp.result_type(eps_f, m))
-                for k, dw in self._pull_back(rel, group, x_trace, (eps_f / c) * m, weights).items():
-                    grads = self._add_operand_gradient(grads, rel, k, dw, weight_vals)
-        return grads
-
-    def _history_from_entering(
-        self, rel: HiddenParamOpRelation, group: HiddenGroup, entering: IOTrace, previous: jax.Array,
-        weights: dict[str, jax.Array],
-    ) -> dict[str, jax.Array]:
-        """``⟨∂L/∂h^{t-1}, x̄^{t-1} ⊗ df̄^{t-1}⟩``, bias-corrected, from the traces entering the step."""
-        x_trace = None if rel.x_var is None else entering["xs"][id(rel.x_var)]
-        eps_f = entering["dfs"][df_key(rel, group)]
-        c = self._correction(entering["steps"], jnp.result_type(eps_f, previous))
-        return self._pull_back(rel, group, x_trace, (eps_f / c) * previous, weights)
-
-    def _pull_back(
-        self, rel: HiddenParamOpRelation, group: HiddenGroup, x: Any, delta: jax.Array, weights: dict[str, jax.Array]
-    ) -> dict[str, jax.Array]:
-        """``xy_to_dw(x, Σ_a delta[..., a])``: the VJP of the primitive at input ``x``.
-
-        ``delta`` is laid out over the group's positions, ``(*varshape, S)``. ``xy_to_dw`` is
-        linear in its cotangent, so the fast path sums over the hidden states first (one call);
-        otherwise one call per state, summed.
-        """
-        delta = rel.output_layout(group, delta)
-        if x is not None and jnp.issubdtype(x.dtype, jnp.floating):
-            x = x.astype(math_dtype(x, delta))  # a stored input trace meets delta in its precision
-        rule = reg.required_rules(rel.primitive).xy_to_dw
-        if self.fast_solve:
-            out: dict[str, jax.Array] = rule(x, sum_states(delta), weights, **rel.eqn_params)
-            return out
-        parts = [rule(x, delta[..., a], weights, **rel.eqn_params) for a in range(delta.shape[-1])]
-        return {k: sum((p[k] for p in parts[1:]), parts[0][k]) for k in parts[0]}
-
-
-def _zeros(value: jax.Array, batch_size: int | None) -> jax.Array:
-    shape = value.shape if batch_size is None else (batch_size, *value.shape[1:])
-    return fresh_zeros(shape, value.dtype)
-
+        return solve_weight_gradients(self, etrace_h2w_at_t, dl_to_hidden_groups, weight_vals, dl_to_nonetws_at_t,
+                                      dl_to_etws_at_t)
 
 class pp_prop(IODimVjpAlgorithm):
     """pp_prop (ES-D-RTRL) under its canonical name (identical to :class:`IODimVjpAlgorithm`).

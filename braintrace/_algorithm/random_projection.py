@@ -63,9 +63,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from braintrace._algorithm.base import EligibilityTrace, ETraceVjpAlgorithm
+from braintrace._algorithm.carrier_store import CarrierStore, TraceStore
 from braintrace._algorithm.config import ETraceConfig, engine_config
 from braintrace._algorithm.graph_executor import TailPoint, TransitionPoint, df_key
-from braintrace._algorithm.trace_storage import fresh_zeros
 from braintrace._compatible_imports import eval_jaxpr
 from braintrace._compiler import ControlFlowPolicy
 from braintrace._compiler.hid_param_op import HiddenParamOpRelation
@@ -195,8 +195,8 @@ class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm):
         self._key_data = key_data
         self.fast_solve = bool(fast_solve)
         self.random_feedback_key = random_feedback_key
-        self.s_tilde: dict[int, EligibilityTrace] = {}
-        self.theta_tilde: dict[FactorKey, EligibilityTrace] = {}
+        self.s_tilde: TraceStore[int] = CarrierStore()
+        self.theta_tilde: TraceStore[FactorKey] = CarrierStore()
         self.projection_rng = brainstate.ShortTermState(jnp.asarray(self._key_data))
         self.projection_step = brainstate.ShortTermState(jnp.zeros((), jnp.int32))
         self._group_paths: dict[int, list[Path]] = {}
@@ -236,16 +236,17 @@ class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm):
         self._group_relations = group_relations
         params = self.param_states
         self._param_treedefs = {p: jax.tree.structure(params[p].value) for ps in group_paths.values() for p in ps}
-        self.s_tilde = {}
+        s_tilde: dict[int, jax.Array] = {}
         for gi in self._group_paths:
             group = graph.hidden_groups[gi]
             shape = jax.eval_shape(lambda g=group: g.concat_hidden(
                 [jnp.zeros(v.aval.shape, v.aval.dtype) for v in g.hidden_invars]))
-            self.s_tilde[gi] = EligibilityTrace(jnp.zeros(shape.shape, shape.dtype))
-        self.theta_tilde = {
-            (gi, p): EligibilityTrace(jax.tree.map(jnp.zeros_like, _mantissas(params[p].value)))
+            s_tilde[gi] = jnp.zeros(shape.shape, shape.dtype)
+        self.s_tilde = CarrierStore.of_zeros(s_tilde, EligibilityTrace)
+        self.theta_tilde = CarrierStore.of_zeros({
+            (gi, p): jax.tree.map(jnp.zeros_like, _mantissas(params[p].value))
             for gi, paths in self._group_paths.items() for p in paths
-        }
+        }, EligibilityTrace)
         self.projection_rng.value = jnp.asarray(self._key_data)
         self.projection_step.value = jnp.zeros((), jnp.int32)
 
@@ -260,17 +261,15 @@ class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm):
 
     def _get_etrace_data(self) -> ProjectionCarrier:
         return ProjectionCarrier(
-            s_tilde={gi: st.value for gi, st in self.s_tilde.items()},
-            theta_tilde={k: st.value for k, st in self.theta_tilde.items()},
+            s_tilde=self.s_tilde.read(),
+            theta_tilde=self.theta_tilde.read(),
             key=self.projection_rng.value,
             step=self.projection_step.value,
         )
 
     def _assign_etrace_data(self, etrace_vals: ProjectionCarrier) -> None:
-        for gi, v in etrace_vals["s_tilde"].items():
-            self.s_tilde[gi].value = v
-        for k, v in etrace_vals["theta_tilde"].items():
-            self.theta_tilde[k].value = v
+        self.s_tilde.assign(etrace_vals["s_tilde"])
+        self.theta_tilde.assign(etrace_vals["theta_tilde"])
         self.projection_rng.value = etrace_vals["key"]
         self.projection_step.value = etrace_vals["step"]
 
@@ -282,15 +281,12 @@ class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm):
         gets that leading size; an unbatched learner's ``s̃`` has no batch axis and keeps its
         shape. ``θ̃`` is parameter-shaped and keeps its shape.
         """
+        batched = self.batch_size is not None
+        self.s_tilde.reset(batch_size, lambda group_index: batched)
+        self.theta_tilde.reset()
         self.running_index.value = jnp.zeros_like(self.running_index.value)
         self.projection_step.value = jnp.zeros((), jnp.int32)
         self.projection_rng.value = jnp.asarray(self._key_data)
-        resize = batch_size is not None and self.batch_size is not None
-        for st in self.s_tilde.values():
-            shape = (batch_size, *st.value.shape[1:]) if resize else st.value.shape
-            st.value = fresh_zeros(shape, st.value.dtype)
-        for st in self.theta_tilde.values():
-            st.value = jax.tree.map(lambda v: fresh_zeros(v.shape, v.dtype), st.value)
 
     def get_etrace_of(self, weight: Any) -> dict[FactorKey, Any]:
         """The parameter factors ``θ̃`` of ``weight`` (a ``ParamState`` or its path), one per group.
@@ -306,7 +302,8 @@ class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm):
             If no relation learns ``weight``.
         """
         path = weight if isinstance(weight, tuple) else self.state_id_to_path.get(id(weight))
-        found = {k: self._with_unit(k[1], st.value) for k, st in self.theta_tilde.items() if k[1] == path}
+        found = self.theta_tilde.select((k for k in self.theta_tilde if k[1] == path),
+                                        lambda key, mantissas: self._with_unit(key[1], mantissas))
         if not found:
             shown = f"a {type(weight).__name__} that is not a state of this model" if path is None else path
             raise ValueError(

@@ -37,18 +37,24 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, ClassVar, Iterator, Mapping
+from typing import ClassVar, Iterator, Mapping, Protocol, Sequence
 
 import brainstate
 
 from braintrace._algorithm.call_lock import learner_lock
 from braintrace._algorithm.drive import drivers, train
 from braintrace._algorithm.drive.grad_run import GradRun
-from braintrace._algorithm.drive.host import Grads, SequenceRunType
+from braintrace._algorithm.drive.host import Grads, RolledTrace, RollSink, SequenceRunType
 from braintrace._algorithm.drive.train import TrainResult
-from braintrace._typing import Path
+from braintrace._typing import Path, PyTree
 
 __all__ = ["SequenceDriverMixin", "TrainResult"]
+
+
+class _Callable(Protocol):
+    """A host called as the learner is: ``host(*inputs, **options)``."""
+
+    def __call__(self, *args: PyTree, **options: object) -> PyTree: ...
 
 
 class SequenceDriverMixin:
@@ -112,7 +118,7 @@ class SequenceDriverMixin:
     # --- the SequenceHost protocol, with its defaults ----------------------------------------
 
     @property
-    def _seq_call(self) -> Any:
+    def _seq_call(self: _Callable) -> _Callable:
         """The callable ``etrace_evolve`` drives when it is given no ``step_fn``: the host itself."""
         return self
 
@@ -122,14 +128,14 @@ class SequenceDriverMixin:
         return self.calls_traced
 
     @property
-    def _seq_param_states(self) -> Mapping[Path, Any]:
+    def _seq_param_states(self) -> Mapping[Path, brainstate.ParamState]:
         """The ``path -> ParamState`` mapping ``etrace_grad`` differentiates by default: the host's."""
         raise NotImplementedError(
             f"{type(self).__name__} must provide _seq_param_states, the path -> ParamState mapping the "
             f"sequence drivers differentiate by default.")
 
     @property
-    def _seq_guarded(self) -> list[Any]:
+    def _seq_guarded(self) -> list[brainstate.State]:
         """The states ``check_finite=True`` freezes after a non-finite step: all of the host's."""
         return list(brainstate.graph.states(self).values())
 
@@ -151,16 +157,16 @@ class SequenceDriverMixin:
     def _seq_after_gradient(self, grads: Grads) -> None:
         """Called with the gradient of each call, inside the traced step (default: nothing)."""
 
-    def _seq_roll_sink(self) -> Any:
+    def _seq_roll_sink(self) -> RollSink | None:
         """Zeros shaped like the traces the next call rolls in its backward pass (default: ``None``, none)."""
         return None
 
     @contextlib.contextmanager
-    def _seq_rolling_into(self, sink: Any) -> Iterator[None]:
+    def _seq_rolling_into(self, sink: RollSink | None) -> Iterator[None]:
         """Within this block, the learner's call rolls those traces into ``sink``'s cotangent."""
         yield
 
-    def _seq_write_rolled(self, rolled: Any) -> None:
+    def _seq_write_rolled(self, rolled: Sequence[RolledTrace]) -> None:
         """Write the traces rolled in the backward pass (``rolled``: the sink's cotangent)."""
 
     # --- the drivers: functions of the learner (braintrace._algorithm.drive), as its methods ---

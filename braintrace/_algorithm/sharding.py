@@ -45,7 +45,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Hashable, Iterator, Mapping, NamedTuple, Protocol, Sequence, TypeVar, cast
+from typing import Callable, Concatenate, Hashable, Iterator, Mapping, NamedTuple, ParamSpec, Protocol, Sequence, TypeVar
 
 import brainstate
 import jax
@@ -443,9 +443,6 @@ def sharded_call(plan: ShardingPlan | None, update: Callable[..., PyTree], args:
     return out
 
 
-Method = TypeVar("Method", bound=Callable[..., Any])
-
-
 class _Sharded(Protocol):
     """A learner whose calls may be sharded."""
 
@@ -454,12 +451,22 @@ class _Sharded(Protocol):
         """The placement of its states (``None``: not sharded)."""
 
 
-def rows_follow_sharding(method: Method) -> Method:
+#: The learner a method of :func:`rows_follow_sharding` is bound to.
+Learner = TypeVar("Learner", bound=_Sharded)
+#: The method's other parameters.
+Arguments = ParamSpec("Arguments")
+#: What the method returns.
+Returns = TypeVar("Returns")
+
+
+def rows_follow_sharding(
+    method: Callable[Concatenate[Learner, Arguments], Returns],
+) -> Callable[Concatenate[Learner, Arguments], Returns]:
     """A learner method (the backward pass, traced after the call returns) that sums batch rows
     as :func:`sharded_call` does for the learner's ``sharding_plan``."""
     @functools.wraps(method)
-    def wrapped(self: _Sharded, *args: Any, **kwargs: Any) -> Any:
+    def wrapped(self: Learner, *args: Arguments.args, **kwargs: Arguments.kwargs) -> Returns:
         with _rows_for(self.sharding_plan):
             return method(self, *args, **kwargs)
 
-    return cast(Method, wrapped)
+    return wrapped

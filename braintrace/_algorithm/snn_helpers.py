@@ -22,13 +22,17 @@ Examples
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence, TypeVar
 
 import brainstate
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = ["PresynapticTrace", "KappaFilter", "FixedRandomFeedback", "extract_y_target"]
+
+#: A call's argument.
+Argument = TypeVar("Argument")
 
 
 class _ZeroResetState(brainstate.ShortTermState):
@@ -40,13 +44,13 @@ class _ZeroResetState(brainstate.ShortTermState):
         The initial value; its shape and dtype are remembered for :meth:`reset_state`.
     """
 
-    def __init__(self, init_value: Any) -> None:
+    def __init__(self, init_value: jax.typing.ArrayLike) -> None:
         value = jnp.asarray(init_value)
         super().__init__(value)
         self._init_shape: tuple[int, ...] = tuple(value.shape)
-        self._init_dtype: Any = value.dtype
+        self._init_dtype: np.dtype = value.dtype
 
-    def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+    def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
         """Zeros of the initial shape; with ``batch_size`` the leading axis becomes that size
         (a scalar initial value becomes ``(batch_size,)``)."""
         shape = self._init_shape
@@ -78,13 +82,13 @@ class PresynapticTrace(_ZeroResetState):
     Array([1., 1.], dtype=float32)
     """
 
-    def __init__(self, init_value: Any, leak: float) -> None:
+    def __init__(self, init_value: jax.typing.ArrayLike, leak: float) -> None:
         if not 0.0 < float(leak) < 1.0:
             raise ValueError(f"PresynapticTrace: leak must satisfy 0 < leak < 1, got {leak!r}.")
         super().__init__(init_value)
         self.leak = float(leak)
 
-    def update(self, x: Any) -> Any:
+    def update(self, x: jax.Array) -> jax.Array:
         """Advance the trace by one step and return it."""
         self.value = self.leak * self.value + x
         return self.value
@@ -112,13 +116,13 @@ class KappaFilter(_ZeroResetState):
     Array(1., dtype=float32)
     """
 
-    def __init__(self, init_value: Any, kappa: float) -> None:
+    def __init__(self, init_value: jax.typing.ArrayLike, kappa: float) -> None:
         if not 0.0 <= float(kappa) < 1.0:
             raise ValueError(f"KappaFilter: kappa must satisfy 0 <= kappa < 1, got {kappa!r}.")
         super().__init__(init_value)
         self.kappa = float(kappa)
 
-    def update(self, x: Any) -> Any:
+    def update(self, x: jax.Array) -> jax.Array:
         """Filter one more input and return the filtered value."""
         self.value = (1.0 - self.kappa) * x + self.kappa * self.value
         return self.value
@@ -144,7 +148,7 @@ class FixedRandomFeedback:
     ((2, 3), (3,))
     """
 
-    def __init__(self, n_target: int, n_layer: int, key: Any, init_scale: float = 0.1) -> None:
+    def __init__(self, n_target: int, n_layer: int, key: int | jax.Array, init_scale: float = 0.1) -> None:
         for name, n in (("n_target", n_target), ("n_layer", n_layer)):
             if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
                 raise ValueError(f"FixedRandomFeedback: {name} must be a positive int, got {n!r}.")
@@ -155,12 +159,12 @@ class FixedRandomFeedback:
         draw = brainstate.random.normal(size=(self.n_target, self.n_layer), key=key)
         self.B = jax.lax.stop_gradient(init_scale * jnp.asarray(draw))
 
-    def project(self, y_target: Any) -> Any:
+    def project(self, y_target: jax.typing.ArrayLike) -> jax.Array:
         """``y_target @ B``: ``(..., n_target)`` to ``(..., n_layer)``."""
         return jnp.asarray(y_target) @ self.B
 
 
-def extract_y_target(args: Sequence[Any], *, index: int = -1) -> Any:
+def extract_y_target(args: Sequence[Argument], *, index: int = -1) -> Argument | None:
     """The target among a call's arguments: ``args[index]``, or ``None`` when there are none."""
     if len(args) == 0:
         return None

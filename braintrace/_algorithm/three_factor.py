@@ -23,9 +23,10 @@ Examples
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import brainstate
+import jax
 
 from braintrace._algorithm.config import ETraceConfig
 from braintrace._algorithm.d_rtrl import ParamDimVjpAlgorithm
@@ -94,9 +95,9 @@ class ThreeFactor(ParamDimVjpAlgorithm):
         model: brainstate.nn.Module,
         name: str | None = None,
         vjp_method: str = "single-step",
-        modulator: Any = None,
+        modulator: jax.typing.ArrayLike | None = None,
         fast_solve: bool = True,
-        trace_dtype: Any = None,
+        trace_dtype: jax.typing.DTypeLike | None = None,
         chunked_trace: bool = True,
         control_flow: ControlFlowPolicy | None = None,
         snap_max_jacobian_elements: int = DEFAULT_MAX_JACOBIAN_ELEMENTS,

@@ -58,6 +58,7 @@ import jax
 import jax.numpy as jnp
 
 from braintrace._algorithm.base import EligibilityTrace, ETraceVjpAlgorithm
+from braintrace._algorithm.carrier_store import CarrierStore, TraceStore
 from braintrace._algorithm.graph_executor import df_key, trace_key
 from braintrace._compiler import ControlFlowPolicy
 from braintrace._compiler.hid_param_op import HiddenParamOpRelation
@@ -198,7 +199,7 @@ class RuleLearner(ETraceVjpAlgorithm):
                 f"multi-step windows.")
         super().__init__(model, name=name, vjp_method=vjp_method, control_flow=control_flow)
         self.rule = rule
-        self.carriers: dict[TraceKey, EligibilityTrace] = {}
+        self.carriers: TraceStore[TraceKey] = CarrierStore()
         self._rolled_steps: dict[TraceKey, RelationStep] = {}
 
     # --- the carriers: allocated, stored, reset and read here, for every rule ----------------
@@ -227,7 +228,7 @@ class RuleLearner(ETraceVjpAlgorithm):
                     f"TraceRule.init must return a pytree of JAX arrays (a carrier) for the relation "
                     f"{rel.primitive.name} -> hidden group {group.index}, got {carrier!r}.")
             carriers[trace_key(rel, group)] = carrier
-        self.carriers = {key: EligibilityTrace(value) for key, value in carriers.items()}
+        self.carriers = CarrierStore.of_zeros(carriers, EligibilityTrace)
         if args:
             self._allocate_final_shapes(*args)
 
@@ -242,8 +243,7 @@ class RuleLearner(ETraceVjpAlgorithm):
             if rolled != entering:  # type: ignore[operator]  # PyTreeDef has no stub
                 raise TypeError(
                     f"TraceRule.roll must return a carrier of the structure init gave, got {rolled} for {entering}.")
-            st.value = jax.tree.map(lambda v, s: v if v.shape == s.shape else jnp.zeros(s.shape, v.dtype),
-                                    st.value, stepped[key])
+        self.carriers.reallocate(stepped)
 
     def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
         """Zero every carrier and the step counter.
@@ -252,19 +252,15 @@ class RuleLearner(ETraceVjpAlgorithm):
         group's batch axis (:meth:`HiddenParamOpRelation.traces_lead_with_batch`) gets that
         leading size; the others keep their shape.
         """
+        batched = {trace_key(rel, group) for rel, group in self._pairs() if rel.traces_lead_with_batch(group)}
+        self.carriers.reset(batch_size, batched.__contains__)
         self.running_index.value = jnp.zeros_like(self.running_index.value)
-        for rel, group in self._pairs():
-            resize = batch_size is not None and rel.traces_lead_with_batch(group)
-            st = self.carriers[trace_key(rel, group)]
-            st.value = jax.tree.map(
-                lambda v: jnp.zeros((batch_size, *v.shape[1:]) if resize else v.shape, v.dtype), st.value)
 
     def _get_etrace_data(self) -> dict[TraceKey, Carrier]:
-        return {key: st.value for key, st in self.carriers.items()}
+        return self.carriers.read()
 
     def _assign_etrace_data(self, etrace_vals: dict[TraceKey, Carrier]) -> None:
-        for key, value in etrace_vals.items():
-            self.carriers[key].value = value
+        self.carriers.assign(etrace_vals)
 
     def get_etrace_of(self, weight: Any) -> dict[TraceKey, Carrier]:
         """The carriers of every relation that has ``weight`` (a ``ParamState`` or its path) as an operand.
@@ -275,8 +271,8 @@ class RuleLearner(ETraceVjpAlgorithm):
             If no relation learns ``weight``.
         """
         path = weight if isinstance(weight, tuple) else self.state_id_to_path.get(id(weight))
-        found = {trace_key(rel, g): self.carriers[trace_key(rel, g)].value
-                 for rel, g in self._pairs() if path in rel.trainable_paths.values()}
+        found = self.carriers.select(
+            trace_key(rel, g) for rel, g in self._pairs() if path in rel.trainable_paths.values())
         if not found:
             shown = f"a {type(weight).__name__} that is not a state of this model" if path is None else path
             raise ValueError(

@@ -36,8 +36,6 @@ True
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,7 +47,7 @@ __all__ = ["storage_dtype", "upcast", "store", "rounded", "math_dtype", "compute
 Trace = dict[str, jax.Array]
 
 
-def storage_dtype(value: Any, learner: str) -> np.dtype | None:
+def storage_dtype(value: jax.typing.DTypeLike | None, learner: str) -> np.dtype | None:
     """``value`` (``trace_dtype=``) as a floating dtype, or ``None`` for native storage.
 
     Raises
@@ -86,13 +84,13 @@ def storage_dtype(value: Any, learner: str) -> np.dtype | None:
     return np.dtype(dtype)
 
 
-def math_dtype(*arrays: Any) -> Any:
+def math_dtype(*arrays: jax.typing.ArrayLike | jax.typing.DTypeLike) -> np.dtype:
     """The dtype the roll is computed in: the promotion of the step's operands (never narrower
     than float32 for float32 parameters), whatever the storage."""
     return jnp.result_type(*arrays)
 
 
-def upcast(trace: Trace, dtype: Any) -> Trace:
+def upcast(trace: Trace, dtype: jax.typing.DTypeLike) -> Trace:
     """Every leaf of a stored trace in the math ``dtype`` (a no-op for leaves already in it)."""
     return {k: v.astype(dtype) for k, v in trace.items()}
 
@@ -102,7 +100,7 @@ def store(new: Trace, like: Trace) -> Trace:
     return {k: rounded(new[k], like[k].dtype) for k in like}
 
 
-def rounded(value: jax.Array, dtype: Any) -> jax.Array:
+def rounded(value: jax.Array, dtype: jax.typing.DTypeLike) -> jax.Array:
     """``value`` rounded to nearest, ties to even, in ``dtype``: ``value.astype(dtype)``, but for
     float32 to bfloat16 on CPU, where it is the faster split :func:`_split_to_bfloat16` (the same
     bits for every finite value below 5.2e33 in magnitude; NaN beyond).
@@ -168,7 +166,7 @@ def computed_once(factor: jax.Array, trace: Trace) -> jax.Array:
     return materialised(factor)
 
 
-def fresh_zeros(shape: tuple[int, ...], dtype: Any) -> jax.Array:
+def fresh_zeros(shape: tuple[int, ...], dtype: jax.typing.DTypeLike) -> jax.Array:
     """Zeros of ``shape`` for a reset trace, written as a buffer of their own off the CPU.
 
     A reset inside ``jit`` followed by a time loop hands XLA a loop whose carry starts as a

@@ -39,12 +39,17 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple
 
+import brainstate
 import jax
 
 from braintrace._compatible_imports import Tracer
 from braintrace._typing import Path
+
+if TYPE_CHECKING:
+    import braintools
+    import optax
 
 __all__ = ["train_optimizer"]
 
@@ -55,16 +60,18 @@ WeightsKey = frozenset[tuple[Path, int]]
 class _Kept(NamedTuple):
     """An optax transformation and the ``OptaxOptimizer`` that holds its state for a learner."""
 
-    tx: Any  # held, so that its id stays its own while it is kept
-    optimizer: Any
+    tx: optax.GradientTransformation  # held, so that its id stays its own while it is kept
+    optimizer: braintools.optim.OptaxOptimizer
 
 
 #: learner -> the wrapper it keeps for each set of weights (the last transformation used on them).
-_KEPT: weakref.WeakKeyDictionary[Any, dict[WeightsKey, _Kept]] = weakref.WeakKeyDictionary()
+_KEPT: weakref.WeakKeyDictionary[object, dict[WeightsKey, _Kept]] = weakref.WeakKeyDictionary()
 _KEPT_GUARD = threading.Lock()
 
 
-def train_optimizer(learner: Any, optimizer: Any, weights: Mapping[Path, Any]) -> tuple[Any, Callable[[], None]]:
+def train_optimizer(
+    learner: object, optimizer: object, weights: Mapping[Path, brainstate.ParamState],
+) -> tuple[braintools.optim.OptaxOptimizer, Callable[[], None]]:
     """The ``braintools.optim.OptaxOptimizer`` that trains ``weights`` of ``learner``, and ``keep``.
 
     Call ``keep()`` once the training call has run: the learner then keeps a new optax wrapper
@@ -96,7 +103,9 @@ def train_optimizer(learner: Any, optimizer: Any, weights: Mapping[Path, Any]) -
     return optimizer, _nothing
 
 
-def _optax_optimizer(learner: Any, tx: Any, weights: Mapping[Path, Any]) -> tuple[Any, Callable[[], None]]:
+def _optax_optimizer(
+    learner: object, tx: optax.GradientTransformation, weights: Mapping[Path, brainstate.ParamState],
+) -> tuple[braintools.optim.OptaxOptimizer, Callable[[], None]]:
     import braintools
 
     key: WeightsKey = frozenset((path, id(state)) for path, state in weights.items())
@@ -138,7 +147,9 @@ def _optax_optimizer(learner: Any, tx: Any, weights: Mapping[Path, Any]) -> tupl
     return wrapper, keep
 
 
-def _check_registered_on(optimizer: Any, weights: Mapping[Path, Any]) -> None:
+def _check_registered_on(
+    optimizer: braintools.optim.OptaxOptimizer, weights: Mapping[Path, brainstate.ParamState],
+) -> None:
     """Refuse an optimizer registered on other paths, or on other ``ParamState`` objects."""
     registered = optimizer.param_states.to_pytree()
     if set(registered) != set(weights):
@@ -160,7 +171,7 @@ def _check_registered_on(optimizer: Any, weights: Mapping[Path, Any]) -> None:
         )
 
 
-def _has_state(optimizer: Any) -> bool:
+def _has_state(optimizer: braintools.optim.OptaxOptimizer) -> bool:
     """Whether the transformation keeps any array state (Adam does, plain SGD does not)."""
     return bool(jax.tree.leaves(optimizer.opt_state.value))
 

@@ -21,9 +21,8 @@ Examples
 
 from __future__ import annotations
 
-from typing import Any
-
 import brainstate
+import jax
 
 from braintrace._algorithm.random_projection import RandomProjectionVjpAlgorithm
 from braintrace._compiler import ControlFlowPolicy
@@ -82,9 +81,9 @@ class UORO(RandomProjectionVjpAlgorithm):
         vjp_method: str = "multi-step",
         fast_solve: bool = True,
         control_flow: ControlFlowPolicy | None = None,
-        projection_key: Any = 42,
+        projection_key: int | jax.Array = 42,
         projection_eps: float = 1e-12,
-        random_feedback_key: Any = None,
+        random_feedback_key: int | jax.Array | None = None,
     ) -> None:
         super().__init__(
             model, name=name, vjp_method=vjp_method, fast_solve=fast_solve, control_flow=control_flow,

@@ -7,19 +7,21 @@ online estimate for a loss summed over lanes is the sum of the per-lane estimate
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Mapping
+from typing import ClassVar, Mapping
 
 import brainstate
 import jax
 import jax.numpy as jnp
 
+from braintrace._algorithm.base import ETraceAlgorithm
 from braintrace._algorithm.call_lock import serialised
-from braintrace._algorithm.drive.host import SequenceRunType
+from braintrace._algorithm.drive.host import SequenceRunType, StepFn
 from braintrace._algorithm.eager_calls import watched_call
 from braintrace._algorithm.predict import forward_step, predict_sequences
 from braintrace._algorithm.sequence import SequenceDriverMixin
 from braintrace._algorithm.sharding import ShardingPlan, sharded_call
-from braintrace._typing import Path
+from braintrace._compiler import CompilationReport, ETraceGraph
+from braintrace._typing import Path, PyTree
 
 __all__ = ["ETraceVmap"]
 
@@ -61,21 +63,25 @@ class ETraceVmap(SequenceDriverMixin, brainstate.nn.Vmap):
     """
 
     _seq_is_vmapped: ClassVar[bool] = True
+    #: The compiled unbatched learner whose lanes this wrapper maps (set by ``brainstate.nn.Vmap``).
+    module: ETraceAlgorithm
 
-    def __init__(self, module: Any, *, vmap_states: Any = None, **kwargs: Any) -> None:
+    def __init__(
+        self, module: ETraceAlgorithm, *, vmap_states: brainstate.typing.Filter | None = None, **kwargs: object,
+    ) -> None:
         super().__init__(module, vmap_states=vmap_states, **kwargs)
         self._lane_states = vmap_states
         self._calls_traced = 0  # the wrapper's own calls (the vmap may trace the learner's more than once)
         #: Set while :meth:`predict` runs: a call maps the model forward over ``_forward_lanes``
         #: (the per-sample states of the run; ``None``: one unbatched sequence).
         self._forward_only = False
-        self._forward_lanes: Any = None
+        self._forward_lanes: Mapping[Path, brainstate.State] | None = None
 
     #: Where the states live on a device mesh (set by ``braintrace.compile(..., sharding=...)``).
     sharding_plan: ShardingPlan | None = None
 
     @serialised
-    def __call__(self, *args: Any, **options: Any) -> Any:
+    def __call__(self, *args: PyTree, **options: object) -> PyTree:
         """:meth:`update`, its inputs and written states constrained to a sharding's placement (if any).
 
         Called eagerly, the third call warns once (:class:`~braintrace.EagerCallWarning`), as
@@ -84,7 +90,7 @@ class ETraceVmap(SequenceDriverMixin, brainstate.nn.Vmap):
         return watched_call(self, lambda: sharded_call(self.sharding_plan, self.update, args, options),
                             lambda out: (args, options, out, self.module.running_index.value))
 
-    def update(self, *args: Any, **options: Any) -> Any:
+    def update(self, *args: PyTree, **options: object) -> PyTree:
         """One call of every lane; keyword options (``modulator=``) are mapped over the lanes too.
 
         An option's every leaf carries the lanes on axis 0, like the inputs: a value shared by all
@@ -113,7 +119,7 @@ class ETraceVmap(SequenceDriverMixin, brainstate.nn.Vmap):
 
         @brainstate.transform.vmap(in_axes=(self.in_axes if isinstance(self.in_axes, int) else tuple(self.in_axes), 0),
                                    out_axes=self.out_axes, in_states=lanes_states, out_states=lanes_states)
-        def run(call_args: tuple[Any, ...], call_options: dict[str, Any]) -> Any:
+        def run(call_args: tuple[PyTree, ...], call_options: dict[str, object]) -> PyTree:
             return learner(*call_args, **call_options)
 
         return run(args, options)
@@ -153,7 +159,7 @@ class ETraceVmap(SequenceDriverMixin, brainstate.nn.Vmap):
             self.sharding_plan.place()
 
     @serialised
-    def predict(self, *sequences: Any, step_fn: Callable[..., Any] | None = None, time_axis: int = 0) -> Any:
+    def predict(self, *sequences: PyTree, step_fn: StepFn | None = None, time_axis: int = 0) -> PyTree:
         """The model's per-step outputs over a batch of sequences, mapped over the batch, from fresh states.
 
         :meth:`ETraceAlgorithm.predict <braintrace.ETraceAlgorithm.predict>` for the vmapped
@@ -194,7 +200,7 @@ class ETraceVmap(SequenceDriverMixin, brainstate.nn.Vmap):
         return predict_sequences(self, self.module, sequences, step_fn, time_axis, mapped=True)
 
     @property
-    def _seq_param_states(self) -> Mapping[Path, Any]:
+    def _seq_param_states(self) -> Mapping[Path, brainstate.ParamState]:
         return self.module.param_states
 
     @property
@@ -204,8 +210,7 @@ class ETraceVmap(SequenceDriverMixin, brainstate.nn.Vmap):
     @property
     def _seq_run_type(self) -> SequenceRunType:
         # The lanes' learner decides how a sequence's gradient is taken (BPTT: through the whole loop).
-        run_type: SequenceRunType = self.module._seq_run_type
-        return run_type
+        return self.module._seq_run_type
 
     @property
     def _seq_calls(self) -> int:
@@ -214,35 +219,37 @@ class ETraceVmap(SequenceDriverMixin, brainstate.nn.Vmap):
     @property
     def _seq_vjp_method(self) -> str | None:
         # brainstate.nn.Vmap forwards no attributes: read the learner's, not the wrapper's.
-        vjp_method: str | None = self.module._seq_vjp_method
-        return vjp_method
+        return self.module._seq_vjp_method
 
     # --- read-only diagnostics of the wrapped learner ---------------------------------------
 
     @property
-    def graph(self) -> Any:
+    def graph(self) -> ETraceGraph:
         """The wrapped learner's compiled :class:`~braintrace.ETraceGraph`."""
         return self.module.graph
 
     @property
-    def report(self) -> Any:
+    def report(self) -> CompilationReport:
         """The wrapped learner's :class:`~braintrace.CompilationReport`."""
         return self.module.report
 
     @property
-    def param_states(self) -> Mapping[Path, Any]:
+    def param_states(self) -> Mapping[Path, brainstate.ParamState]:
         """``path -> ParamState`` of the shared parameters (those of ``.module``)."""
         return self.module.param_states
 
     @property
-    def hidden_states(self) -> Mapping[Path, Any]:
+    def hidden_states(self) -> Mapping[Path, brainstate.HiddenState]:
         """``path -> HiddenState`` of the wrapped learner (per-sample, batch on axis 0)."""
         return self.module.hidden_states
 
     @property
-    def vjp_method(self) -> Any:
+    def vjp_method(self) -> str:
         """The wrapped learner's ``vjp_method``."""
-        return self.module.vjp_method
+        vjp_method = self.module._seq_vjp_method
+        if vjp_method is None:
+            raise AttributeError(f"ETraceVmap: the wrapped {type(self.module).__name__} has no vjp_method.")
+        return vjp_method
 
     def show_graph(self, verbose: bool = True, return_msg: bool = False) -> str | None:
         """The wrapped learner's :meth:`~braintrace.ETraceAlgorithm.show_graph`."""

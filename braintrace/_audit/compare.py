@@ -23,7 +23,7 @@ Examples
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
 
 import brainstate
 import jax
@@ -47,7 +47,7 @@ from braintrace._audit.report import (
     format_table,
     plotted_error,
 )
-from braintrace._compile import ALGORITHM_NAMES, Learner, compile
+from braintrace._compile import ALGORITHM_NAMES, Algorithm, AlgorithmSpec, Learner, compile
 from braintrace._typing import PyTree
 
 if TYPE_CHECKING:
@@ -55,15 +55,9 @@ if TYPE_CHECKING:
 
 __all__ = ["compare_learners", "LearnerComparison"]
 
-#: A learning rule: a name, an ``ETraceAlgorithm`` subclass or an ``ETraceConfig``.
-Rule = Union[str, type[ETraceAlgorithm], ETraceConfig]
-#: A learning rule, or one paired with its compile options, ``('pp_prop', {'decay_or_rank': 0.9})``.
-AlgorithmSpec = Union[Rule, tuple[Rule, Mapping[str, object]]]
-
-
 class _Candidate(NamedTuple):
     label: str
-    algorithm: Rule
+    algorithm: Algorithm
     options: dict[str, object]
 
 
@@ -298,7 +292,7 @@ def _candidate(spec: object, label: str | None) -> _Candidate:
     return _Candidate(label if label is not None else _label(checked, options), checked, dict(options))
 
 
-def _checked_rule(rule: object) -> Rule:
+def _checked_rule(rule: object) -> Algorithm:
     """``rule``, refused unless it is a known name, an ``ETraceAlgorithm`` subclass or an ``ETraceConfig``."""
     if isinstance(rule, str):
         if rule.strip().lower() not in ALGORITHM_NAMES:
@@ -317,7 +311,7 @@ def _checked_rule(rule: object) -> Rule:
     return rule
 
 
-def _label(rule: Rule, options: Mapping[str, object]) -> str:
+def _label(rule: Algorithm, options: Mapping[str, object]) -> str:
     name = rule if isinstance(rule, str) else rule.__name__ if isinstance(rule, type) else repr(rule)
     if not options:
         return name

@@ -32,9 +32,10 @@ Examples
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import jax
+from jax.typing import ArrayLike
 
 from braintrace._compatible_imports import (
     Atom,
@@ -51,7 +52,7 @@ from braintrace._compatible_imports import (
     source_line,
 )
 from braintrace._compiler.control_flow_policy import DEFAULT_CONTROL_FLOW_POLICY, ControlFlowPolicy
-from braintrace._compiler.diagnostics import DiagnosticKind, DiagnosticLevel, emit
+from braintrace._compiler.diagnostics import DiagnosticContext, DiagnosticKind, DiagnosticLevel, emit
 from braintrace._compiler.jaxpr_graph import (
     build_producer_map,
     contains_eqn,
@@ -85,7 +86,7 @@ class _Context:
         self.hidden_in = set(hidden_invars)
         self.hidden_out = set(hidden_outvars)
         self.policy = policy
-        self.deferred: list[tuple[DiagnosticKind, DiagnosticLevel, str, dict[str, Any]]] = []
+        self.deferred: list[tuple[DiagnosticKind, DiagnosticLevel, str, DiagnosticContext]] = []
 
     def relevance(self, eqn: JaxprEqn) -> str | None:
         if any(is_var(a) and a in self.weights for a in eqn.invars):
@@ -99,7 +100,7 @@ class _Context:
         return None
 
     def defer_warning(self, kind: DiagnosticKind, level: DiagnosticLevel, message: str,
-                      context: dict[str, Any]) -> None:
+                      context: DiagnosticContext) -> None:
         """Keep a warning about an equation left as it is; only the settling sweep's are emitted."""
         self.deferred.append((kind, level, message, context))
 
@@ -123,7 +124,7 @@ def _clone(eqns: Sequence[JaxprEqn], subst: dict[Var, Atom], out: list[JaxprEqn]
         out.append(eqn.replace(invars=invars, outvars=outvars))
 
 
-def _splice_fn(fn: Callable[..., Any], inputs: Sequence[Atom], outvars: Sequence[Var] | None,
+def _splice_fn(fn: Callable[..., jax.Array], inputs: Sequence[Atom], outvars: Sequence[Var] | None,
                out: list[JaxprEqn]) -> list[Atom]:
     """Append the equations of ``fn`` applied to ``inputs``; results written to ``outvars`` if given."""
     avals = [jax.ShapeDtypeStruct(shape_of(a), dtype_of(a)) for a in inputs]
@@ -162,7 +163,7 @@ def _cond_blocker(eqn: JaxprEqn, ctx: _Context) -> str | None:
     return None
 
 
-def _convert_cond(eqn: JaxprEqn, out: list[JaxprEqn], constvars: list[Var], consts: list[Any]) -> None:
+def _convert_cond(eqn: JaxprEqn, out: list[JaxprEqn], constvars: list[Var], consts: list[ArrayLike]) -> None:
     index, operands = eqn.invars[0], eqn.invars[1:]
     branch_outs = []
     for branch in cond_branches(eqn):
@@ -246,7 +247,9 @@ def _xs_from_weight(eqn: JaxprEqn, producers: dict[Var, JaxprEqn], weights: set[
     return False
 
 
-def _unroll(eqn: JaxprEqn, out: list[JaxprEqn], constvars: list[Var], consts: list[Any], consumed: set[Var]) -> None:
+def _unroll(
+    eqn: JaxprEqn, out: list[JaxprEqn], constvars: list[Var], consts: list[ArrayLike], consumed: set[Var]
+) -> None:
     p = scan_params(eqn)
     body, length, nc, nk = p.body, p.length, p.num_consts, p.num_carry
     const_ops, carry, xs = eqn.invars[:nc], list(eqn.invars[nc:nc + nk]), eqn.invars[nc + nk:]
@@ -431,19 +434,27 @@ def canonicalize_control_flow(
     return _canonicalize(closed_jaxpr, weight_invars, hidden_invars, hidden_outvars, policy, True, True)
 
 
-def if_convert_conds(closed_jaxpr: ClosedJaxpr, **kwargs: Any) -> ClosedJaxpr:
+def if_convert_conds(
+    closed_jaxpr: ClosedJaxpr,
+    *,
+    weight_invars: Iterable[Var],
+    hidden_invars: Iterable[Var],
+    hidden_outvars: Iterable[Var],
+    policy: ControlFlowPolicy = DEFAULT_CONTROL_FLOW_POLICY,
+) -> ClosedJaxpr:
     """Only the cond part of :func:`canonicalize_control_flow` (same keyword-only arguments)."""
-    return _canonicalize(closed_jaxpr, **_keywords(kwargs), conds=True, scans=False)
+    return _canonicalize(closed_jaxpr, weight_invars, hidden_invars, hidden_outvars, policy,
+                         conds=True, scans=False)
 
 
-def unroll_inner_scans(closed_jaxpr: ClosedJaxpr, **kwargs: Any) -> ClosedJaxpr:
+def unroll_inner_scans(
+    closed_jaxpr: ClosedJaxpr,
+    *,
+    weight_invars: Iterable[Var],
+    hidden_invars: Iterable[Var],
+    hidden_outvars: Iterable[Var],
+    policy: ControlFlowPolicy = DEFAULT_CONTROL_FLOW_POLICY,
+) -> ClosedJaxpr:
     """Only the scan part of :func:`canonicalize_control_flow` (same keyword-only arguments)."""
-    return _canonicalize(closed_jaxpr, **_keywords(kwargs), conds=False, scans=True)
-
-
-def _keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
-    allowed = {"weight_invars", "hidden_invars", "hidden_outvars", "policy"}
-    unknown = set(kwargs) - allowed
-    if unknown:
-        raise TypeError(f"unexpected keyword arguments {sorted(unknown)}; expected {sorted(allowed)}.")
-    return {"policy": DEFAULT_CONTROL_FLOW_POLICY, **kwargs}
+    return _canonicalize(closed_jaxpr, weight_invars, hidden_invars, hidden_outvars, policy,
+                         conds=False, scans=True)

@@ -23,7 +23,7 @@ import threading
 import warnings
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Iterator
+from typing import Iterator, TypedDict
 
 from braintrace._compatible_imports import Primitive
 from braintrace._typing import Path
@@ -32,6 +32,7 @@ __all__ = [
     "DiagnosticLevel",
     "DiagnosticKind",
     "CompilationRecord",
+    "DiagnosticContext",
     "DiagnosticReporter",
     "diagnostic_context",
     "emit",
@@ -103,6 +104,57 @@ class DiagnosticKind(str, Enum):
     TAIL_RELABELS_POSITIONS = "tail_relabels_positions"
 
 
+class DiagnosticContext(TypedDict, total=False):
+    """The machine-readable details of a :class:`CompilationRecord`: each kind fills the ones it has.
+
+    Examples
+    --------
+    >>> from braintrace._compiler.diagnostics import DiagnosticKind, DiagnosticLevel, emit
+    >>> emit(DiagnosticKind.SCAN_DESCENT_SKIPPED, DiagnosticLevel.INFO, 'kept', also_warn=False,
+    ...      context={'blocker': 'a reverse scan', 'length': 40}).context['length']
+    40
+    """
+
+    #: Where a while loop was met (``'perturbation'``) and how many of its inputs were detached.
+    site: str
+    n_detached: int
+    #: The index of the hidden group concerned.
+    group: int
+    #: A trainable operand left out: its name and its position in the equation.
+    key: str
+    invar_index: int
+    #: The shapes of an output and of a hidden state it does not lay over.
+    y_shape: tuple[int, ...]
+    hidden_shape: tuple[int, ...]
+    #: A relation registered: its groups, how it reaches each hidden state, the weights it crosses.
+    hidden_group_indices: list[int]
+    path_classification: dict[Path, str]
+    crossed_weight_paths: list[Path]
+    #: The trainable operations (and their weights) between a weight and the hidden states.
+    blocking_primitives: list[Primitive]
+    blocking_weight_paths: list[Path]
+    #: A state found by only one of the two state collections, and which one.
+    direction: str
+    path: Path
+    #: A weight-free operation computing a hidden state, and the evaluator that met it.
+    op_name: str
+    evaluator: str
+    hidden_path: Path | None
+    #: A converted cond, an unrolled or descended scan, and why it was (or was not).
+    n_branches: int
+    n_outputs: int
+    reason: str | None
+    relevance: str
+    length: int
+    num_consts: int
+    num_carry: int
+    reverse: bool
+    blocker: str
+    weight_paths: list[Path]
+    #: The SnAp neighbourhood size ``K``.
+    num_neighbour: int
+
+
 @dataclass(frozen=True)
 class CompilationRecord:
     """One compiler decision.
@@ -119,7 +171,7 @@ class CompilationRecord:
         Path of the ``ParamState`` concerned.
     hidden_paths : tuple of tuples
         Paths of the hidden states concerned.
-    context : dict, optional
+    context : DiagnosticContext, optional
         Machine-readable details (e.g. ``blocking_primitives``).
 
     Examples
@@ -137,7 +189,7 @@ class CompilationRecord:
     primitive: Primitive | None = None
     weight_path: Path | None = None
     hidden_paths: tuple[Path, ...] = ()
-    context: dict[str, Any] | None = None
+    context: DiagnosticContext | None = None
 
     def __repr__(self) -> str:
         parts = [f"kind={self.kind.name}", f"level={self.level.name}"]
@@ -202,7 +254,7 @@ def emit(
     primitive: Primitive | None = None,
     weight_path: Path | None = None,
     hidden_paths: tuple[Path, ...] = (),
-    context: dict[str, Any] | None = None,
+    context: DiagnosticContext | None = None,
     also_warn: bool = True,
     stacklevel: int = 3,
 ) -> CompilationRecord:

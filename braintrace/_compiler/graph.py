@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import brainstate
 import jax
@@ -120,7 +120,7 @@ class ETraceGraph(NamedTuple):
         outs = self.hidden_perturb.eval_jaxpr(flat, perturb_data)
         return minfo._process(*args, jaxpr_outs=outs)
 
-    def dict(self) -> dict[str, Any]:
+    def dict(self) -> dict[str, object]:
         return self._asdict()
 
     def __repr__(self) -> str:
@@ -235,7 +235,7 @@ def _reject_relations_into_descent(relations: Sequence[HiddenParamOpRelation]) -
 
 def compile_etrace_graph(
     model: brainstate.nn.Module,
-    *model_args: Any,
+    *model_args: PyTree,
     include_hidden_perturb: bool = True,
     include_recurrent_mixing: bool = False,
     control_flow: ControlFlowPolicy | None = None,

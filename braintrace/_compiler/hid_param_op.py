@@ -33,7 +33,7 @@ Examples
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Container, Mapping, NamedTuple
+from typing import Container, Mapping, NamedTuple
 
 import brainstate
 import jax
@@ -51,6 +51,7 @@ from braintrace._compatible_imports import (
     split_jaxpr_invars,
 )
 from braintrace._compiler.control_flow_policy import DEFAULT_CONTROL_FLOW_POLICY, ControlFlowPolicy
+from braintrace._compiler.descended_scan import RelationDescent
 from braintrace._compiler.diagnostics import DiagnosticKind, DiagnosticLevel, emit
 from braintrace._compiler.hidden_group import HiddenGroup
 from braintrace._compiler.hidden_group_discovery import find_hidden_groups_from_minfo
@@ -74,7 +75,7 @@ from braintrace._op._registries import (
     required_rules,
 )
 from braintrace._op._rule_helpers import shape_of
-from braintrace._typing import Params
+from braintrace._typing import Params, PyTree
 
 __all__ = [
     "HiddenParamOpRelation",
@@ -127,7 +128,7 @@ class HiddenParamOpRelation(NamedTuple):
         that state's pytree, and the state.
     trainable_processing_chains : dict
         Per trainable key, the primitives between the state leaf and the operand.
-    control_flow_context : object, optional
+    control_flow_context : RelationDescent, optional
         Set for relations inside a descended scan.
     crossed_weight_paths : tuple
         The weights of the trainable ETP equations the ``y -> h`` tails cross (compiled with
@@ -155,7 +156,7 @@ class HiddenParamOpRelation(NamedTuple):
     trainable_leaf_indices: dict[str, int] = {}
     trainable_param_states: dict[str, brainstate.ParamState] = {}
     trainable_processing_chains: dict[str, tuple[Primitive, ...]] = {}
-    control_flow_context: Any = None
+    control_flow_context: RelationDescent | None = None
     crossed_weight_paths: tuple[Path, ...] = ()
 
     @property
@@ -234,7 +235,7 @@ class HiddenParamOpRelation(NamedTuple):
             return len(y_shape) < len(varshape)
         return is_batched_primitive(self.primitive)
 
-    def dict(self) -> dict[str, Any]:
+    def dict(self) -> dict[str, object]:
         return self._asdict()
 
     def __repr__(self) -> str:
@@ -423,7 +424,7 @@ def find_hidden_param_op_relations_from_jaxpr(
     control_flow: ControlFlowPolicy = DEFAULT_CONTROL_FLOW_POLICY,
     descended_scan_eqn_ids: frozenset[int] = frozenset(),
     include_weight_to_weight: bool = False,
-    **_ignored: Any,
+    **_ignored: object,
 ) -> tuple[HiddenParamOpRelation, ...]:
     """The relations of a flat step jaxpr (see the module docstring).
 
@@ -639,7 +640,7 @@ def find_hidden_param_op_relations_from_minfo(
 
 
 def find_hidden_param_op_relations_from_module(
-    model: brainstate.nn.Module, *model_args: Any, **model_kwargs: Any
+    model: brainstate.nn.Module, *model_args: PyTree, **model_kwargs: PyTree
 ) -> tuple[HiddenParamOpRelation, ...]:
     """Trace one step of ``model`` and return its relations (default hidden groups).
 

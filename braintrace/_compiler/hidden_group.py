@@ -19,7 +19,7 @@ Array([[0.5, 0. ],
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Hashable, NamedTuple, Sequence, TypeVar
+from typing import Callable, Hashable, NamedTuple, Sequence, TypeVar
 
 import brainstate
 import jax
@@ -28,6 +28,7 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from braintrace._compatible_imports import CUSTOM_VJP_PRIMITIVES, Jaxpr, Var, eval_jaxpr, split_jaxpr_invars
+from braintrace._compiler.descended_scan import GroupDescent
 from braintrace._compiler.jaxpr_graph import contains_eqn
 from braintrace._compiler.mixing_jacobian import BlockDiagonalPlan, block_diagonal_plan, structured_block_diagonal
 from braintrace._compiler.position_dependence import group_adjacency
@@ -162,7 +163,7 @@ class HiddenGroup(NamedTuple):
         Those other inputs (hoisted by the graph as extra step outputs).
     is_diagonal_recurrence : bool
         Whether positions are independent (per-position Jacobians by one VJP per state).
-    descent : object, optional
+    descent : GroupDescent, optional
         Set when the group lives inside a descended scan.
     snap : SnapPattern, optional
         The SnAp-n neighbourhoods of the group, set when the graph is compiled with
@@ -185,7 +186,7 @@ class HiddenGroup(NamedTuple):
     transition_jaxpr: Jaxpr
     transition_jaxpr_constvars: list[Var]
     is_diagonal_recurrence: bool = True
-    descent: Any = None
+    descent: GroupDescent | None = None
     snap: SnapPattern | None = None
 
     @property
@@ -406,7 +407,7 @@ class HiddenGroup(NamedTuple):
 
         return fn
 
-    def dict(self) -> dict[str, Any]:
+    def dict(self) -> dict[str, object]:
         return self._asdict()
 
     def __repr__(self) -> str:

@@ -28,7 +28,7 @@ Examples
 
 from __future__ import annotations
 
-from typing import Any, Container, Iterable
+from typing import Container, Iterable
 
 import brainstate
 
@@ -50,6 +50,7 @@ from braintrace._compiler.hidden_group import HiddenGroup
 from braintrace._compiler.jaxpr_graph import new_jaxpr
 from braintrace._compiler.module_info import ModuleInfo, Path, extract_module_info
 from braintrace._op._registries import is_etp_enable_gradient_primitive, is_etp_primitive
+from braintrace._typing import PyTree
 
 __all__ = ["find_hidden_groups_from_minfo", "find_hidden_groups_from_module", "JaxprEvalForHiddenGroup"]
 
@@ -386,7 +387,7 @@ def find_hidden_groups_from_minfo(
 
 
 def find_hidden_groups_from_module(
-    model: brainstate.nn.Module, *model_args: Any, include_recurrent_mixing: bool = False, **model_kwargs: Any
+    model: brainstate.nn.Module, *model_args: PyTree, include_recurrent_mixing: bool = False, **model_kwargs: PyTree
 ) -> tuple[list[HiddenGroup], dict[Path, HiddenGroup]]:
     """Trace one step of ``model`` and return its hidden groups (see :func:`find_hidden_groups_from_minfo`).
 

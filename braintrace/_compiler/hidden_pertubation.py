@@ -23,7 +23,7 @@ Examples
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import brainstate
 import brainunit as u
@@ -60,6 +60,7 @@ from braintrace._compiler.jaxpr_graph import (
 )
 from braintrace._compiler.module_info import ModuleInfo, Path, extract_module_info
 from braintrace._op._rule_helpers import dtype_of, shape_of
+from braintrace._typing import PyTree
 
 __all__ = [
     "HiddenPerturbation",
@@ -156,7 +157,7 @@ class HiddenPerturbation(NamedTuple):
             by_path[path] = mantissa
         return by_path
 
-    def dict(self) -> dict[str, Any]:
+    def dict(self) -> dict[str, object]:
         return self._asdict()
 
 
@@ -491,7 +492,7 @@ def add_hidden_perturbation_from_minfo(
 
 
 def add_hidden_perturbation_in_module(
-    model: brainstate.nn.Module, *model_args: Any, **model_kwargs: Any
+    model: brainstate.nn.Module, *model_args: PyTree, **model_kwargs: PyTree
 ) -> HiddenPerturbation:
     """Trace one step of ``model`` and return its perturbed form.
 

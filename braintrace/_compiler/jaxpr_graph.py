@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Callable, Iterable
 
+from jax.typing import ArrayLike
+
 from braintrace._compatible_imports import (
     CONTROL_FLOW_PRIMITIVES,
     Atom,
@@ -190,7 +192,7 @@ def _splice(
     subst: dict[Var, Atom],
     out: list[JaxprEqn],
     constvars: list[Var],
-    consts: list[Any],
+    consts: list[ArrayLike],
     *,
     freshen: bool,
 ) -> None:

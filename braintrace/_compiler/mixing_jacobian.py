@@ -65,14 +65,16 @@ Array([[6.25  , 6.0625]], dtype=float32)
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from braintrace._compatible_imports import (
     CALL_PRIMITIVES,
+    Atom,
     DotDims,
     Jaxpr,
     JaxprEqn,
@@ -87,7 +89,7 @@ from braintrace._compatible_imports import (
 )
 from braintrace._compiler.jaxpr_graph import ELEMENTWISE_PRIMITIVES
 from braintrace._errors import internal_error
-from braintrace._op._rule_helpers import materialised
+from braintrace._op._rule_helpers import materialised, shape_of
 from braintrace._op.conv import resolved_padding
 from braintrace._op.sparse import stored_entries
 
@@ -201,10 +203,6 @@ class _Analysis:
         self.firsts: dict[int, _FirstMixing] = {}
 
 
-def _shape(v: Any) -> tuple[int, ...]:
-    return tuple(v.aval.shape)
-
-
 def block_diagonal_plan(
     jaxpr: Jaxpr, member_has_state_axis: Sequence[bool], varshape: tuple[int, ...]
 ) -> BlockDiagonalPlan | None:
@@ -228,10 +226,10 @@ def block_diagonal_plan(
     positions = np.arange(math.prod(varshape), dtype=np.int64).reshape(varshape)
     _, hidden_invars = split_jaxpr_invars(jaxpr, len(member_has_state_axis))
     expected = [
-        np.broadcast_to(positions[..., None], _shape(v)) if has_axis else positions
+        np.broadcast_to(positions[..., None], shape_of(v)) if has_axis else positions
         for v, has_axis in zip(hidden_invars, member_has_state_axis)
     ]
-    if any(e.shape != _shape(v) for e, v in zip(expected, hidden_invars)):
+    if any(e.shape != shape_of(v) for e, v in zip(expected, hidden_invars)):
         return None
     labels: dict[Var, _Label] = {v: _Label(e, 0, frozenset()) for v, e in zip(hidden_invars, expected)}
     analysis = _Analysis(positions)
@@ -279,7 +277,7 @@ def _eqn_labels(eqn: JaxprEqn, ins: list[_Label | None], analysis: _Analysis) ->
 
 def _merge(eqn: JaxprEqn, ins: list[_Label | None]) -> np.ndarray:
     """Labels of an element-wise op: the common label of its hidden-derived inputs."""
-    out_shape = _shape(eqn.outvars[0])
+    out_shape = shape_of(eqn.outvars[0])
     out = np.full(out_shape, -1, np.int64)
     for lab in ins:
         if lab is None:
@@ -295,7 +293,7 @@ def _merge(eqn: JaxprEqn, ins: list[_Label | None]) -> np.ndarray:
 def _structural(eqn: JaxprEqn, ins: list[_Label | None]) -> list[np.ndarray]:
     """Apply the op itself to the labels (non-hidden operands carry ``-1``)."""
     labels = [
-        lab.ids if lab is not None else np.full(_shape(v) if isinstance(v, Var) else (), -1)
+        lab.ids if lab is not None else np.full(shape_of(v) if isinstance(v, Var) else (), -1)
         for v, lab in zip(eqn.invars, ins)
     ]
     # Evaluated now on concrete labels, even while the caller is being traced by jit.
@@ -330,7 +328,7 @@ def _call(
         # A mixing op inside a call would need the call rewritten too; leave it to the fallback.
         raise _Unsupported(f"mixing inside {eqn.primitive.name}")
     return [
-        inner.get(v, _Label(np.full(_shape(v), -1, np.int64), depth, sources)) if isinstance(v, Var) else
+        inner.get(v, _Label(np.full(shape_of(v), -1, np.int64), depth, sources)) if isinstance(v, Var) else
         _Label(np.full((), -1, np.int64), depth, sources)
         for v in body.outvars
     ]
@@ -341,13 +339,13 @@ def _mixing(eqn: JaxprEqn, ins: list[_Label | None], analysis: _Analysis) -> _La
     second mixing in series what it needs of each first one."""
     name = eqn.primitive.name
     if name == "dot_general":
-        standard = DotDims((len(_shape(eqn.invars[0])) - 1,), (0,), (), ())  # x @ W, W a matrix
-        if dot_general_dims(eqn) != standard or len(_shape(eqn.invars[1])) != 2:
+        standard = DotDims((len(shape_of(eqn.invars[0])) - 1,), (0,), (), ())  # x @ W, W a matrix
+        if dot_general_dims(eqn) != standard or len(shape_of(eqn.invars[1])) != 2:
             raise _Unsupported("dot_general layout")
     x_lab = _mixed_operand(ins)
     if x_lab.depth >= 2:
         raise _Unsupported("three mixings in series")
-    out_shape = _shape(eqn.outvars[0])
+    out_shape = shape_of(eqn.outvars[0])
     out_ids, xs, outs = _position_rows(x_lab.ids, out_shape, analysis.positions)
     mask = (xs[0][:, None] == outs[0][None, :]) & (xs[0][:, None] >= 0)
     counts = mask.sum(axis=0)
@@ -401,7 +399,7 @@ def _conv_mixing(eqn: JaxprEqn, ins: list[_Label | None], analysis: _Analysis) -
     x_lab = _mixed_operand(ins)
     if x_lab.depth >= 1:
         raise _Unsupported("a convolution in series with another mixing")
-    x_shape, k_shape, out_shape = _shape(eqn.invars[0]), _shape(eqn.invars[1]), _shape(eqn.outvars[0])
+    x_shape, k_shape, out_shape = shape_of(eqn.invars[0]), shape_of(eqn.invars[1]), shape_of(eqn.outvars[0])
     out_ids = _output_positions(out_shape, analysis.positions)
     x_ids = x_lab.ids
     if len(x_shape) != len(k_shape) or any(s != 1 for s in params["strides"]) \
@@ -424,7 +422,7 @@ def _conv_mixing(eqn: JaxprEqn, ins: list[_Label | None], analysis: _Analysis) -
     channels = (xs[0][:, None] == outs[0][None, :]) & (xs[0][:, None] >= 0)  # (C_in, C_out)
     mask = np.zeros(k_shape, bool)
     if all(t >= 0 for t in taps):
-        index: list[Any] = [slice(None)] * len(k_shape)
+        index: list[slice | int] = [slice(None)] * len(k_shape)
         for a, t in zip(rhs_spec[2:], taps):
             index[a] = t
         # With the spatial axes indexed away, the in and out channel axes keep their order.
@@ -443,7 +441,7 @@ def _sparse_mixing(eqn: JaxprEqn, ins: list[_Label | None], analysis: _Analysis)
     entries = stored_entries(eqn.params["sparse_mat"])
     if entries is None:
         raise _Unsupported("a sparse structure without host coordinates")
-    out_ids, xs, outs = _position_rows(x_lab.ids, _shape(eqn.outvars[0]), analysis.positions)
+    out_ids, xs, outs = _position_rows(x_lab.ids, shape_of(eqn.outvars[0]), analysis.positions)
     rows, cols = entries
     mask = (xs[0][rows] == outs[0][cols]) & (xs[0][rows] >= 0)
     analysis.rules[id(eqn)] = MixingRule(0, None, mask)
@@ -512,10 +510,11 @@ def _output_positions(out_shape: tuple[int, ...], positions: np.ndarray) -> np.n
 # The parts a tangent is carried in: not yet mixed, and the same-position part of mixed values.
 # A first mixing read by a second adds one part per slot, keyed ``(id(eqn), slot)``.
 _PURE, _SAME_POSITION = "pure", "same-position"
-_Parts = dict[Any, Array]
+_PartKey = Union[str, tuple[int, int]]
+_Parts = dict[_PartKey, Array]
 
 
-def _mixing_weight(eqn: JaxprEqn, invals: Sequence[Any]) -> Array:
+def _mixing_weight(eqn: JaxprEqn, invals: Sequence[ArrayLike]) -> Array:
     """The effective weight of a mixing equation (hooks applied): a dense ``(K, N)`` matrix or
     a convolution's kernel."""
     w = invals[1]
@@ -539,7 +538,7 @@ def _same_position_tangent(eqn: JaxprEqn, rule: MixingRule, w: Array, x_dot: Arr
             raise internal_error("a sparse mixing planned without host coordinates")
         kept = np.flatnonzero(rule.mask)
         rows, cols = entries[0][kept], entries[1][kept]
-        zeros = jnp.zeros((*x_dot.shape[:-1], _shape(eqn.outvars[0])[-1]), x_dot.dtype)
+        zeros = jnp.zeros((*x_dot.shape[:-1], shape_of(eqn.outvars[0])[-1]), x_dot.dtype)
         return zeros.at[..., cols].add(x_dot[..., rows] * w[kept])
     if rule.select is not None:
         selected = _static_take(w, rule.select, axis=0)  # selected[n] = w[select[n]], an (N, N) matrix
@@ -583,11 +582,13 @@ def _static_take(a: Array, index: np.ndarray, axis: int) -> Array:
     return jnp.where(jnp.asarray((index >= 0).reshape(shape)), kept, 0)
 
 
-def _pushed_tangents(eqn: JaxprEqn, invals: list[Any], parts: list[_Parts]) -> tuple[list[Any], list[_Parts]]:
+def _pushed_tangents(
+    eqn: JaxprEqn, invals: list[ArrayLike], parts: list[_Parts]
+) -> tuple[list[Array], list[_Parts]]:
     """A non-mixing equation's outputs, and each tangent part pushed through it (one linearisation)."""
     carried = [i for i, p in enumerate(parts) if p]
 
-    def fn(*vals: Any) -> list[Any]:
+    def fn(*vals: ArrayLike) -> list[Array]:
         full = list(invals)
         for i, v in zip(carried, vals):
             full[i] = v
@@ -613,7 +614,9 @@ class _MixingTangents:
         self.same_position = _SAME_POSITION if plan.series else _PURE
         self.first_inputs: dict[int, tuple[Array, Array]] = {}
 
-    def __call__(self, eqn: JaxprEqn, rule: MixingRule, invals: list[Any], out: Array, x_parts: _Parts) -> _Parts:
+    def __call__(
+        self, eqn: JaxprEqn, rule: MixingRule, invals: list[ArrayLike], out: Array, x_parts: _Parts
+    ) -> _Parts:
         w = _mixing_weight(eqn, invals).astype(out.dtype)
         parts: _Parts = {}
         same = self.same_position
@@ -638,7 +641,7 @@ class _MixingTangents:
 def structured_block_diagonal(
     plan: BlockDiagonalPlan,
     jaxpr: Jaxpr,
-    consts: Sequence[Any],
+    consts: Sequence[ArrayLike],
     hidden_vals: Sequence[Array],
     concat: Callable[[Sequence[Array]], Array] | None = None,
     split: Callable[[Array], list[Array]] | None = None,
@@ -657,12 +660,12 @@ def structured_block_diagonal(
     stacked = jax.lax.stop_gradient(concat(hidden_vals))
 
     def column(direction: Array) -> Array:
-        env: dict[Var, Any] = dict(zip(constvars, consts))
+        env: dict[Var, ArrayLike] = dict(zip(constvars, consts))
         env.update(zip(hidden_invars, split(stacked)))
         tangents: dict[Var, _Parts] = {v: {_PURE: d} for v, d in zip(hidden_invars, split(direction))}
         mixing_tangents = _MixingTangents(plan)
 
-        def read(v: Any) -> Any:
+        def read(v: Atom) -> ArrayLike:
             return v.val if isinstance(v, Literal) else env[v]
 
         for eqn in jaxpr.eqns:
@@ -679,7 +682,7 @@ def structured_block_diagonal(
                 tangents[eqn.outvars[0]] = mixing_tangents(eqn, rule, invals, outs[0], parts[rule.operand])
             env.update(zip(eqn.outvars, outs))
 
-        def total(v: Any) -> Array:
+        def total(v: Atom) -> Array:
             parts = tangents.get(v, {}) if is_var(v) else {}
             kept = [parts[k] for k in (_PURE, _SAME_POSITION) if k in parts]
             return sum(kept[1:], kept[0]) if kept else jnp.zeros_like(read(v))

@@ -24,7 +24,7 @@ Examples
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import brainstate
 import brainunit as u
@@ -185,15 +185,15 @@ class ModuleInfo(NamedTuple):
                 other_vals[path] = val
         return StepOutputs(out, hidden_vals, other_vals, temps)
 
-    def dict(self) -> dict[str, Any]:
+    def dict(self) -> dict[str, object]:
         return self._asdict()
 
 
 def extract_module_info(
     model: brainstate.nn.Module,
-    *model_args: Any,
+    *model_args: PyTree,
     control_flow: ControlFlowPolicy | None = None,
-    **model_kwargs: Any,
+    **model_kwargs: PyTree,
 ) -> ModuleInfo:
     """Trace one step ``model(*model_args, **model_kwargs)`` and build its state tables.
 
@@ -318,7 +318,7 @@ def _own_hidden_outvars(closed: ClosedJaxpr, compiled: tuple[brainstate.State, .
 def _build_tables(
     stateful: brainstate.transform.StatefulFunction, closed: ClosedJaxpr, retrieved: dict[Path, brainstate.State],
     compiled: tuple[brainstate.State, ...], path_of: dict[int, Path],
-    args: tuple[Any, ...], kwargs: dict[str, Any], policy: ControlFlowPolicy,
+    args: tuple[PyTree, ...], kwargs: dict[str, PyTree], policy: ControlFlowPolicy,
 ) -> ModuleInfo:
     jaxpr = closed.jaxpr
     num_in = len(jax.tree.leaves((args, kwargs)))

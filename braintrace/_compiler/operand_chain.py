@@ -24,9 +24,10 @@ Array([2., 2., 0.], dtype=float32)
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+from typing import Mapping, NamedTuple
 
 import jax
+from jax.typing import ArrayLike
 
 from braintrace._compatible_imports import ClosedJaxpr, Jaxpr, Var, closed_jaxpr_constvars, eval_jaxpr, is_var
 from braintrace._compiler.jaxpr_graph import build_producer_map, new_jaxpr
@@ -50,7 +51,7 @@ class OperandChain(NamedTuple):
     """
 
     jaxpr: Jaxpr
-    consts: list[Any]
+    consts: list[ArrayLike]
     leaves: list[tuple[Path, int]]
 
     def _leaf_values(self, weight_vals: Mapping[Path, PyTree]) -> list[jax.Array]:

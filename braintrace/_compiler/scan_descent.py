@@ -75,6 +75,7 @@ from braintrace._compatible_imports import (
     replace_scan_body,
     scan_params,
 )
+from braintrace._compiler.descended_scan import GroupDescent, RelationDescent, ScanDescentInfo
 from braintrace._compiler.diagnostics import DiagnosticKind, DiagnosticLevel, emit
 from braintrace._compiler.hid_param_op import HiddenParamOpRelation, find_hidden_param_op_relations_from_minfo
 from braintrace._compiler.hidden_group import HiddenGroup
@@ -93,51 +94,6 @@ __all__ = [
     "analyze_and_rewrite_scan",
     "apply_scan_descent",
 ]
-
-
-class ScanDescentInfo(NamedTuple):
-    """A descended scan: its shape and where each body value's per-substep stack lives.
-
-    Attributes
-    ----------
-    length : int
-        ``L``, the number of substeps.
-    num_consts, num_carry : int
-        The scan's parameters (unchanged by the rewrite).
-    body_jaxpr : Jaxpr
-        The rewritten scan body (the original body with extra stacked outputs).
-    stacked_var_map : dict
-        Body variable -> outer variable holding its values at every substep, ``(L, *shape)``.
-    scan_eqn_id : int
-        ``id`` of the rewritten scan equation in the compiled step.
-    """
-
-    length: int
-    num_consts: int
-    num_carry: int
-    body_jaxpr: Jaxpr
-    stacked_var_map: dict[Var, Var]
-    scan_eqn_id: int
-
-
-class GroupDescent(NamedTuple):
-    """Marks a hidden group carried by a descended scan (its transition is body-scoped).
-
-    Attributes
-    ----------
-    scan : ScanDescentInfo
-    body_hidden_invars : list of Var
-        The body's carry inputs of the members (the transition's invars).
-    """
-
-    scan: ScanDescentInfo
-    body_hidden_invars: list[Var]
-
-
-class RelationDescent(NamedTuple):
-    """Marks a relation found inside a descended scan body (its variables are body-scoped)."""
-
-    scan: ScanDescentInfo
 
 
 class ScanDescentBundle(NamedTuple):

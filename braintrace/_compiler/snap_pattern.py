@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Sequence
+from typing import Callable, Collection, Sequence, TypeGuard
 
 import jax
 import jax.numpy as jnp
@@ -337,7 +337,7 @@ def pad_states(value: Array, num_neighbour: int) -> Array:
 # --- what compile_etrace_graph does with it ------------------------------------------------
 
 
-def check_snap_arguments(sparse_n: Any, include_recurrent_mixing: bool, max_elements: Any) -> None:
+def check_snap_arguments(sparse_n: object, include_recurrent_mixing: bool, max_elements: object) -> None:
     """Refuse a bad ``sparse_n`` / ``snap_max_jacobian_elements`` of :func:`compile_etrace_graph`.
 
     Raises
@@ -348,11 +348,10 @@ def check_snap_arguments(sparse_n: Any, include_recurrent_mixing: bool, max_elem
         If ``sparse_n < 1``, the ceiling is not positive, or ``sparse_n`` is given without
         ``include_recurrent_mixing=True``.
     """
-    for name, value in (("sparse_n", sparse_n), ("snap_max_jacobian_elements", max_elements)):
-        if value is None and name == "sparse_n":
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"compile_etrace_graph: {name} must be an int, got {value!r}.")
+    if sparse_n is not None and not _is_int(sparse_n):
+        raise TypeError(f"compile_etrace_graph: sparse_n must be an int, got {sparse_n!r}.")
+    if not _is_int(max_elements):
+        raise TypeError(f"compile_etrace_graph: snap_max_jacobian_elements must be an int, got {max_elements!r}.")
     if sparse_n is not None and sparse_n < 1:
         raise ValueError(
             f"compile_etrace_graph: sparse_n must be >= 1 (n = 1 is the coupled scope; the diagonal "
@@ -363,6 +362,10 @@ def check_snap_arguments(sparse_n: Any, include_recurrent_mixing: bool, max_elem
         raise ValueError(
             "compile_etrace_graph: sparse_n needs include_recurrent_mixing=True: SnAp-n follows the "
             "recurrent mixing, which the diagonal scope cuts out of the transitions.")
+
+
+def _is_int(value: object) -> TypeGuard[int | np.integer]:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def reject_snap_descent(sparse_n: int, descended_paths: Collection[Path]) -> None:

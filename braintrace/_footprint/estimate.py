@@ -13,11 +13,11 @@ Examples
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TypedDict
 
 from braintrace._footprint.step_memory import StepMemory
 
-__all__ = ["MemoryEstimate", "format_bytes"]
+__all__ = ["MemoryEstimate", "EstimateRecord", "format_bytes"]
 
 _UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -41,6 +41,24 @@ def format_bytes(n: int | float | None) -> str:
         if abs(value) < 1024 or unit == _UNITS[-1]:
             return f"{value:.1f} {unit}"
     raise AssertionError("unreachable")
+
+
+class EstimateRecord(TypedDict):
+    """A :class:`MemoryEstimate` as plain Python values (:meth:`MemoryEstimate.to_dict`): bytes, ``None``
+    where unknown."""
+
+    method: str
+    batch_size: int | None
+    steps: int
+    trace_bytes: int
+    param_bytes: int
+    state_bytes: int
+    argument_bytes: int | None
+    output_bytes: int | None
+    temp_bytes: int | None
+    alias_bytes: int | None
+    total_bytes: int | None
+    max_batch_size: int | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +115,7 @@ class MemoryEstimate:
         """The step's ``argument + output + temp − alias`` bytes (``None`` without a memory analysis)."""
         return None if self.step is None else self.step.total_bytes
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> EstimateRecord:
         """The figures as a flat dict of plain Python values (``None`` where unknown).
 
         Examples

@@ -23,14 +23,15 @@ StateBytes(traces=256, params=128, states=36)
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import brainstate
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
-from braintrace._typing import LearnerLike
+from braintrace._typing import LearnerLike, PyTree
 
 __all__ = ["StateBytes", "state_bytes", "model_state_bytes", "tree_bytes", "algorithm_of"]
 
@@ -55,7 +56,7 @@ class StateBytes(NamedTuple):
         return self.traces + self.params + self.states
 
 
-def leaf_bytes(leaf: Any) -> int:
+def leaf_bytes(leaf: ArrayLike | jax.ShapeDtypeStruct) -> int:
     """The bytes of one array leaf (an array, a ``ShapeDtypeStruct`` or a Python number).
 
     Examples
@@ -69,7 +70,7 @@ def leaf_bytes(leaf: Any) -> int:
     return math.prod(jnp.shape(leaf)) * np.dtype(dtype).itemsize
 
 
-def tree_bytes(tree: Any) -> int:
+def tree_bytes(tree: PyTree) -> int:
     """The bytes of every array leaf of ``tree``.
 
     Examples
@@ -82,7 +83,7 @@ def tree_bytes(tree: Any) -> int:
     return sum(leaf_bytes(leaf) for leaf in jax.tree.leaves(tree))
 
 
-def algorithm_of(learner: Any) -> LearnerLike:
+def algorithm_of(learner: object) -> LearnerLike:
     """The learner inside ``learner``: the learner itself, or the one an ``ETraceVmap`` maps.
 
     A learner is told by its attributes (:class:`~braintrace._typing.LearnerLike`); a wrapper is a
@@ -121,12 +122,12 @@ def _unique_states(module: brainstate.nn.Module) -> list[brainstate.State]:
     return list(seen.values())
 
 
-def _is_floating(leaf: Any) -> bool:
+def _is_floating(leaf: ArrayLike) -> bool:
     dtype = leaf.dtype if hasattr(leaf, "dtype") else jnp.result_type(leaf)
     return bool(jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.complexfloating))
 
 
-def state_bytes(learner: Any) -> StateBytes:
+def state_bytes(learner: object) -> StateBytes:
     """Split the bytes of every state of a compiled learner into traces, params and states.
 
     Parameters

@@ -16,16 +16,15 @@ Examples
 
 from __future__ import annotations
 
-from typing import Any
-
 from braintrace._footprint.estimate import MemoryEstimate
 from braintrace._footprint.inventory import algorithm_of, state_bytes
-from braintrace._footprint.step_memory import online_step_memory
+from braintrace._footprint.step_memory import OnlineLearner, online_step_memory
+from braintrace._typing import PyTree
 
 __all__ = ["learner_memory"]
 
 
-def learner_memory(learner: Any, *example_inputs: Any) -> MemoryEstimate:
+def learner_memory(learner: OnlineLearner, *example_inputs: PyTree) -> MemoryEstimate:
     """How much memory one training step of an already compiled learner needs (no step runs).
 
     The same figures as a row of :func:`~braintrace.estimate_memory`, for the learner as it is:

@@ -27,15 +27,42 @@ True
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Mapping, Protocol
 
 import brainstate
 import brainunit as u
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from braintrace._typing import Path, PyTree
 
 __all__ = ["StepMemory", "output_loss", "online_step", "bptt_step", "online_step_memory", "bptt_step_memory",
-           "sequence_inputs"]
+           "sequence_inputs", "OnlineLearner", "JittedStep", "Grads"]
+
+#: A training step's gradients: ``path -> gradient`` (a pytree for a dict-valued parameter).
+Grads = dict[Path, PyTree]
+
+
+class OnlineLearner(Protocol):
+    """What the online step reads of a compiled learner (an ``ETraceAlgorithm`` or its ``ETraceVmap``)."""
+
+    @property
+    def param_states(self) -> Mapping[Path, brainstate.ParamState]:
+        """``path -> ParamState``: the weights the step differentiates with respect to."""
+
+    def __call__(self, *inputs: PyTree) -> PyTree:
+        """One step of the learner: its model's output."""
+
+
+class JittedStep(Protocol):
+    """A ``brainstate.transform.jit`` training step: call it for the gradients, or lower it for XLA."""
+
+    def __call__(self, *inputs: PyTree) -> Grads:
+        """The gradients of one training step."""
+
+    def lower(self, *inputs: PyTree) -> jax.stages.Lowered:
+        """The step lowered for ``inputs`` (arrays or ``jax.ShapeDtypeStruct``), ready to compile."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +99,7 @@ class StepMemory:
         return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
 
     @classmethod
-    def of_compiled(cls, compiled: Any) -> StepMemory | None:
+    def of_compiled(cls, compiled: jax.stages.Compiled) -> StepMemory | None:
         """Read a ``jax.stages.Compiled``'s ``memory_analysis()``.
 
         ``None`` where the backend reports no memory analysis (it returns ``None``, or raises
@@ -100,7 +127,7 @@ class StepMemory:
         )
 
 
-def output_loss(output: Any) -> jax.Array:
+def output_loss(output: PyTree) -> jax.Array:
     """The sum of every floating-point leaf of a model's output (units dropped).
 
     Examples
@@ -120,7 +147,7 @@ def output_loss(output: Any) -> jax.Array:
     return sum((jnp.sum(leaf).real for leaf in floats), start=jnp.zeros((), jnp.float32))
 
 
-def online_step(learner: Any) -> Any:
+def online_step(learner: OnlineLearner) -> JittedStep:
     """One online training step of ``learner``, jitted: the gradient of the loss of one call.
 
     A ``brainstate.transform.jit`` function: call it, or ``.lower(*inputs)`` it.
@@ -136,13 +163,13 @@ def online_step(learner: Any) -> Any:
     """
     params = learner.param_states
 
-    def step(*inputs: Any) -> Any:
+    def step(*inputs: PyTree) -> Grads:
         return brainstate.transform.grad(lambda: output_loss(learner(*inputs)), params)()
 
     return brainstate.transform.jit(step)
 
 
-def bptt_step(model: brainstate.nn.Module) -> Any:
+def bptt_step(model: brainstate.nn.Module) -> JittedStep:
     """One BPTT training step, jitted: the gradient of the loss summed over a sequence.
 
     The returned ``brainstate.transform.jit`` function takes the inputs of the whole sequence,
@@ -160,16 +187,16 @@ def bptt_step(model: brainstate.nn.Module) -> Any:
     """
     params = model.states(brainstate.ParamState)
 
-    def loss(*sequences: Any) -> jax.Array:
+    def loss(*sequences: PyTree) -> jax.Array:
         return output_loss(brainstate.transform.for_loop(model, *sequences))
 
-    def step(*sequences: Any) -> Any:
+    def step(*sequences: PyTree) -> Grads:
         return brainstate.transform.grad(loss, params)(*sequences)
 
     return brainstate.transform.jit(step)
 
 
-def sequence_inputs(example_inputs: tuple[Any, ...], seq_len: int) -> tuple[Any, ...]:
+def sequence_inputs(example_inputs: tuple[PyTree, ...], seq_len: int) -> tuple[PyTree, ...]:
     """Abstract inputs of a whole sequence: every example leaf with ``seq_len`` prepended.
 
     Examples
@@ -179,14 +206,14 @@ def sequence_inputs(example_inputs: tuple[Any, ...], seq_len: int) -> tuple[Any,
     >>> sequence_inputs((jnp.ones((2, 3)),), 10)
     (ShapeDtypeStruct(shape=(10, 2, 3), dtype=float32),)
     """
-    def stacked(leaf: Any) -> jax.ShapeDtypeStruct:
+    def stacked(leaf: ArrayLike | jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
         dtype = leaf.dtype if hasattr(leaf, "dtype") else jnp.result_type(leaf)
         return jax.ShapeDtypeStruct((seq_len, *jnp.shape(leaf)), dtype)
 
     return tuple(jax.tree.map(stacked, example_inputs))
 
 
-def online_step_memory(learner: Any, example_inputs: tuple[Any, ...]) -> StepMemory | None:
+def online_step_memory(learner: OnlineLearner, example_inputs: tuple[PyTree, ...]) -> StepMemory | None:
     """XLA's memory of one online training step of ``learner`` (compiled, not run).
 
     Returns ``None`` where the backend reports no memory analysis.
@@ -195,7 +222,7 @@ def online_step_memory(learner: Any, example_inputs: tuple[Any, ...]) -> StepMem
     return StepMemory.of_compiled(compiled)
 
 
-def bptt_step_memory(model: brainstate.nn.Module, example_inputs: tuple[Any, ...], seq_len: int) -> StepMemory | None:
+def bptt_step_memory(model: brainstate.nn.Module, example_inputs: tuple[PyTree, ...], seq_len: int) -> StepMemory | None:
     """XLA's memory of one BPTT step over ``seq_len`` steps of ``model`` (states initialised).
 
     Returns ``None`` where the backend reports no memory analysis.

@@ -7,7 +7,6 @@ name warns once per process (the first access), as the 0.2.0 release notes promi
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 __all__ = ["REPLACEMENTS", "legacy_attribute", "reset_warned"]
 
@@ -40,7 +39,7 @@ def message(name: str) -> str:
     )
 
 
-def legacy_attribute(name: str, stacklevel: int = 2) -> Any:
+def legacy_attribute(name: str, stacklevel: int = 2) -> type:
     """Return the shim class ``name``, warning on its first access in this process.
 
     Parameters

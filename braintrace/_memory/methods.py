@@ -22,11 +22,11 @@ Examples
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeGuard
 
 from braintrace._algorithm import ETraceAlgorithm, ETraceConfig
-from braintrace._compile import ALGORITHM_NAMES
+from braintrace._compile import ALGORITHM_NAMES, Algorithm, AlgorithmSpec
 
 __all__ = ["Method", "read_methods", "BPTT"]
 
@@ -55,7 +55,7 @@ class Method:
     """
 
     label: str
-    algorithm: Any
+    algorithm: Algorithm
     options: dict[str, Any]
 
     @property
@@ -67,22 +67,22 @@ def _valid_names() -> list[str]:
     return sorted({BPTT, *ALGORITHM_NAMES})  # "bptt" is also a learner of braintrace.compile
 
 
-def _base_label(algorithm: Any) -> str:
-    """The name of one algorithm; a ``ValueError``/``TypeError`` for one that is none."""
+def _named(algorithm: object) -> tuple[str, Algorithm]:
+    """The name of one algorithm and the algorithm; a ``ValueError``/``TypeError`` for one that is none."""
     if isinstance(algorithm, str):
         key = algorithm.strip().lower()
         if key == BPTT:
-            return "BPTT"
+            return "BPTT", algorithm
         if key in ALGORITHM_NAMES:
-            return algorithm.strip()
+            return algorithm.strip(), algorithm
         raise ValueError(
             f"estimate_memory: unknown algorithm {algorithm!r}; valid names are {_valid_names()}, or pass an "
             f"ETraceAlgorithm subclass, a braintrace.ETraceConfig, or a pair (algorithm, {{option: value}})."
         )
     if isinstance(algorithm, type) and issubclass(algorithm, ETraceAlgorithm):
-        return algorithm.__name__
+        return algorithm.__name__, algorithm
     if isinstance(algorithm, ETraceConfig):
-        return repr(algorithm)
+        return repr(algorithm), algorithm
     raise TypeError(
         f"estimate_memory: an algorithm must be a name (one of {_valid_names()}), an ETraceAlgorithm subclass, "
         f"a braintrace.ETraceConfig or a pair (algorithm, {{option: value}}), got {algorithm!r} "
@@ -90,11 +90,11 @@ def _base_label(algorithm: Any) -> str:
     )
 
 
-def _is_pair(spec: Any) -> bool:
+def _is_pair(spec: object) -> TypeGuard[tuple[object, Mapping[object, object]]]:
     return isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], Mapping)
 
 
-def read_method(spec: Any) -> Method:
+def read_method(spec: AlgorithmSpec) -> Method:
     """One :class:`Method` from one entry of ``algorithms``.
 
     Examples
@@ -104,11 +104,12 @@ def read_method(spec: Any) -> Method:
     {'decay_or_rank': 0.5}
     """
     if _is_pair(spec):
-        algorithm, options = spec[0], dict(spec[1])
-        bad = [key for key in options if not isinstance(key, str)]
+        given = dict(spec[1])
+        bad = [key for key in given if not isinstance(key, str)]
         if bad:
-            raise TypeError(f"estimate_memory: the options of {algorithm!r} must be named by strings, got {bad}.")
-        label = _base_label(algorithm)
+            raise TypeError(f"estimate_memory: the options of {spec[0]!r} must be named by strings, got {bad}.")
+        options = {key: value for key, value in given.items() if isinstance(key, str)}
+        label, algorithm = _named(spec[0])
         if options and label == "BPTT":
             raise ValueError(
                 f"estimate_memory: 'bptt' takes no options, got {options}; pass 'bptt' alone (its sequence "
@@ -116,10 +117,11 @@ def read_method(spec: Any) -> Method:
             )
         shown = ", ".join(f"{k}={v!r}" for k, v in options.items())
         return Method(f"{label}({shown})" if shown else label, algorithm, options)
-    return Method(_base_label(spec), spec, {})
+    label, algorithm = _named(spec)
+    return Method(label, algorithm, {})
 
 
-def read_methods(algorithms: Any) -> list[Method]:
+def read_methods(algorithms: AlgorithmSpec | Sequence[AlgorithmSpec]) -> list[Method]:
     """Every :class:`Method` of ``algorithms`` (one method or a list of them), labels made unique.
 
     Raises

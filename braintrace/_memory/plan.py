@@ -16,11 +16,14 @@ step total: arguments + outputs + temporaries - aliased bytes of the compiled tr
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Iterator, TypedDict
 
-from braintrace._footprint.estimate import MemoryEstimate, format_bytes
+from braintrace._footprint.estimate import EstimateRecord, MemoryEstimate, format_bytes
 
-__all__ = ["MemoryPlan"]
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+__all__ = ["MemoryPlan", "PlanRecord"]
 
 _COLUMNS = ("method", "steps", "batch", "traces", "params", "states", "step temp", "step total")
 
@@ -38,6 +41,16 @@ def _aligned(rows: list[list[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
             for r in rows]
+
+
+class PlanRecord(TypedDict):
+    """A :class:`MemoryPlan` as plain Python values (:meth:`MemoryPlan.to_dict`)."""
+
+    batch_size: int | None
+    seq_len: int
+    budget_bytes: float | None
+    backend: str
+    estimates: list[EstimateRecord]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +133,7 @@ class MemoryPlan:
             )
         return "\n".join(lines)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> PlanRecord:
         """The plan as plain Python values (JSON-serialisable).
 
         Examples
@@ -139,7 +152,7 @@ class MemoryPlan:
             "estimates": [row.to_dict() for row in self.estimates],
         }
 
-    def plot(self, ax: Any = None) -> Any:
+    def plot(self, ax: Axes | None = None) -> Axes:
         """A bar chart: per method, its traces, params, states, step temporaries and step total.
 
         The budget, when given, is drawn as a dashed line. Needs matplotlib.

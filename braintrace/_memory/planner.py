@@ -30,14 +30,16 @@ import copy
 import dataclasses
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
 import brainstate
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from braintrace._algorithm.batch_size import checked_batch_size
+from braintrace._compile import AlgorithmSpec
 from braintrace._compile import compile as compile_learner
 from braintrace._errors import CompilationError
 from braintrace._footprint.estimate import MemoryEstimate
@@ -46,13 +48,14 @@ from braintrace._footprint.step_memory import bptt_step_memory, online_step_memo
 from braintrace._memory.batch_fit import largest_fitting_batch
 from braintrace._memory.methods import Method, read_methods
 from braintrace._memory.plan import MemoryPlan
+from braintrace._typing import PyTree
 
 __all__ = ["estimate_memory"]
 
 
 # --- checks of the arguments --------------------------------------------------------------------
 
-def _checked_seq_len(seq_len: Any) -> int:
+def _checked_seq_len(seq_len: object) -> int:
     if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len < 1:
         raise ValueError(
             f"estimate_memory: seq_len must be an int of at least 1 (the time steps of one BPTT step), "
@@ -61,7 +64,7 @@ def _checked_seq_len(seq_len: Any) -> int:
     return int(seq_len)
 
 
-def _checked_budget(budget_bytes: Any) -> float | None:
+def _checked_budget(budget_bytes: object) -> float | None:
     if budget_bytes is None:
         return None
     if (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, numbers.Real)
@@ -73,7 +76,7 @@ def _checked_budget(budget_bytes: Any) -> float | None:
     return int(budget_bytes) if isinstance(budget_bytes, numbers.Integral) else float(budget_bytes)
 
 
-def _checked_options(compile_options: Any) -> dict[str, Any]:
+def _checked_options(compile_options: object) -> dict[str, Any]:
     if compile_options is None:
         return {}
     if not isinstance(compile_options, Mapping):
@@ -89,7 +92,7 @@ def _checked_options(compile_options: Any) -> dict[str, Any]:
     return dict(compile_options)
 
 
-def _check_model_and_inputs(model: Any, example_inputs: tuple[Any, ...]) -> None:
+def _check_model_and_inputs(model: object, example_inputs: tuple[PyTree, ...]) -> None:
     if not isinstance(model, brainstate.nn.Module):
         raise TypeError(f"estimate_memory: model must be a brainstate.nn.Module, got {type(model).__name__}.")
     if not example_inputs:
@@ -99,7 +102,7 @@ def _check_model_and_inputs(model: Any, example_inputs: tuple[Any, ...]) -> None
         )
 
 
-def _budget_batch_size(example_inputs: tuple[Any, ...], batch_size: int | None) -> int:
+def _budget_batch_size(example_inputs: tuple[PyTree, ...], batch_size: int | None) -> int:
     """A budget resizes the batch: ``batch_size`` must be given, on axis 0 of some example input."""
     shapes = [tuple(jnp.shape(leaf)) for leaf in jax.tree.leaves(example_inputs)]
     if batch_size is None:
@@ -117,12 +120,12 @@ def _budget_batch_size(example_inputs: tuple[Any, ...], batch_size: int | None) 
 
 # --- building and measuring one method ----------------------------------------------------------
 
-def _inputs_at(example_inputs: tuple[Any, ...], batch_size: int | None, batch: int | None) -> tuple[Any, ...]:
+def _inputs_at(example_inputs: tuple[PyTree, ...], batch_size: int | None, batch: int | None) -> tuple[PyTree, ...]:
     """The example inputs with the batch axis (axis 0 of size ``batch_size``) resized to ``batch``."""
     if batch == batch_size or batch_size is None or batch is None:
         return example_inputs
 
-    def resized(leaf: Any) -> Any:
+    def resized(leaf: ArrayLike | jax.ShapeDtypeStruct) -> ArrayLike | jax.ShapeDtypeStruct:
         shape = tuple(jnp.shape(leaf))
         if shape[:1] != (batch_size,):
             return leaf
@@ -140,7 +143,7 @@ def _private_copy(model: brainstate.nn.Module) -> brainstate.nn.Module:
         return model
 
 
-def _measure(model: brainstate.nn.Module, method: Method, inputs: tuple[Any, ...], batch: int | None,
+def _measure(model: brainstate.nn.Module, method: Method, inputs: tuple[PyTree, ...], batch: int | None,
              seq_len: int, options: dict[str, Any]) -> MemoryEstimate:
     """Build ``method`` on a copy of ``model`` at ``batch`` and measure its training step."""
     built = _private_copy(model)
@@ -182,8 +185,8 @@ def _fitting_batch(row: MemoryEstimate, measure: Callable[[int], MemoryEstimate]
 
 def estimate_memory(
     model: brainstate.nn.Module,
-    algorithms: Any,
-    *example_inputs: Any,
+    algorithms: AlgorithmSpec | Sequence[AlgorithmSpec],
+    *example_inputs: PyTree,
     batch_size: int | None = None,
     seq_len: int = 1,
     budget_bytes: float | None = None,

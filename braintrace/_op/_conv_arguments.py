@@ -10,7 +10,7 @@ Examples
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence, TypeGuard
 
 import jax
 import numpy as np
@@ -47,12 +47,12 @@ def check_ranks(x: Array, kernel: Array, op: str) -> int:
     return kernel.ndim - 2
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: object) -> TypeGuard[int | np.integer]:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def per_axis(
-    value: Any, arg: str, n_spatial: int, op: str, optional: bool = False
+    value: object, arg: str, n_spatial: int, op: str, optional: bool = False
 ) -> tuple[int, ...] | None:
     """One positive int per spatial axis; a single value is repeated over every axis."""
     if value is None and optional:
@@ -78,7 +78,7 @@ def per_axis(
     return tuple(int(v) for v in value)
 
 
-def padding_argument(value: Any, n_spatial: int, op: str) -> str | tuple[tuple[int, int], ...]:
+def padding_argument(value: object, n_spatial: int, op: str) -> str | tuple[tuple[int, int], ...]:
     """A padding name unchanged, or pairs as a (hashable) tuple of tuples."""
     if isinstance(value, str):
         if value.upper() not in ("SAME", "SAME_LOWER", "VALID"):
@@ -100,13 +100,15 @@ def padding_argument(value: Any, n_spatial: int, op: str) -> str | tuple[tuple[i
     return tuple((int(lo), int(hi)) for lo, hi in pairs)
 
 
-def group_count(value: Any, arg: str, op: str) -> int:
+def group_count(value: object, arg: str, op: str) -> int:
     if not is_int(value) or value < 1:
         raise ValueError(f"{op}: {arg} must be a positive int, got {value!r}.")
     return int(value)
 
 
-def layout_argument(value: Any, x_shape: tuple[int, ...], k_shape: tuple[int, ...], op: str) -> Any:
+def layout_argument(
+    value: object, x_shape: tuple[int, ...], k_shape: tuple[int, ...], op: str
+) -> lax.ConvGeneralDilatedDimensionNumbers:
     """Validate ``dimension_numbers``; lists become tuples (static params must hash)."""
     if value is None:
         return None

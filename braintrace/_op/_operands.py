@@ -15,8 +15,6 @@ Quantity([1. 1.], "mV")
 
 from __future__ import annotations
 
-from typing import Any
-
 import brainunit as u
 import jax
 import numpy as np
@@ -35,7 +33,7 @@ __all__ = [
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, u.Quantity)
 
 
-def split_units(value: Any, arg: str, op: str) -> tuple[jax.Array, Any]:
+def split_units(value: object, arg: str, op: str) -> tuple[jax.Array, u.Unit]:
     """Check that ``value`` is an array or a quantity and split it into mantissa and unit.
 
     Raises
@@ -56,12 +54,12 @@ def split_units(value: Any, arg: str, op: str) -> tuple[jax.Array, Any]:
     return mantissa, unit
 
 
-def with_unit(mantissa: jax.Array, unit: Any) -> Any:
+def with_unit(mantissa: jax.Array, unit: u.Unit) -> jax.Array | u.Quantity:
     """Attach ``unit`` to ``mantissa``; a plain array when the unit is dimensionless."""
     return u.maybe_decimal(mantissa * unit)
 
 
-def bias_mantissa(bias: Any, unit: Any, op: str) -> jax.Array:
+def bias_mantissa(bias: object, unit: u.Unit, op: str) -> jax.Array:
     """The mantissa of ``bias`` expressed in ``unit`` (the unit of ``x·W``).
 
     Raises
@@ -73,7 +71,7 @@ def bias_mantissa(bias: Any, unit: Any, op: str) -> jax.Array:
     return u.Quantity(bias).to_decimal(unit)
 
 
-def check_hook(hook: Any, arg: str, op: str, value: jax.Array | None = None) -> None:
+def check_hook(hook: object, arg: str, op: str, value: jax.Array | None = None) -> None:
     """Raise unless ``hook`` is ``None`` or a callable that preserves the shape of ``value``.
 
     With ``value`` (the parameter's mantissa) the hook is evaluated abstractly
@@ -87,12 +85,14 @@ def check_hook(hook: Any, arg: str, op: str, value: jax.Array | None = None) -> 
     ValueError
         If ``hook(value)`` does not have the shape of ``value``.
     """
-    if hook is not None and not callable(hook):
+    if hook is None:
+        return
+    if not callable(hook):
         raise TypeError(
             f"{op}: {arg} must be a callable mapping the stored parameter to the value the "
             f"operator uses (or None), got {type(hook).__name__}: {hook!r}."
         )
-    if hook is None or value is None:
+    if value is None:
         return
     out = jax.eval_shape(hook, jax.ShapeDtypeStruct(np.shape(value), value.dtype))
     if getattr(out, "shape", None) != tuple(np.shape(value)):

@@ -22,14 +22,22 @@ from __future__ import annotations
 
 import warnings
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from braintrace._compatible_imports import Primitive, ShapedArray, ad, batching, mlir
 from braintrace._op import _registries as reg
-from braintrace._op._rule_record import EtpRules, FastPathRules, Rule, add_primitive, update_rules
+from braintrace._op._rule_record import (
+    AdjacencyRule,
+    ArrayRule,
+    EtpRules,
+    FastPathRules,
+    TraceRule,
+    add_primitive,
+    update_rules,
+)
 from braintrace._typing import Array, Params
 
 __all__ = ["ETPPrimitive", "register_primitive"]
@@ -56,35 +64,35 @@ class ETPPrimitive(Primitive):
     True
     """
 
-    def register_dt_to_t(self, fn: Rule) -> None:
+    def register_dt_to_t(self, fn: TraceRule) -> None:
         """Install the trace-propagation rule ``dt_to_t(hidden_dim, trace, **params)``."""
         update_rules(self, "register_dt_to_t", {"dt_to_t": fn})
 
-    def register_xy_to_dw(self, fn: Rule) -> None:
+    def register_xy_to_dw(self, fn: TraceRule) -> None:
         """Install the pullback rule ``xy_to_dw(x, hidden_dim, weights, **params)``."""
         update_rules(self, "register_xy_to_dw", {"xy_to_dw": fn})
 
-    def register_init_drtrl(self, fn: Rule) -> None:
+    def register_init_drtrl(self, fn: TraceRule) -> None:
         """Install the D-RTRL trace initialiser ``init_drtrl(x_var, y_var, weight_vars, S)``."""
         update_rules(self, "register_init_drtrl", {"init_drtrl": fn})
 
-    def register_init_pp(self, fn: Rule) -> None:
+    def register_init_pp(self, fn: ArrayRule) -> None:
         """Install the pp_prop df-trace initialiser ``init_pp(x_var, y_var, weight_vars, S)``."""
         update_rules(self, "register_init_pp", {"init_pp": fn})
 
     def register_etp_rules(
         self,
         *,
-        dt_to_t: Rule | None = None,
-        xy_to_dw: Rule | None = None,
-        init_drtrl: Rule | None = None,
-        init_pp: Rule | None = None,
+        dt_to_t: TraceRule | None = None,
+        xy_to_dw: TraceRule | None = None,
+        init_drtrl: TraceRule | None = None,
+        init_pp: ArrayRule | None = None,
         fast_path: FastPathRules | None = None,
-        pp_x_repr: Rule | None = None,
-        instant_drtrl: Rule | None = None,
-        solve_drtrl: Rule | None = None,
+        pp_x_repr: ArrayRule | None = None,
+        instant_drtrl: TraceRule | None = None,
+        solve_drtrl: TraceRule | None = None,
         snap_anchor: Callable[[Params], bool] | None = None,
-        snap_adjacency: Rule | None = None,
+        snap_adjacency: AdjacencyRule | None = None,
     ) -> None:
         """Install several rules at once; ``None`` leaves an existing entry untouched.
 
@@ -250,18 +258,18 @@ def _is_index(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _impl(impl_fn: Callable[..., Array], *args: Array, **params: Any) -> Array:
+def _impl(impl_fn: Callable[..., Array], *args: Array, **params: object) -> Array:
     return impl_fn(*args, **params)
 
 
-def _abstract_eval(impl_fn: Callable[..., Array], *avals: ShapedArray, **params: Any) -> ShapedArray:
+def _abstract_eval(impl_fn: Callable[..., Array], *avals: ShapedArray, **params: object) -> ShapedArray:
     structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
     out = jax.eval_shape(partial(impl_fn, **params), *structs)
     return ShapedArray(out.shape, out.dtype)
 
 
 def _jvp(
-    impl_fn: Callable[..., Array], primals: Sequence[Array], tangents: Sequence[Array], **params: Any
+    impl_fn: Callable[..., Array], primals: Sequence[Array], tangents: Sequence[Array], **params: object
 ) -> tuple[Array, Array]:
     # Symbolic zeros become real zeros (float0 for integer/boolean operands) so that jax.jvp
     # sees one tangent per primal.
@@ -274,7 +282,7 @@ def _batch(
     impl_fn: Callable[..., Array],
     args: Sequence[Array],
     dims: Sequence[int | None],
-    **params: Any,
+    **params: object,
 ) -> tuple[Array, int]:
     counterpart = reg.get_batched_counterpart(prim)
     xi = reg.get_x_invar_index(prim)

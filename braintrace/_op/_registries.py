@@ -30,15 +30,17 @@ True
 from __future__ import annotations
 
 from collections.abc import Iterator, MutableMapping, MutableSet
-from typing import Any, Callable, Generic, TypeVar
+from typing import Callable, Generic, TypeVar
 
 from braintrace._compatible_imports import Primitive
 from braintrace._op._rule_record import (
     REQUIRED_RULES,
+    AdjacencyRule,
+    ArrayRule,
     EtpRules,
     FastPathRules,
     RequiredRules,
-    Rule,
+    TraceRule,
     TrainableInvarsFn,
     add_primitive,
     clear_field,
@@ -201,44 +203,46 @@ ETP_X_INVAR_INDICES: MutableMapping[Primitive, int | None] = _RecordField(
 ETP_Y_OUTVAR_INDICES: MutableMapping[Primitive, int] = _RecordField(
     "ETP_Y_OUTVAR_INDICES", "y_outvar_index", optional=False)
 #: :attr:`EtpRules.dt_to_t` per primitive.
-ETP_RULES_DT_TO_T: MutableMapping[Primitive, Rule] = _RecordField("ETP_RULES_DT_TO_T", "dt_to_t")
+ETP_RULES_DT_TO_T: MutableMapping[Primitive, TraceRule] = _RecordField("ETP_RULES_DT_TO_T", "dt_to_t")
 #: :attr:`EtpRules.xy_to_dw` per primitive.
-ETP_RULES_XY_TO_DW: MutableMapping[Primitive, Rule] = _RecordField("ETP_RULES_XY_TO_DW", "xy_to_dw")
+ETP_RULES_XY_TO_DW: MutableMapping[Primitive, TraceRule] = _RecordField("ETP_RULES_XY_TO_DW", "xy_to_dw")
 #: :attr:`EtpRules.init_drtrl` per primitive.
-ETP_RULES_INIT_DRTRL: MutableMapping[Primitive, Rule] = _RecordField("ETP_RULES_INIT_DRTRL", "init_drtrl")
+ETP_RULES_INIT_DRTRL: MutableMapping[Primitive, TraceRule] = _RecordField("ETP_RULES_INIT_DRTRL", "init_drtrl")
 #: :attr:`EtpRules.init_pp` per primitive.
-ETP_RULES_INIT_PP: MutableMapping[Primitive, Rule] = _RecordField("ETP_RULES_INIT_PP", "init_pp")
+ETP_RULES_INIT_PP: MutableMapping[Primitive, ArrayRule] = _RecordField("ETP_RULES_INIT_PP", "init_pp")
 #: :attr:`EtpRules.pp_x_repr` per primitive.
-ETP_RULES_PP_X_REPR: MutableMapping[Primitive, Rule] = _RecordField("ETP_RULES_PP_X_REPR", "pp_x_repr")
+ETP_RULES_PP_X_REPR: MutableMapping[Primitive, ArrayRule] = _RecordField("ETP_RULES_PP_X_REPR", "pp_x_repr")
 #: :attr:`EtpRules.instant_drtrl` per primitive.
-ETP_RULES_INSTANT_DRTRL: MutableMapping[Primitive, Rule] = _RecordField("ETP_RULES_INSTANT_DRTRL", "instant_drtrl")
+ETP_RULES_INSTANT_DRTRL: MutableMapping[Primitive, TraceRule] = _RecordField(
+    "ETP_RULES_INSTANT_DRTRL", "instant_drtrl")
 #: :attr:`EtpRules.solve_drtrl` per primitive.
-ETP_RULES_SOLVE_DRTRL: MutableMapping[Primitive, Rule] = _RecordField("ETP_RULES_SOLVE_DRTRL", "solve_drtrl")
+ETP_RULES_SOLVE_DRTRL: MutableMapping[Primitive, TraceRule] = _RecordField("ETP_RULES_SOLVE_DRTRL", "solve_drtrl")
 #: :attr:`EtpRules.fast_path` per primitive, see :class:`FastPathRules`.
 ETP_FAST_PATH_RULES: MutableMapping[Primitive, FastPathRules] = _RecordField("ETP_FAST_PATH_RULES", "fast_path")
 #: :attr:`EtpRules.snap_anchor` per primitive.
 ETP_RULES_SNAP_ANCHOR: MutableMapping[Primitive, Callable[[Params], bool]] = _RecordField(
     "ETP_RULES_SNAP_ANCHOR", "snap_anchor")
 #: :attr:`EtpRules.snap_adjacency` per primitive.
-ETP_RULES_SNAP_ADJACENCY: MutableMapping[Primitive, Rule] = _RecordField("ETP_RULES_SNAP_ADJACENCY", "snap_adjacency")
+ETP_RULES_SNAP_ADJACENCY: MutableMapping[Primitive, AdjacencyRule] = _RecordField(
+    "ETP_RULES_SNAP_ADJACENCY", "snap_adjacency")
 #: Unbatched primitive -> the batched primitive ``vmap`` re-binds it as.
 BATCHED_COUNTERPARTS: MutableMapping[Primitive, Primitive] = _RecordField("BATCHED_COUNTERPARTS", "batched_counterpart")
 
 _DEFAULT_TRAINABLE_INVARS: dict[str, int] = {"weight": 1}
 
 
-def is_etp_primitive(primitive: Any) -> bool:
+def is_etp_primitive(primitive: object) -> bool:
     """Whether ``primitive`` was created by :func:`braintrace.register_primitive`."""
     return get_etp_rules(primitive) is not None
 
 
-def is_etp_enable_gradient_primitive(primitive: Any) -> bool:
+def is_etp_enable_gradient_primitive(primitive: object) -> bool:
     """Whether ``primitive`` is a gradient-enabled (identity-like) ETP primitive."""
     record = get_etp_rules(primitive)
     return record is not None and record.gradient_enabled
 
 
-def is_batched_primitive(primitive: Any) -> bool:
+def is_batched_primitive(primitive: object) -> bool:
     """Whether ``primitive`` is an ETP primitive with a leading batch axis."""
     record = get_etp_rules(primitive)
     return record is not None and record.batched
@@ -312,20 +316,17 @@ def get_fast_path_rules(primitive: Primitive) -> FastPathRules | None:
     ``None`` also when the kernels are the library's but a user replaced another rule of the
     primitive: the kernels compute the library's rules, not the user's.
     """
-    fast_path: FastPathRules | None = _override("fast_path", primitive)
-    return fast_path
+    return _override(primitive, lambda record: record.fast_path)
 
 
-def get_instant_drtrl_rule(primitive: Primitive) -> Rule | None:
+def get_instant_drtrl_rule(primitive: Primitive) -> TraceRule | None:
     """The ``instant_drtrl`` override of ``primitive``, or ``None`` (see :func:`get_fast_path_rules`)."""
-    rule: Rule | None = _override("instant_drtrl", primitive)
-    return rule
+    return _override(primitive, lambda record: record.instant_drtrl)
 
 
-def get_solve_drtrl_rule(primitive: Primitive) -> Rule | None:
+def get_solve_drtrl_rule(primitive: Primitive) -> TraceRule | None:
     """The ``solve_drtrl`` override of ``primitive``, or ``None`` (see :func:`get_fast_path_rules`)."""
-    rule: Rule | None = _override("solve_drtrl", primitive)
-    return rule
+    return _override(primitive, lambda record: record.solve_drtrl)
 
 
 def is_snap_anchored(primitive: Primitive, eqn_params: Params) -> bool:
@@ -342,7 +343,7 @@ def is_snap_anchored(primitive: Primitive, eqn_params: Params) -> bool:
     return bool(rule(eqn_params)) if rule is not None else False
 
 
-def get_snap_adjacency_rule(primitive: Primitive) -> Rule | None:
+def get_snap_adjacency_rule(primitive: Primitive) -> AdjacencyRule | None:
     """The ``snap_adjacency`` rule of ``primitive``, or ``None`` (SnAp then reads it as all-to-all)."""
     record = get_etp_rules(primitive)
     return None if record is None else record.snap_adjacency
@@ -353,7 +354,7 @@ def snap_anchored(eqn_params: Params) -> bool:
     return True
 
 
-def get_pp_x_repr(primitive: Primitive) -> Rule | None:
+def get_pp_x_repr(primitive: Primitive) -> ArrayRule | None:
     """The IO-dim ``x`` representation rule of ``primitive``, or ``None``."""
     record = get_etp_rules(primitive)
     return None if record is None else record.pp_x_repr
@@ -403,11 +404,12 @@ def has_library_rules(primitive: Primitive) -> bool:
             and all(getattr(frozen, f) is getattr(record, f) for f in _GRADIENT_RULES))
 
 
-def _override(field: str, primitive: Primitive) -> Any:
-    """The ``field`` rule of ``primitive``, unless it is a library rule left in force beside a user's rule."""
+def _override(primitive: Primitive, field: Callable[[EtpRules], _V | None]) -> _V | None:
+    """The rule ``field`` reads of ``primitive``'s record, unless it is a library rule left in force
+    beside a user's rule."""
     record = get_etp_rules(primitive)
-    rule = None if record is None else getattr(record, field)
+    rule = None if record is None else field(record)
     frozen = _LIBRARY_RECORDS.get(primitive)
     if rule is None or frozen is None or has_library_rules(primitive):
         return rule
-    return None if rule is getattr(frozen, field) else rule
+    return None if rule is field(frozen) else rule

@@ -17,7 +17,7 @@ import contextlib
 import contextvars
 import functools
 import operator
-from typing import Any, Callable, Iterator, TypeVar, cast
+from typing import Callable, Iterator, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +52,8 @@ __all__ = [
 ]
 
 Tree = TypeVar("Tree")
+#: The operands of :func:`sum_over_rows`: an array or a pytree of arrays with a common leading axis.
+Rows = TypeVar("Rows")
 
 #: The static parameters that hold parameter transforms, across every operator family.
 HOOK_NAMES = ("weight_fn", "bias_fn", "kernel_fn", "a_fn", "b_fn")
@@ -67,7 +69,7 @@ def no_hooks(eqn_params: Params) -> bool:
     return all(eqn_params.get(name) is None for name in HOOK_NAMES)
 
 
-def strip_hooks(eqn_params: Params) -> dict[str, Any]:
+def strip_hooks(eqn_params: Params) -> Params:
     """``eqn_params`` with every transform hook set to ``None`` (the untransformed operator)."""
     return {k: (None if k in HOOK_NAMES else v) for k, v in eqn_params.items()}
 
@@ -162,12 +164,12 @@ def shape_of(var: Atom) -> tuple[int, ...]:
     return tuple(cast(ShapedArray, var.aval).shape)
 
 
-def dtype_of(var: Atom) -> np.dtype[Any]:
+def dtype_of(var: Atom) -> np.dtype[np.generic]:
     """The dtype of a jaxpr variable (or literal)."""
     return cast(ShapedArray, var.aval).dtype
 
 
-def drtrl_dtype(x_var: Var | None, y_var: Var, weight_vars: dict[str, Var] | None) -> np.dtype[Any]:
+def drtrl_dtype(x_var: Var | None, y_var: Var, weight_vars: dict[str, Var] | None) -> np.dtype[np.generic]:
     """The dtype of a D-RTRL trace: the promotion of every operand's and the output's dtype."""
     dtypes = [dtype_of(y_var)]
     if x_var is not None:
@@ -307,7 +309,7 @@ def vectorised_rows() -> Iterator[None]:
         _ROW_LOOP.reset(token)
 
 
-def sum_over_rows(solve_row: Callable[[Any], Tree], operands: Any, vectorised: Callable[[], Tree]) -> Tree:
+def sum_over_rows(solve_row: Callable[[Rows], Tree], operands: Rows, vectorised: Callable[[], Tree]) -> Tree:
     """``Σ_b solve_row(operands[b])`` over the operands' leading axis (``operands[b]``: row ``b``
     of every array in the tree), a program that does not grow with the number of rows (it adds at
     most :data:`ROWS_PER_ITERATION` ``- 1`` rows outside its loop).
@@ -326,13 +328,13 @@ def sum_over_rows(solve_row: Callable[[Any], Tree], operands: Any, vectorised: C
                                       default=vectorised)
 
 
-def _loop_over_rows(solve_row: Callable[[Any], Tree], operands: Any, num_rows: int) -> Tree:
+def _loop_over_rows(solve_row: Callable[[Rows], Tree], operands: Rows, num_rows: int) -> Tree:
     """``Σ_b solve_row(operands[b])`` added in the order ``b = 0, 1, …``: a loop adding
     :data:`ROWS_PER_ITERATION` rows per iteration over the whole blocks of rows, then the rows
     left over (fewer than a block)."""
     num_blocks, rest = divmod(num_rows, ROWS_PER_ITERATION)
 
-    def add_row(row: Any, total: Tree | None) -> Tree:
+    def add_row(row: Rows, total: Tree | None) -> Tree:
         value = solve_row(row)
         return value if total is None else jax.tree.map(jnp.add, total, value)
 
@@ -378,7 +380,7 @@ def hooked_matmul_solve_drtrl(
     *,
     weight_fn: WeightFn | None = None,
     bias_fn: WeightFn | None = None,
-    **params: Any,
+    **params: object,
 ) -> dict[str, Array]:
     """``∇W = f_W'(W)ᵀ (ε_W · g)``, ``∇b = f_b'(b)ᵀ (ε_b · g)`` for a trace in the hooked space.
 

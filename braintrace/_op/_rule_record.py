@@ -19,14 +19,19 @@ Examples
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Protocol, TypeVar
+
+import numpy as np
 
 from braintrace._compatible_imports import Primitive
 from braintrace._errors import CompilationError
-from braintrace._typing import Params
+from braintrace._typing import Array, Params
 
 __all__ = [
-    "Rule",
+    "TraceRule",
+    "ArrayRule",
+    "AdjacencyRule",
+    "FastSolve",
     "TrainableInvarsFn",
     "FastPathRules",
     "REQUIRED_RULES",
@@ -41,9 +46,28 @@ __all__ = [
     "required_rules",
 ]
 
-Rule = Callable[..., Any]
+#: A rule that returns arrays by trainable (or trace) name: ``dt_to_t``, ``xy_to_dw``, ``init_drtrl``,
+#: ``instant_drtrl``, ``solve_drtrl`` and the fast-path kernels ``instant``, ``solve_instant`` and
+#: ``chunk``. Their arguments differ per rule (``x`` is ``None`` for a primitive without one, and the
+#: equation's static params come as keywords), so only the result is fixed.
+TraceRule = Callable[..., dict[str, Array]]
+#: A rule that returns one array: ``init_pp(x_var, y_var, weight_vars, S)`` and
+#: ``pp_x_repr(x, weight_avals)``.
+ArrayRule = Callable[..., Array]
+#: ``snap_adjacency(x_shape, y_shape, *, operand_shapes, **params)``: per axis of ``y`` a boolean
+#: ``(y axis, x axis)`` pattern or ``None`` (the identity); ``None`` overall when it cannot tell.
+AdjacencyRule = Callable[..., tuple[np.ndarray | None, ...] | None]
 #: ``eqn.params -> {trainable_name: invar_index}``: where the trainable operands of an equation sit.
 TrainableInvarsFn = Callable[[Params], dict[str, int]]
+
+_V = TypeVar("_V")
+
+
+class FastSolve(Protocol):
+    """``solve(signal, trace, *, fold_batch=False) -> grads`` of :class:`FastPathRules`."""
+
+    def __call__(self, signal: Array, trace: dict[str, Array], /, *, fold_batch: bool = ...) -> dict[str, Array]:
+        ...
 
 
 class FastPathRules(NamedTuple):
@@ -91,14 +115,14 @@ class FastPathRules(NamedTuple):
         rolls, filters and contracts apart.
     """
 
-    instant: Rule
-    recurrent: Rule
-    solve: Rule
+    instant: TraceRule
+    recurrent: Callable[[Array, dict[str, Array], int], dict[str, Array]]
+    solve: FastSolve
     applicable: Callable[[Params], bool]
-    chunk: Rule | None = None
-    solve_instant: Rule | None = None
-    roll_and_solve: Rule | None = None
-    roll_filter_and_solve: Rule | None = None
+    chunk: TraceRule | None = None
+    solve_instant: TraceRule | None = None
+    roll_and_solve: Callable[..., tuple[dict[str, Array], dict[str, Array]]] | None = None
+    roll_filter_and_solve: Callable[..., tuple[dict[str, Array], dict[str, Array], dict[str, Array]]] | None = None
 
 
 #: The rules every learner needs of a primitive whose weights it traces: ``D_RTRL`` and the
@@ -184,16 +208,16 @@ class EtpRules:
     y_outvar_index: int = 0
     trainable_invars_fn: TrainableInvarsFn | None = None
     batched_counterpart: Primitive | None = None
-    dt_to_t: Rule | None = None
-    xy_to_dw: Rule | None = None
-    init_drtrl: Rule | None = None
-    init_pp: Rule | None = None
-    pp_x_repr: Rule | None = None
-    instant_drtrl: Rule | None = None
-    solve_drtrl: Rule | None = None
+    dt_to_t: TraceRule | None = None
+    xy_to_dw: TraceRule | None = None
+    init_drtrl: TraceRule | None = None
+    init_pp: ArrayRule | None = None
+    pp_x_repr: ArrayRule | None = None
+    instant_drtrl: TraceRule | None = None
+    solve_drtrl: TraceRule | None = None
     fast_path: FastPathRules | None = None
     snap_anchor: Callable[[Params], bool] | None = None
-    snap_adjacency: Rule | None = None
+    snap_adjacency: AdjacencyRule | None = None
 
     def missing_rules(self) -> tuple[str, ...]:
         """The :data:`REQUIRED_RULES` this record lacks, in that order."""
@@ -203,9 +227,9 @@ class EtpRules:
 class RequiredRules(NamedTuple):
     """The rules every learner needs of one primitive, all present (see :func:`required_rules`)."""
 
-    dt_to_t: Rule
-    xy_to_dw: Rule
-    init_drtrl: Rule
+    dt_to_t: TraceRule
+    xy_to_dw: TraceRule
+    init_drtrl: TraceRule
 
 
 #: The records, keyed by primitive identity, in registration order.
@@ -214,7 +238,7 @@ _RECORDS: dict[Primitive, EtpRules] = {}
 _DEFAULTS = EtpRules()
 
 
-def get_etp_rules(primitive: Any) -> EtpRules | None:
+def get_etp_rules(primitive: object) -> EtpRules | None:
     """The record of ``primitive``, or ``None`` when it is not an ETP primitive.
 
     Examples
@@ -356,7 +380,7 @@ def required_rules(primitive: Primitive, *, used_at: str | None = None) -> Requi
     return RequiredRules(record.dt_to_t, record.xy_to_dw, record.init_drtrl)
 
 
-def _lacks(primitive: Any, missing: tuple[str, ...], used_at: str | None = None) -> str:
+def _lacks(primitive: object, missing: tuple[str, ...], used_at: str | None = None) -> str:
     name = getattr(primitive, "name", primitive)
     where = f" (met at {used_at})" if used_at else ""
     return (
@@ -376,7 +400,7 @@ _RULE_FIELDS = frozenset({
 })
 
 
-def _checked(caller: str, field: str, value: Any) -> Any:
+def _checked(caller: str, field: str, value: _V) -> _V:
     """``value`` if it may be stored in ``field``; otherwise the error that says why not."""
     if field in _RULE_FIELDS:
         if not callable(value):
@@ -401,7 +425,7 @@ def _checked(caller: str, field: str, value: Any) -> Any:
     return value
 
 
-def _is_index(value: Any) -> bool:
+def _is_index(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 

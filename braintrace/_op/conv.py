@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Sequence, TypeVar
 
+import brainunit as u
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,7 +73,7 @@ __all__ = ["etp_conv_p", "conv", "resolved_padding"]
 # --- layout helpers -----------------------------------------------------------------------
 
 
-def _conv_layout(params: Mapping[str, Any]) -> tuple[int, int, int, int]:
+def _conv_layout(params: Params) -> tuple[int, int, int, int]:
     """``(n_spatial, channel_axis, batch_axis, kernel_out_axis)`` of an equation's output.
 
     ``channel_axis`` and ``batch_axis`` index the (batched) output ``y``; ``kernel_out_axis``
@@ -89,7 +90,7 @@ def _conv_layout(params: Mapping[str, Any]) -> tuple[int, int, int, int]:
 
 
 def _dimension_numbers(
-    x_shape: Sequence[int], k_shape: Sequence[int], params: Mapping[str, Any]
+    x_shape: Sequence[int], k_shape: Sequence[int], params: Params
 ) -> lax.ConvDimensionNumbers:
     return lax.conv_dimension_numbers(
         tuple(x_shape), tuple(k_shape), params.get("dimension_numbers")
@@ -97,7 +98,7 @@ def _dimension_numbers(
 
 
 def resolved_padding(
-    x_shape: Sequence[int], k_shape: Sequence[int], params: Mapping[str, Any]
+    x_shape: Sequence[int], k_shape: Sequence[int], params: Params
 ) -> tuple[tuple[int, int], ...]:
     """``(low, high)`` per spatial dimension, in the convolution's order (``lhs_spec[2:]``): the
     pairs as given, or a named padding resolved for the kernel's dilated extent, as
@@ -119,7 +120,7 @@ def resolved_padding(
     return tuple((int(lo), int(hi)) for lo, hi in pads)
 
 
-def _channel_last(hidden: Array, params: Mapping[str, Any]) -> Array:
+def _channel_last(hidden: Array, params: Params) -> Array:
     """A ``y``-shaped array (batched, or one sample) with the output channel moved last."""
     n_spatial, channel, _, _ = _conv_layout(params)
     if hidden.ndim == n_spatial + 2:
@@ -175,7 +176,7 @@ def _etp_conv_impl(
     rhs_dilation: tuple[int, ...] | None = None,
     feature_group_count: int = 1,
     batch_group_count: int = 1,
-    dimension_numbers: Any = None,
+    dimension_numbers: lax.ConvGeneralDilatedDimensionNumbers = None,
     kernel_fn: WeightFn | None = None,
     bias_fn: WeightFn | None = None,
 ) -> Array:
@@ -222,10 +223,13 @@ _DEFAULT_PARAMS: Params = dict(
     feature_group_count=1, batch_group_count=1, dimension_numbers=None, kernel_fn=None,
     bias_fn=None,
 )
-_RuleBody = Callable[[Array, Any, dict[str, Array], Params], dict[str, Array]]
+#: The second operand of a rule body: the hidden cotangent (``xy_to_dw``, ``instant_drtrl``) or the
+#: trace (``solve_drtrl``).
+_B = TypeVar("_B")
+_RuleBody = Callable[[Array, _B, dict[str, Array], Params], dict[str, Array]]
 
 
-def _compiled(body: _RuleBody) -> _RuleBody:
+def _compiled(body: _RuleBody[_B]) -> _RuleBody[_B]:
     """``body(a, b, weights, params)`` under one ``jax.jit`` keyed on the static params.
 
     Eager callers then compile each rule once per shape rather than once per operation;
@@ -233,17 +237,19 @@ def _compiled(body: _RuleBody) -> _RuleBody:
     """
 
     @partial(jax.jit, static_argnums=3)
-    def run(a: Array, b: Any, weights: dict[str, Array], frozen: tuple[tuple[str, Any], ...]) -> Any:
+    def run(
+        a: Array, b: _B, weights: dict[str, Array], frozen: tuple[tuple[str, object], ...]
+    ) -> dict[str, Array]:
         return body(a, b, weights, dict(frozen))
 
-    def call(a: Array, b: Any, weights: dict[str, Array], params: Params) -> dict[str, Array]:
+    def call(a: Array, b: _B, weights: dict[str, Array], params: Params) -> dict[str, Array]:
         frozen = tuple((k, params.get(k, d)) for k, d in _DEFAULT_PARAMS.items())
         return run(a, b, weights, frozen)
 
     return call
 
 
-def _conv_dt_to_t(hidden_dim: Array, trace: dict[str, Array], **params: Any) -> dict[str, Array]:
+def _conv_dt_to_t(hidden_dim: Array, trace: dict[str, Array], **params: object) -> dict[str, Array]:
     """``ε_K[b, s, …, o, …] · hd[b, s, o]`` and ``ε_b · hd``; hooks play no part."""
     n_spatial, _, _, kernel_out = _conv_layout(params)
     factor = _align_to_kernel(_channel_last(hidden_dim, params), n_spatial + 2, kernel_out)
@@ -254,7 +260,7 @@ def _conv_dt_to_t(hidden_dim: Array, trace: dict[str, Array], **params: Any) -> 
 
 
 def _conv_xy_to_dw(
-    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: Any
+    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: object
 ) -> dict[str, Array]:
     """The exact VJP of the convolution w.r.t. the raw kernel and bias, parameter-shaped.
 
@@ -370,7 +376,7 @@ def _probe_pullbacks(hook: WeightFn, point: Array, r: Array, v: Array) -> tuple[
 
 
 def _conv_extract_patches(
-    x: Array, kernel_shape: Sequence[int], params: Mapping[str, Any] | None = None, **kwargs: Any
+    x: Array, kernel_shape: Sequence[int], params: Params | None = None, **kwargs: object
 ) -> Array:
     """The input patch behind every output position: ``(B, *s, C_in, *k_spatial)``.
 
@@ -390,7 +396,7 @@ def _conv_extract_patches(
 
 
 def _window_patches(
-    x: Array, filter_shape: tuple[int, ...], dn: lax.ConvDimensionNumbers, p: Mapping[str, Any]
+    x: Array, filter_shape: tuple[int, ...], dn: lax.ConvDimensionNumbers, p: Params
 ) -> Array:
     """``lax.conv_general_dilated_patches(x, filter_shape, …)``, read off by strided slices.
 
@@ -428,7 +434,7 @@ def _window_patches(
     return jnp.transpose(logical, tuple(int(a) for a in np.argsort(dn.out_spec)))
 
 
-def _kernel_slabs(x: Array, hidden: Array, kernel: Array, params: Mapping[str, Any]) -> Array:
+def _kernel_slabs(x: Array, hidden: Array, kernel: Array, params: Params) -> Array:
     """``patch[b, s, g·C_g + c, u] · hd[b, s, o]`` laid out as ``(B, *s, *K.shape)``."""
     dn = _dimension_numbers(x.shape, kernel.shape, params)
     groups = params.get("feature_group_count", 1)
@@ -449,7 +455,7 @@ def _kernel_slabs(x: Array, hidden: Array, kernel: Array, params: Mapping[str, A
 
 
 def _conv_instant_drtrl(
-    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: Any
+    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: object
 ) -> dict[str, Array]:
     """The instantaneous per-position trace term: patch ⊗ ``hd``, pulled back through the hooks.
 
@@ -483,7 +489,7 @@ def _instant_body(
 _instant_compiled = _compiled(_instant_body)
 
 
-def _bias_instant(hidden: Array, bias: Array, params: Mapping[str, Any]) -> Array:
+def _bias_instant(hidden: Array, bias: Array, params: Params) -> Array:
     bias_fn = params.get("bias_fn")
     if bias_fn is None:
         slope = jnp.ones_like(bias)
@@ -495,7 +501,7 @@ def _bias_instant(hidden: Array, bias: Array, params: Mapping[str, Any]) -> Arra
 
 
 def _conv_solve_drtrl(
-    dg_hidden: Array, trace: dict[str, Array], weights: dict[str, Array], **params: Any
+    dg_hidden: Array, trace: dict[str, Array], weights: dict[str, Array], **params: object
 ) -> dict[str, Array]:
     """``∇K[…, o, …] = Σ_s g[s, o] ε_K[s, …, o, …]``, ``∇b = Σ_s g[s] ε_b[s]`` summed to ``b``.
 
@@ -524,7 +530,18 @@ _solve_compiled = _compiled(_solve_body)
 
 
 def _conv_snap_adjacency(
-    x_shape: tuple[int, ...], y_shape: tuple[int, ...], *, operand_shapes: Sequence[tuple[int, ...]], **params: Any
+    x_shape: tuple[int, ...],
+    y_shape: tuple[int, ...],
+    *,
+    operand_shapes: Sequence[tuple[int, ...]],
+    strides: tuple[int, ...],
+    padding: str | tuple[tuple[int, int], ...] = "SAME",
+    lhs_dilation: tuple[int, ...] | None = None,
+    rhs_dilation: tuple[int, ...] | None = None,
+    feature_group_count: int = 1,
+    batch_group_count: int = 1,
+    dimension_numbers: lax.ConvGeneralDilatedDimensionNumbers = None,
+    **params: object,
 ) -> tuple[np.ndarray | None, ...] | None:
     """Output position ``o`` reads input ``i`` where a kernel tap lands on it.
 
@@ -542,24 +559,25 @@ def _conv_snap_adjacency(
     (True, [[1, 1, 0, 0], [1, 1, 1, 0], [0, 1, 1, 1], [0, 0, 1, 1]], True)
     """
     k_shape = tuple(operand_shapes[1])
-    if not len(x_shape) == len(y_shape) == len(k_shape) or params.get("batch_group_count", 1) != 1:
+    if not len(x_shape) == len(y_shape) == len(k_shape) or batch_group_count != 1:
         return None
-    lhs_spec, rhs_spec, out_spec = lax.conv_dimension_numbers(x_shape, k_shape, params.get("dimension_numbers"))
+    lhs_spec, rhs_spec, out_spec = lax.conv_dimension_numbers(x_shape, k_shape, dimension_numbers)
     if tuple(lhs_spec) != tuple(out_spec):
         return None
     n_spatial = len(lhs_spec) - 2
-    strides = tuple(params["strides"])
-    lhs_dilation = tuple(params.get("lhs_dilation") or (1,) * n_spatial)
-    rhs_dilation = tuple(params.get("rhs_dilation") or (1,) * n_spatial)
-    if isinstance(params.get("padding", "SAME"), str) and any(d != 1 for d in lhs_dilation):
+    strides = tuple(strides)
+    lhs_dilation = tuple(lhs_dilation or (1,) * n_spatial)
+    rhs_dilation = tuple(rhs_dilation or (1,) * n_spatial)
+    if isinstance(padding, str) and any(d != 1 for d in lhs_dilation):
         return None
     kernel = [k_shape[a] for a in rhs_spec[2:]]
-    padding = resolved_padding(x_shape, k_shape, params)
+    pads = resolved_padding(x_shape, k_shape, dict(
+        strides=strides, padding=padding, rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers))
     patterns: list[np.ndarray | None] = [None] * len(y_shape)
     for d, axis in enumerate(lhs_spec[2:]):
-        patterns[axis] = _taps(y_shape[axis], x_shape[axis], kernel[d], strides[d], padding[d][0],
+        patterns[axis] = _taps(y_shape[axis], x_shape[axis], kernel[d], strides[d], pads[d][0],
                                lhs_dilation[d], rhs_dilation[d])
-    groups = int(params.get("feature_group_count", 1))
+    groups = int(feature_group_count)
     c_in, c_out = x_shape[lhs_spec[1]], y_shape[out_spec[1]]
     patterns[out_spec[1]] = np.equal.outer(np.arange(c_out) // (c_out // groups), np.arange(c_in) // (c_in // groups))
     return tuple(patterns)
@@ -603,10 +621,10 @@ def conv(
     rhs_dilation: int | Sequence[int] | None = None,
     feature_group_count: int = 1,
     batch_group_count: int = 1,
-    dimension_numbers: Any = None,
+    dimension_numbers: lax.ConvGeneralDilatedDimensionNumbers = None,
     kernel_fn: WeightFn | None = None,
     bias_fn: WeightFn | None = None,
-) -> Any:
+) -> Array | u.Quantity:
     """N-D convolution whose kernel (and bias) learn online with eligibility traces.
 
     Use it in place of ``jax.lax.conv_general_dilated`` for a kernel that should take part

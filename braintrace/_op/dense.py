@@ -29,8 +29,7 @@ Array([3.5, 3.5, 3.5, 3.5], dtype=float32)
 
 from __future__ import annotations
 
-from typing import Any
-
+import brainunit as u
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,7 +106,7 @@ register_batched_counterpart(etp_mv_p, etp_mm_p)
 # --- ETP rules --------------------------------------------------------------------------
 
 
-def _mm_dt_to_t(hidden_dim: Array, trace: dict[str, Array], **params: Any) -> dict[str, Array]:
+def _mm_dt_to_t(hidden_dim: Array, trace: dict[str, Array], **params: object) -> dict[str, Array]:
     """``ε_W[..., i, o] · hd[..., o]`` and ``ε_b[..., o] · hd[..., o]``; hooks play no part."""
     out = {"weight": trace["weight"] * jnp.expand_dims(hidden_dim, -2)}
     if "bias" in trace:
@@ -120,17 +119,18 @@ _mv_dt_to_t = _mm_dt_to_t
 
 
 def _matmul_xy_to_dw(
-    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: Any
+    x: Array, hidden_dim: Array, weights: dict[str, Array], *, bias_fn: WeightFn | None = None,
+    **params: object,
 ) -> dict[str, Array]:
     """Pull ``hidden_dim`` back to the raw parameters: ``f_W'ᵀ(xᵀ hd)`` and ``f_b'ᵀ(Σ hd)``."""
     out = pullback(_etp_matmul_impl, x, hidden_dim, {"weight": weights["weight"]}, {**params, "has_bias": False})
     if "bias" in weights:
-        out["bias"] = hook_pullback(params.get("bias_fn"), weights["bias"], hidden_dim)
+        out["bias"] = hook_pullback(bias_fn, weights["bias"], hidden_dim)
     return out
 
 
 def _matmul_instant_drtrl(
-    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: Any
+    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: object
 ) -> dict[str, Array]:
     """The instantaneous term in the transformed space: ``x ⊗ hd`` and ``hd``, no hook Jacobian.
 
@@ -300,7 +300,7 @@ _DENSE_FAST_PATH = FastPathRules(
 )
 
 def _dense_snap_adjacency(
-    x_shape: tuple[int, ...], y_shape: tuple[int, ...], **params: Any
+    x_shape: tuple[int, ...], y_shape: tuple[int, ...], **params: object
 ) -> tuple[np.ndarray | None, ...] | None:
     """Every output reads every input on the last axis; the leading (batch) axes are the identity."""
     if len(x_shape) != len(y_shape) or x_shape[:-1] != y_shape[:-1]:
@@ -332,7 +332,7 @@ def matmul(
     *,
     weight_fn: WeightFn | None = None,
     bias_fn: WeightFn | None = None,
-) -> Any:
+) -> Array | u.Quantity:
     """Dense ``x @ weight (+ bias)`` whose parameters learn online with eligibility traces.
 
     Use it in place of ``x @ W`` for a weight that should take part in online learning; a

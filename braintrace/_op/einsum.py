@@ -53,8 +53,9 @@ from __future__ import annotations
 
 import functools
 import string
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
+import brainunit as u
 import jax
 import jax.numpy as jnp
 
@@ -271,7 +272,7 @@ def _checked_trace(spec: EinsumSpec, trace: Array, letters: str, rule: str) -> A
 
 
 def _einsum_dt_to_t(
-    hidden_dim: Array, trace: dict[str, Array], *, equation: str, **params: Any
+    hidden_dim: Array, trace: dict[str, Array], *, equation: str, **params: object
 ) -> dict[str, Array]:
     """``ε[b, s, w] · hd[b, y(d(w), s)]``: each entry is discounted at its own output position.
 
@@ -284,7 +285,7 @@ def _einsum_dt_to_t(
 
 
 def _einsum_xy_to_dw(
-    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: Any
+    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: object
 ) -> dict[str, Array]:
     """The exact pullback of ``hidden_dim`` to the raw weight, through ``weight_fn``.
 
@@ -295,7 +296,7 @@ def _einsum_xy_to_dw(
 
 
 def _einsum_instant_drtrl(
-    x: Array, hidden_dim: Array, weights: dict[str, Array], *, equation: str, **params: Any
+    x: Array, hidden_dim: Array, weights: dict[str, Array], *, equation: str, **params: object
 ) -> dict[str, Array]:
     """The trace of ``hd · y`` with respect to ``V = f_W(W)``, per shared position.
 
@@ -370,7 +371,7 @@ def _einsum_init_pp(
     y_var: Var,
     weight_vars: dict[str, Var],
     num_hidden_state: int,
-    **unused: Any,
+    **unused: object,
 ) -> Array:
     """``zeros((*y.shape, S), y.dtype)``; extra keywords (``eqn_params``) are ignored."""
     return zeros_pp(x_var, y_var, weight_vars, num_hidden_state)
@@ -427,7 +428,7 @@ def _check_weight_fn(weight_fn: WeightFn | None, w: Array, op: str) -> None:
 
 def einsum(
     equation: str, x: ArrayLike, weight: ArrayLike, *, weight_fn: WeightFn | None = None
-) -> Any:
+) -> Array | u.Quantity:
     """Batched tensor contraction ``einsum(equation, x, weight)`` whose weight learns online.
 
     Use it for contractions :func:`braintrace.matmul` cannot express: per-head weights

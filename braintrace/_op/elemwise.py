@@ -21,8 +21,7 @@ Array([1., 2.], dtype=float32)
 
 from __future__ import annotations
 
-from typing import Any
-
+import brainunit as u
 import jax
 import jax.numpy as jnp
 
@@ -40,7 +39,7 @@ from braintrace._op._rule_helpers import (
     shape_of,
     sum_over_states,
 )
-from braintrace._typing import Array, ArrayLike, HiddenGroupLike, WeightFn
+from braintrace._typing import Array, ArrayLike, HiddenGroupLike, Params, WeightFn
 
 __all__ = ["etp_elemwise_p", "element_wise"]
 
@@ -49,7 +48,7 @@ def _etp_elemwise_impl(weight: Array, *, weight_fn: WeightFn | None = None) -> A
     return apply_hook(weight_fn, weight)
 
 
-def _elemwise_trainable_invars(eqn_params: dict[str, Any]) -> dict[str, int]:
+def _elemwise_trainable_invars(eqn_params: Params) -> dict[str, int]:
     return {"weight": 0}
 
 
@@ -66,7 +65,7 @@ etp_elemwise_p = register_primitive(
 # --- ETP rules --------------------------------------------------------------------------
 
 
-def _elemwise_dt_to_t(hidden_dim: Array, trace: dict[str, Array], **params: Any) -> dict[str, Array]:
+def _elemwise_dt_to_t(hidden_dim: Array, trace: dict[str, Array], **params: object) -> dict[str, Array]:
     """``ε · hd``: position ``i`` of the trace follows position ``i`` of the hidden state."""
     return {"weight": trace["weight"] * hidden_dim}
 
@@ -95,7 +94,7 @@ def _elemwise_xy_to_dw(
 
 
 def _elemwise_instant_drtrl(
-    x: Array | None, hidden_dim: Array, weights: dict[str, Array], **params: Any
+    x: Array | None, hidden_dim: Array, weights: dict[str, Array], **params: object
 ) -> dict[str, Array]:
     """The instantaneous trace term in ``y`` space: ``∂h/∂y = df`` (no transform Jacobian)."""
     return {"weight": hidden_dim}
@@ -191,7 +190,7 @@ etp_elemwise_p.register_etp_rules(
 # --- user function ------------------------------------------------------------------------
 
 
-def element_wise(weight: ArrayLike, *, weight_fn: WeightFn | None = None) -> Any:
+def element_wise(weight: ArrayLike, *, weight_fn: WeightFn | None = None) -> Array | u.Quantity:
     """Use a parameter directly (e.g. a leak or a gain) so that it learns online.
 
     Parameters

@@ -31,13 +31,11 @@ Array([4., 6.], dtype=float32)
 
 from __future__ import annotations
 
-from typing import Any
-
 import brainunit as u
 import jax
 import jax.numpy as jnp
 
-from braintrace._compatible_imports import Var
+from braintrace._compatible_imports import ShapedArray, Var
 from braintrace._op._operands import check_hook, check_rank, split_units, with_unit
 from braintrace._op._primitive import register_primitive
 from braintrace._op._registries import register_batched_counterpart
@@ -93,13 +91,13 @@ register_batched_counterpart(etp_emb_v_p, etp_emb_p)
 # --- ETP rules --------------------------------------------------------------------------
 
 
-def _emb_dt_to_t(hidden_dim: Array, trace: dict[str, Array], **params: Any) -> dict[str, Array]:
+def _emb_dt_to_t(hidden_dim: Array, trace: dict[str, Array], **params: object) -> dict[str, Array]:
     """``ε[..., v, d] · hd[..., d]``: every table row follows the output feature it feeds."""
     return {"weight": trace["weight"] * jnp.expand_dims(hidden_dim, -2)}
 
 
 def _emb_xy_to_dw(
-    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: Any
+    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: object
 ) -> dict[str, Array]:
     """Pull ``hidden_dim`` back to the raw table, through ``weight_fn``.
 
@@ -114,7 +112,7 @@ def _emb_xy_to_dw(
 
 
 def _emb_instant_drtrl(
-    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: Any
+    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: object
 ) -> dict[str, Array]:
     """The instantaneous term in the transformed space: ``hd`` scattered into the looked-up row.
 
@@ -130,14 +128,14 @@ def _emb_solve_drtrl(
     weights: dict[str, Array],
     *,
     weight_fn: WeightFn | None = None,
-    **params: Any,
+    **params: object,
 ) -> dict[str, Array]:
     """``∇T = f_W'(T)ᵀ (ε · g[..., None, :])``, leading axes summed before the VJP."""
     cotangent = trace["weight"] * jnp.expand_dims(signal, -2)
     return {"weight": hook_pullback(weight_fn, weights["weight"], cotangent)}
 
 
-def _emb_pp_x_repr(x: Array, weight_avals: dict[str, Any]) -> Array:
+def _emb_pp_x_repr(x: Array, weight_avals: dict[str, ShapedArray]) -> Array:
     """``one_hot(x, V)`` in the table's dtype: the input the IO-dim x trace low-pass filters.
 
     Negative indices count from the end of the table, as they do in the lookup itself, so
@@ -192,7 +190,7 @@ for _p, _init in ((etp_emb_p, _emb_init_drtrl), (etp_emb_v_p, _emb_v_init_drtrl)
 # --- user function ------------------------------------------------------------------------
 
 
-def _integer_indices(indices: Any, op: str) -> Array:
+def _integer_indices(indices: object, op: str) -> Array:
     if isinstance(indices, u.Quantity):
         if not indices.is_unitless:
             raise TypeError(
@@ -217,7 +215,7 @@ def _integer_indices(indices: Any, op: str) -> Array:
 
 def embedding(
     indices: ArrayLike, weight: ArrayLike, *, weight_fn: WeightFn | None = None
-) -> Any:
+) -> Array | u.Quantity:
     """Look up rows of a table, ``weight[indices]``, so that the table learns online.
 
     Parameters

@@ -29,8 +29,7 @@ Array([4., 4., 4., 4., 4.], dtype=float32)
 
 from __future__ import annotations
 
-from typing import Any
-
+import brainunit as u
 import jax.numpy as jnp
 
 from braintrace._compatible_imports import Var
@@ -100,7 +99,7 @@ register_batched_counterpart(etp_gmv_p, etp_gmm_p)
 
 
 def _grouped_dt_to_t(
-    hidden_dim: Array, trace: dict[str, Array], **params: Any
+    hidden_dim: Array, trace: dict[str, Array], **params: object
 ) -> dict[str, Array]:
     """``ε_W[..., g, k, n] · hd[..., g, n]`` and ``ε_b[..., g, n] · hd[..., g, n]``.
 
@@ -114,7 +113,7 @@ def _grouped_dt_to_t(
 
 
 def _grouped_xy_to_dw(
-    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: Any
+    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: object
 ) -> dict[str, Array]:
     """Pull ``hidden_dim`` back to the raw parameters in one fused VJP of the impl.
 
@@ -124,7 +123,7 @@ def _grouped_xy_to_dw(
 
 
 def _grouped_instant_drtrl(
-    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: Any
+    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: object
 ) -> dict[str, Array]:
     """The instantaneous term in the transformed space: ``x[g, k] · hd[g, n]`` and ``hd``.
 
@@ -243,7 +242,7 @@ def grouped_matmul(
     *,
     weight_fn: WeightFn | None = None,
     bias_fn: WeightFn | None = None,
-) -> Any:
+) -> Array | u.Quantity:
     """``G`` independent dense maps, ``y[..., g] = x[..., g] @ weight[g] (+ bias[g])``, learned online.
 
     Use it for block-diagonal connectivity (e.g. per-head or per-module projections): each

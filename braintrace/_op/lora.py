@@ -30,8 +30,8 @@ Array([2., 2., 2., 2.], dtype=float32)
 from __future__ import annotations
 
 import math
-from typing import Any
 
+import brainunit as u
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -111,7 +111,7 @@ register_batched_counterpart(etp_lora_mv_p, etp_lora_mm_p)
 # --- ETP rules --------------------------------------------------------------------------
 
 
-def _lora_dt_to_t(hidden_dim: Array, trace: dict[str, Array], **params: Any) -> dict[str, Array]:
+def _lora_dt_to_t(hidden_dim: Array, trace: dict[str, Array], **params: object) -> dict[str, Array]:
     """Every trace entry follows one output: multiply the output axis by ``hd``."""
     g = jnp.expand_dims(hidden_dim, -2)
     out = {"lora_b": trace["lora_b"] * g, "lora_a": trace["lora_a"] * g}
@@ -121,7 +121,7 @@ def _lora_dt_to_t(hidden_dim: Array, trace: dict[str, Array], **params: Any) -> 
 
 
 def _lora_xy_to_dw(
-    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: Any
+    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: object
 ) -> dict[str, Array]:
     """The exact pullback of ``hidden_dim`` to the raw ``B``, ``A`` (and ``b``), hooks included.
 
@@ -245,10 +245,11 @@ for _p, _init in ((etp_lora_mm_p, _lora_mm_init_drtrl), (etp_lora_mv_p, _lora_mv
 # --- user function ------------------------------------------------------------------------
 
 
-def _static_alpha(alpha: Any, op: str) -> float:
+def _static_alpha(alpha: object, op: str) -> float:
     """``alpha`` as a Python float: it is a static parameter of the primitive."""
-    is_scalar_array = isinstance(alpha, (np.ndarray, np.generic, jax.Array)) and np.ndim(alpha) == 0
-    if isinstance(alpha, bool) or not (isinstance(alpha, (int, float)) or is_scalar_array):
+    is_array = not isinstance(alpha, (int, float))
+    if (isinstance(alpha, bool) or not isinstance(alpha, (int, float, np.ndarray, np.generic, jax.Array))
+            or (is_array and np.ndim(alpha) != 0)):  # an array only as a scalar
         raise TypeError(
             f"{op}: alpha must be a real number, got {type(alpha).__name__}: {alpha!r}."
         )
@@ -304,7 +305,7 @@ def lora_matmul(
     b_fn: WeightFn | None = None,
     a_fn: WeightFn | None = None,
     bias_fn: WeightFn | None = None,
-) -> Any:
+) -> Array | u.Quantity:
     """Low-rank ``alpha · x @ B @ A (+ bias)`` whose factors learn online with eligibility traces.
 
     Parameters

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-from typing import Any
+from typing import Union
 
 import brainevent
 import brainunit as u
@@ -102,7 +102,7 @@ class _HashableSparseMat:
 
     __slots__ = ("mat", "coordinates")
 
-    def __init__(self, mat: Any) -> None:
+    def __init__(self, mat: brainevent.DataRepresentation) -> None:
         self.mat = mat
         #: ``(row(p), col(p))`` of every stored entry, when the structure has them (computed once).
         self.coordinates = _entry_coordinates(mat)
@@ -117,7 +117,11 @@ class _HashableSparseMat:
         return f"_HashableSparseMat({type(self.mat).__name__}, shape={tuple(self.mat.shape)})"
 
 
-def _needs_pure_jax_kernels(mat: Any) -> bool:
+#: The ``sparse_mat`` parameter of an ``etp_sp_mm`` equation (wrapped) or a structure itself.
+_SparseParam = Union[_HashableSparseMat, brainevent.DataRepresentation]
+
+
+def _needs_pure_jax_kernels(mat: brainevent.DataRepresentation) -> bool:
     """Whether brainevent would pick its numba CPU kernels for ``mat`` while numba is missing.
 
     An explicit choice is always respected: a backend named on the structure, or a global
@@ -131,7 +135,7 @@ def _needs_pure_jax_kernels(mat: Any) -> bool:
     return jax.default_backend() == "cpu" and brainevent.config.get_backend("cpu") is None
 
 
-def _structure(sparse_mat: Any) -> Any:
+def _structure(sparse_mat: _SparseParam) -> brainevent.DataRepresentation:
     """The structure a rule or the impl computes with: unwrapped, with usable kernels."""
     mat = sparse_mat.mat if isinstance(sparse_mat, _HashableSparseMat) else sparse_mat
     if _needs_pure_jax_kernels(mat):
@@ -140,7 +144,7 @@ def _structure(sparse_mat: Any) -> Any:
     return mat
 
 
-def stored_entries(sparse_mat: Any) -> tuple[np.ndarray, np.ndarray] | None:
+def stored_entries(sparse_mat: _SparseParam) -> tuple[np.ndarray, np.ndarray] | None:
     """``(row(p), col(p))`` of each stored entry of an ``etp_sp_mm`` structure, on the host, in the
     order of the weight's values (``None``: not a CSR or CSC with concrete indices)."""
     if isinstance(sparse_mat, _HashableSparseMat):
@@ -148,11 +152,11 @@ def stored_entries(sparse_mat: Any) -> tuple[np.ndarray, np.ndarray] | None:
     return _entry_coordinates(_structure(sparse_mat))
 
 
-def _nnz_shape(mat: Any) -> tuple[int, ...]:
+def _nnz_shape(mat: brainevent.DataRepresentation) -> tuple[int, ...]:
     return tuple(np.shape(mat.data))
 
 
-def _entry_coordinates(mat: Any) -> tuple[np.ndarray, np.ndarray] | None:
+def _entry_coordinates(mat: brainevent.DataRepresentation) -> tuple[np.ndarray, np.ndarray] | None:
     """``(row(p), col(p))`` of each stored entry of a CSR or CSC with concrete indices, on the host.
 
     ``None`` for any other structure, or one whose indices are traced.
@@ -167,7 +171,7 @@ def _entry_coordinates(mat: Any) -> tuple[np.ndarray, np.ndarray] | None:
     return (compressed, indices) if isinstance(mat, brainevent.CSR) else (indices, compressed)
 
 
-def _kernel_backend(mat: Any) -> str | None:
+def _kernel_backend(mat: brainevent.DataRepresentation) -> str | None:
     """The brainevent kernels that run for ``mat`` on this platform: its own backend, else
     brainevent's global choice for the platform, else numba on CPU where it is installed
     (``None``: brainevent's default elsewhere)."""
@@ -177,7 +181,7 @@ def _kernel_backend(mat: Any) -> str | None:
     return None if backend is None else str(backend)
 
 
-def _numba_kernels(mat: Any) -> bool:
+def _numba_kernels(mat: brainevent.DataRepresentation) -> bool:
     """Whether brainevent runs its numba CPU kernels for ``mat``.
 
     Its numba kernel for a matrix operand updates one row slice per stored entry, which at a
@@ -186,7 +190,7 @@ def _numba_kernels(mat: Any) -> bool:
     return jax.default_backend() == "cpu" and _kernel_backend(mat) == "numba"
 
 
-def _by_coordinates(mat: Any) -> bool:
+def _by_coordinates(mat: brainevent.DataRepresentation) -> bool:
     """Whether the product runs as a gather and scatter-add over the host coordinates.
 
     Where brainevent would run its pure-JAX kernels: they find each stored entry's row with a
@@ -200,7 +204,9 @@ def _by_coordinates(mat: Any) -> bool:
     return backend == _PURE_JAX_BACKEND or (backend is None and jax.default_backend() != "cpu")
 
 
-def _product(x: Array, values: Array, mat: Any, coordinates: tuple[np.ndarray, np.ndarray] | None) -> Array:
+def _product(
+    x: Array, values: Array, mat: brainevent.DataRepresentation, coordinates: tuple[np.ndarray, np.ndarray] | None
+) -> Array:
     """``x @ mat.with_data(values)``, differentiated with respect to ``values`` by host coordinates.
 
     Without coordinates, brainevent's own differentiation rules apply. A batch of inputs goes
@@ -233,7 +239,9 @@ def _product(x: Array, values: Array, mat: Any, coordinates: tuple[np.ndarray, n
     def product(x: Array, values: Array) -> Array:
         return matmul(x, values)
 
-    def product_jvp(primals: tuple[Array, Array], tangents: tuple[Any, Any]) -> tuple[Array, Array]:
+    def product_jvp(
+        primals: tuple[Array, Array], tangents: tuple[Array | SymbolicZero, Array | SymbolicZero]
+    ) -> tuple[Array, Array]:
         x, values = primals
         dx, dv = tangents
         y = product(x, values)
@@ -253,7 +261,7 @@ def _etp_sp_matmul_impl(
     weight: Array,
     bias: Array | None = None,
     *,
-    sparse_mat: Any,
+    sparse_mat: _SparseParam,
     has_bias: bool = False,
     weight_fn: WeightFn | None = None,
     bias_fn: WeightFn | None = None,
@@ -287,7 +295,7 @@ register_batched_counterpart(etp_sp_mv_p, etp_sp_mm_p)
 # --- ETP rules --------------------------------------------------------------------------
 
 
-def _host_coordinates(sparse_mat: Any) -> tuple[np.ndarray, np.ndarray] | None:
+def _host_coordinates(sparse_mat: _SparseParam) -> tuple[np.ndarray, np.ndarray] | None:
     """``(row(p), col(p))`` of an equation's structure parameter, or ``None`` where it has none."""
     return sparse_mat.coordinates if isinstance(sparse_mat, _HashableSparseMat) else None
 
@@ -315,7 +323,7 @@ def _entry_cotangent(x: Array, hidden_dim: Array, coordinates: tuple[np.ndarray,
     return _at_entries(x, rows).astype(dtype) * _at_entries(materialised(hidden_dim), cols).astype(dtype)
 
 
-def _gather_columns(sparse_mat: Any, hidden_dim: Array, trace: Array) -> Array:
+def _gather_columns(sparse_mat: _SparseParam, hidden_dim: Array, trace: Array) -> Array:
     """``trace[..., p] · hidden_dim[..., col(p)]`` through the structure's protocol.
 
     The protocol takes one ``(O,)`` vector and one nnz-shaped array, so any leading axes
@@ -346,7 +354,7 @@ def _gather_columns(sparse_mat: Any, hidden_dim: Array, trace: Array) -> Array:
 
 
 def _sp_mm_dt_to_t(
-    hidden_dim: Array, trace: dict[str, Array], *, sparse_mat: Any, **params: Any
+    hidden_dim: Array, trace: dict[str, Array], *, sparse_mat: _SparseParam, **params: object
 ) -> dict[str, Array]:
     """``ε_w[..., p] · hd[..., col(p)]`` and ``ε_b[..., o] · hd[..., o]``; hooks play no part."""
     out = {"weight": _gather_columns(sparse_mat, hidden_dim, trace["weight"])}
@@ -360,7 +368,7 @@ _sp_mv_dt_to_t = _sp_mm_dt_to_t
 
 
 def _sp_xy_to_dw(
-    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: Any
+    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: object
 ) -> dict[str, Array]:
     """Pull ``hidden_dim`` back to the raw parameters in one VJP through ``with_data``.
 
@@ -372,7 +380,7 @@ def _sp_xy_to_dw(
 
 
 def _sp_instant_drtrl(
-    x: Array, hidden_dim: Array, weights: dict[str, Array], **params: Any
+    x: Array, hidden_dim: Array, weights: dict[str, Array], *, sparse_mat: _SparseParam, **params: object
 ) -> dict[str, Array]:
     """The instantaneous term in the transformed space: ``x[row(p)] · hd[col(p)]`` and ``hd``.
 
@@ -381,9 +389,9 @@ def _sp_instant_drtrl(
     directly, ``x`` at the rows the way the product gathers it, so that a step computes that
     gather once for both; the impl's VJP would gather it again (its product is rematerialised).
     """
-    coordinates = _host_coordinates(params["sparse_mat"])
+    coordinates = _host_coordinates(sparse_mat)
     if coordinates is None:
-        plain = {**strip_hooks(params), "has_bias": False}
+        plain = {**strip_hooks(params), "sparse_mat": sparse_mat, "has_bias": False}
         out = pullback(_etp_sp_matmul_impl, x, hidden_dim, {"weight": weights["weight"]}, plain)
     else:
         weight = weights["weight"]
@@ -399,10 +407,10 @@ def _sp_solve_drtrl(
     trace: dict[str, Array],
     weights: dict[str, Array],
     *,
-    sparse_mat: Any,
+    sparse_mat: _SparseParam,
     weight_fn: WeightFn | None = None,
     bias_fn: WeightFn | None = None,
-    **params: Any,
+    **params: object,
 ) -> dict[str, Array]:
     """``∇data = f_W'(data)ᵀ (ε[p] · g[col(p)])`` and ``∇b = f_b'(b)ᵀ (ε_b · g)``."""
     cotangent = _gather_columns(sparse_mat, signal, trace["weight"])
@@ -434,7 +442,7 @@ def _sp_mv_init_drtrl(
 
 
 def _sp_snap_adjacency(
-    x_shape: tuple[int, ...], y_shape: tuple[int, ...], *, sparse_mat: Any, **params: Any
+    x_shape: tuple[int, ...], y_shape: tuple[int, ...], *, sparse_mat: _SparseParam, **params: object
 ) -> tuple[np.ndarray | None, ...] | None:
     """Output ``o`` reads input ``i`` where the structure stores ``(i, o)``: its pattern, transposed.
 
@@ -477,7 +485,7 @@ for _p, _dt_to_t, _init in (
 # --- user function ------------------------------------------------------------------------
 
 
-def _check_structure(sparse_mat: Any, op: str) -> None:
+def _check_structure(sparse_mat: object, op: str) -> None:
     if isinstance(sparse_mat, brainevent.JITCMatrix):
         raise TypeError(
             f"{op}: sparse_mat is procedurally generated connectivity "
@@ -499,7 +507,9 @@ def _check_structure(sparse_mat: Any, op: str) -> None:
     )
 
 
-def _with_data_template(mat: Any, dtype: Any, op: str) -> Any:
+def _with_data_template(
+    mat: brainevent.DataRepresentation, dtype: np.dtype[np.generic], op: str
+) -> brainevent.DataRepresentation:
     """``mat``, or a copy of its pattern whose stored values ``with_data`` can replace.
 
     ``with_data`` requires the new values to match the stored ones in dtype and unit; the
@@ -521,11 +531,11 @@ def sparse_matmul(
     x: ArrayLike,
     weight: ArrayLike,
     *,
-    sparse_mat: Any,
+    sparse_mat: brainevent.DataRepresentation,
     bias: ArrayLike | None = None,
     weight_fn: WeightFn | None = None,
     bias_fn: WeightFn | None = None,
-) -> Any:
+) -> Array | u.Quantity:
     """Sparse ``x @ M(weight) (+ bias)`` whose non-zero values learn online with eligibility traces.
 
     ``sparse_mat`` fixes which connections exist; ``weight`` holds their values (the
@@ -600,7 +610,7 @@ def sparse_matmul(
     return with_unit(y, unit)
 
 
-def _check_shapes(x: Array, weight: Array, mat: Any, op: str) -> None:
+def _check_shapes(x: Array, weight: Array, mat: brainevent.DataRepresentation, op: str) -> None:
     n_in, n_out = tuple(mat.shape)
     nnz = _nnz_shape(mat)
     if tuple(weight.shape) != nnz:

@@ -69,7 +69,6 @@ True
 # under private aliases, and no ``from __future__`` import (it would bind ``annotations`` here).
 # ``dir()`` adds the deprecated names ``__getattr__`` forwards to brainstate.nn / brainpy.state.
 import importlib as _importlib
-import typing as _typing
 import warnings as _warnings
 
 from braintrace.nn._conv import Conv1d, Conv2d, Conv3d
@@ -144,7 +143,7 @@ _MOVED_TO_BRAINSTATE = frozenset(
 )
 
 
-def _from_brainpy(name: str) -> _typing.Any:
+def _from_brainpy(name: str) -> type:
     try:
         module = _importlib.import_module("brainpy.state")
     except ImportError as err:
@@ -161,7 +160,7 @@ def _from_brainpy(name: str) -> _typing.Any:
     return getattr(module, name)
 
 
-def __getattr__(name: str) -> _typing.Any:
+def __getattr__(name: str) -> type:
     if name in _MOVED_TO_BRAINPY:
         return _from_brainpy(name)
     if name in _MOVED_TO_BRAINSTATE:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import inspect
 import operator
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping, SupportsIndex
 
 import brainstate
 import brainunit as u
@@ -46,16 +46,16 @@ from braintrace._compatible_imports import Tracer
 __all__ = ["ArgumentCheck", "positive_int", "size_tuple", "check_time_constant", "check_constructor_arguments"]
 
 #: A check of one argument: ``check(layer, arg, value)`` raises if the value is refused.
-ArgumentCheck = Callable[[str, str, Any], object]
+ArgumentCheck = Callable[[str, str, object], object]
 
 
-def _as_positive_int(value: Any) -> int | None:
+def _as_positive_int(value: object) -> int | None:
     """``value`` as an ``int`` if it is a positive integer (not a bool), else ``None``.
 
     ``operator.index`` accepts exactly the integers: Python and NumPy integers and 0-d integer
     arrays, not floats (even ``2.0``) or strings.
     """
-    if isinstance(value, (bool, np.bool_)):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, SupportsIndex):
         return None
     try:
         number = operator.index(value)
@@ -116,7 +116,7 @@ def size_tuple(layer: str, arg: str, value: object) -> tuple[int, ...]:
     return tuple(size for size in sizes if size is not None)
 
 
-def _describe_entry(value: Any, entries: np.ndarray, refused: np.ndarray) -> str:
+def _describe_entry(value: object, entries: np.ndarray, refused: np.ndarray) -> str:
     """The first refused entry of ``value``, with its unit and, in an array, its index."""
     index = tuple(int(i) for i in np.argwhere(refused)[0])
     unit = u.get_unit(value)
@@ -161,8 +161,8 @@ def check_time_constant(layer: str, arg: str, value: object) -> None:
 def check_constructor_arguments(
     layer: str,
     constructor: Callable[..., object],
-    args: tuple[Any, ...],
-    kwargs: Mapping[str, Any],
+    args: tuple[object, ...],
+    kwargs: Mapping[str, object],
     checks: Mapping[str, ArgumentCheck],
 ) -> None:
     """Run ``checks`` on the arguments ``constructor`` is about to receive.

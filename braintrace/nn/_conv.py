@@ -9,7 +9,7 @@ convolution hook so that the kernel and bias reach the model through
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Callable, Sequence
 
 import brainstate
 import brainunit as u
@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from braintrace._op.conv import conv
+from braintrace._typing import Value
 from braintrace.nn._arguments import ArgumentCheck, check_constructor_arguments, positive_int, size_tuple
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d"]
@@ -37,7 +38,7 @@ _CONV_SIZES: dict[str, ArgumentCheck] = {
 _SPATIAL_AXES = {1: ("L",), 2: ("H", "W"), 3: ("H", "W", "D")}
 
 
-def _kernel_mask_fn(mask: Any) -> Callable[[jax.Array], jax.Array]:
+def _kernel_mask_fn(mask: Value) -> Callable[[jax.Array], jax.Array]:
     mask_m = jnp.asarray(u.get_mantissa(mask))
 
     def apply(kernel: jax.Array) -> jax.Array:
@@ -61,19 +62,19 @@ class _OnlineConv:
     in_size: tuple[int, ...]
     in_channels: int
     channel_first: bool
-    w_mask: Any
+    w_mask: Value | None
     stride: tuple[int, ...]
-    padding: Any
+    padding: str | Sequence[tuple[int, int]]
     lhs_dilation: tuple[int, ...]
     rhs_dilation: tuple[int, ...]
     groups: int
-    dimension_numbers: Any
+    dimension_numbers: jax.lax.ConvDimensionNumbers
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         check_constructor_arguments(type(self).__name__, super().__init__, args, kwargs, _CONV_SIZES)
         super().__init__(*args, **kwargs)
 
-    def _check_input_dim(self, x: Any) -> None:
+    def _check_input_dim(self, x: Value) -> None:
         """``x`` must be one sample ``in_size`` or a batch of them, ``(batch, *in_size)``.
 
         Raises
@@ -126,7 +127,7 @@ class _OnlineConv:
             f"layer with in_size={sample}, or feed {self.in_channels}-channel inputs."
         )
 
-    def _conv_op(self, x: Any, params: dict[str, Any]) -> Any:
+    def _conv_op(self, x: Value, params: dict[str, jax.Array]) -> Value:
         # the mask runs inside the primitive so masked kernel entries get exactly zero gradient
         kernel_fn = None if self.w_mask is None else _kernel_mask_fn(self.w_mask)
         return conv(

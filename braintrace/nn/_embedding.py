@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any
 
 import brainstate
 import brainunit as u
@@ -15,6 +14,7 @@ import numpy as np
 from braintrace._compatible_imports import Tracer
 from braintrace._op import embedding
 from braintrace._op.embedding import _integer_indices
+from braintrace._typing import Value
 from braintrace.nn._arguments import ArgumentCheck, check_constructor_arguments, positive_int, size_tuple
 
 __all__ = ["Embedding"]
@@ -23,7 +23,7 @@ __all__ = ["Embedding"]
 _TABLE_SIZES: dict[str, ArgumentCheck] = {"num_embeddings": positive_int, "embedding_size": size_tuple}
 
 #: The options of brainstate.nn.Embedding the online layer supports only at their defaults.
-_UNSUPPORTED_DEFAULTS: dict[str, Any] = {
+_UNSUPPORTED_DEFAULTS: dict[str, object] = {
     "max_norm": None,
     "freeze": False,
     "scale_grad_by_freq": False,
@@ -104,7 +104,7 @@ class Embedding(brainstate.nn.Embedding):
 
     __module__ = "braintrace.nn"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         check_constructor_arguments(type(self).__name__, super().__init__, args, kwargs, _TABLE_SIZES)
         super().__init__(*args, **kwargs)
         self._check_options()
@@ -127,7 +127,7 @@ class Embedding(brainstate.nn.Embedding):
                 f"and reshape the output."
             )
 
-    def _indices(self, indices: Any) -> jax.Array:
+    def _indices(self, indices: object) -> jax.Array:
         """Integer indices, refused when known to be out of range, marked out of range when not."""
         idx = _integer_indices(indices, "braintrace.nn.Embedding")
         vocab = self.num_embeddings
@@ -167,7 +167,7 @@ class Embedding(brainstate.nn.Embedding):
             f"[0, {vocab}){count}. {fix}"
         )
 
-    def update(self, indices: Any) -> Any:
+    def update(self, indices: object) -> Value:
         self._check_options()
         self._check_embedding_size()
         idx = self._indices(indices)

@@ -27,7 +27,7 @@ AttributeError: LIF: the hidden state V does not exist yet: init_state creates i
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NoReturn
 
 import braintools
 import brainunit as u
@@ -66,7 +66,7 @@ class StatesFromInitState:
     # Hidden from mypy: a class with ``__getattr__`` would make every unknown attribute type-check.
     if not TYPE_CHECKING:
 
-        def __getattr__(self, name: str) -> Any:
+        def __getattr__(self, name: str) -> NoReturn:
             # only called when ordinary lookup fails; reads nothing from the instance, so it is
             # safe on a half-built or unpickled object
             layer = type(self).__name__

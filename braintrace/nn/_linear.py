@@ -15,7 +15,7 @@ folded into one batch axis and the result is unfolded afterwards.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Callable
 
 import brainstate
 import brainunit as u
@@ -136,7 +136,7 @@ class Linear(brainstate.nn.Linear):
 
     __module__ = "braintrace.nn"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         check_constructor_arguments(type(self).__name__, super().__init__, args, kwargs, _DENSE_SIZES)
         super().__init__(*args, **kwargs)
 
@@ -187,7 +187,7 @@ class SignedWLinear(brainstate.nn.SignedWLinear):
 
     __module__ = "braintrace.nn"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         check_constructor_arguments(type(self).__name__, super().__init__, args, kwargs, _DENSE_SIZES)
         super().__init__(*args, **kwargs)
 
@@ -265,7 +265,7 @@ class ScaledWSLinear(brainstate.nn.ScaledWSLinear):
 
     __module__ = "braintrace.nn"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         check_constructor_arguments(type(self).__name__, super().__init__, args, kwargs, _DENSE_SIZES)
         super().__init__(*args, **kwargs)
 

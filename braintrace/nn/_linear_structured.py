@@ -8,14 +8,13 @@ a fixed sparsity pattern (:func:`braintrace.sparse_matmul`), a low-rank product
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
-
 import brainstate
 import braintools
 import brainunit as u
 
 from braintrace._op import grouped_matmul, lora_matmul
 from braintrace._op.sparse import sparse_matmul
+from braintrace._typing import Initializer, Value
 from braintrace.nn._arguments import ArgumentCheck, check_constructor_arguments, positive_int
 from braintrace.nn._linear import _fold_leading_axes
 
@@ -69,7 +68,7 @@ class SparseLinear(brainstate.nn.SparseLinear):
 
     __module__ = "braintrace.nn"
 
-    def update(self, x: Any) -> Any:
+    def update(self, x: Value) -> Value:
         params = self.weight.value
         return sparse_matmul(x, params["weight"], sparse_mat=self.spar_mat, bias=params.get("bias"))
 
@@ -123,11 +122,11 @@ class LoRA(brainstate.nn.LoRA):
 
     __module__ = "braintrace.nn"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         check_constructor_arguments(type(self).__name__, super().__init__, args, kwargs, _LORA_SIZES)
         super().__init__(*args, **kwargs)
 
-    def update(self, x: Any) -> Any:
+    def update(self, x: Value) -> Value:
         params = self.weight.value
         in_factor, out_factor = params["lora_a"], params["lora_b"]
         x2, unfold = _fold_leading_axes(x)
@@ -142,7 +141,7 @@ class LoRA(brainstate.nn.LoRA):
         return y
 
     # brainstate's LoRA.__call__ computes the product itself; route calls through update
-    def __call__(self, x: Any) -> Any:
+    def __call__(self, x: Value) -> Value:
         return self.update(x)
 
 
@@ -201,8 +200,8 @@ class GroupedLinear(brainstate.nn.Module):
         num_groups: int,
         in_features: int,
         out_features: int,
-        w_init: Callable[..., Any] | Any = braintools.init.KaimingNormal(),
-        b_init: Callable[..., Any] | Any | None = braintools.init.ZeroInit(),
+        w_init: Initializer = braintools.init.KaimingNormal(),
+        b_init: Initializer | None = braintools.init.ZeroInit(),
         name: str | None = None,
         param_type: type = brainstate.ParamState,
     ) -> None:
@@ -223,11 +222,12 @@ class GroupedLinear(brainstate.nn.Module):
             )
         self.weight = param_type(params)
 
-    def update(self, x: Any) -> Any:
+    def update(self, x: Value) -> Value:
         params = self.weight.value
         if u.math.ndim(x) <= 3:
             return grouped_matmul(x, params["weight"], params.get("bias"))
-        lead = tuple(x.shape[:-2])
-        x3 = u.math.reshape(x, (-1, *x.shape[-2:]))
+        shape = u.math.shape(x)
+        lead = tuple(shape[:-2])
+        x3 = u.math.reshape(x, (-1, *shape[-2:]))
         y = grouped_matmul(x3, params["weight"], params.get("bias"))
         return u.math.reshape(y, (*lead, *y.shape[-2:]))

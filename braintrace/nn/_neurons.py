@@ -20,8 +20,6 @@ and every coupling is per neuron, so a layer driven by ETP operations (e.g.
 
 from __future__ import annotations
 
-from typing import Any
-
 import brainstate
 import braintools
 import brainunit as u
@@ -65,11 +63,11 @@ class _SpikingNeuron(ConstantsDynamics):
     def _init_V(self, batch_size: int | None) -> Value:
         return initial_state(self.V_initializer, self.varshape, batch_size)
 
-    def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+    def init_state(self, batch_size: int | None = None, **kwargs: object) -> None:
         """Create ``V`` from ``V_initializer``: ``(batch_size, *in_size)`` or ``in_size``."""
         self.V = brainstate.HiddenState(self._init_V(batch_size))
 
-    def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+    def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
         """Re-initialise ``V`` in place (the state object is kept)."""
         self.V.value = self._init_V(batch_size)
 
@@ -424,12 +422,12 @@ class ALIF(_SpikingNeuron):
     def _init_a(self, batch_size: int | None) -> Value:
         return initial_state(self.a_initializer, self.varshape, batch_size)
 
-    def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+    def init_state(self, batch_size: int | None = None, **kwargs: object) -> None:
         """Create ``V`` and ``a`` from their initialisers."""
         super().init_state(batch_size)
         self.a = brainstate.HiddenState(self._init_a(batch_size))
 
-    def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+    def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
         """Re-initialise ``V`` and ``a`` in place (the state objects are kept)."""
         super().reset_state(batch_size)
         self.a.value = self._init_a(batch_size)

@@ -7,13 +7,12 @@ so its weight forms a relation with ``r`` and is trained by the eligibility trac
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import brainstate
 import braintools
 import brainunit as u
 
 from braintrace._op import matmul
+from braintrace._typing import Initializer, Value
 from braintrace.nn._arguments import check_time_constant, size_tuple
 from braintrace.nn._initial import StatesFromInitState, initial_state
 from braintrace.nn._input_check import check_step_input
@@ -22,7 +21,7 @@ from braintrace.nn._linear import _fold_leading_axes
 __all__ = ["LeakyRateReadout"]
 
 
-def _decay(tau: Any) -> Any:
+def _decay(tau: Value) -> Value:
     """``exp(-dt / tau)``; the step ``dt`` comes from the brainstate environment."""
     try:
         dt = brainstate.environ.get_dt()
@@ -88,9 +87,9 @@ class LeakyRateReadout(StatesFromInitState, brainstate.nn.Module):
         self,
         in_size: int | tuple[int, ...],
         out_size: int | tuple[int, ...],
-        tau: Any = 5.0 * u.ms,
-        w_init: Callable[..., Any] | Any = braintools.init.KaimingNormal(),
-        r_init: Callable[..., Any] | Any = braintools.init.ZeroInit(),
+        tau: Value = 5.0 * u.ms,
+        w_init: Initializer = braintools.init.KaimingNormal(),
+        r_init: Initializer = braintools.init.ZeroInit(),
         name: str | None = None,
     ) -> None:
         super().__init__(name=name)
@@ -104,15 +103,15 @@ class LeakyRateReadout(StatesFromInitState, brainstate.nn.Module):
             braintools.init.param(w_init, (self.in_size[0], self.out_size[0]), allow_none=False)
         )
 
-    def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+    def init_state(self, batch_size: int | None = None, **kwargs: object) -> None:
         self.r = brainstate.HiddenState(
             initial_state(self._r_initializer, self.out_size, batch_size)
         )
 
-    def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+    def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
         self.r.value = initial_state(self._r_initializer, self.out_size, batch_size)
 
-    def update(self, x: Any) -> Any:
+    def update(self, x: Value) -> Value:
         state_shape = tuple(u.math.shape(self.r.value))
         leading = state_shape[: len(state_shape) - len(self.out_size)]
         check_step_input("LeakyRateReadout", x, leading + (self.in_size[0],), "r", state_shape)

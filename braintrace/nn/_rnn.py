@@ -10,13 +10,14 @@ through :func:`braintrace.matmul`, so all five carry eligibility traces; the out
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import brainstate
 import brainunit as u
+import jax
 import jax.numpy as jnp
 
 from braintrace._op import element_wise
+from braintrace._typing import Value
 from braintrace.nn._arguments import positive_int
 from braintrace.nn._initial import StatesFromInitState
 from braintrace.nn._input_check import check_step_input
@@ -25,7 +26,7 @@ from braintrace.nn._linear import Linear
 __all__ = ["LRUCell"]
 
 
-def _glorot(shape: tuple[int, ...]) -> Any:
+def _glorot(shape: tuple[int, ...]) -> jax.Array:
     """``randn(*shape) / sqrt(shape[0])`` from ``brainstate.random``."""
     return brainstate.random.randn(*shape) / math.sqrt(shape[0])
 
@@ -123,21 +124,21 @@ class LRUCell(StatesFromInitState, brainstate.nn.Module):
         self.C_im = Linear(d_hidden, d_model, w_init=_glorot, b_init=None)
         self.D = brainstate.ParamState(brainstate.random.randn(d_model))
 
-    def _zeros(self, batch_size: int | None) -> Any:
+    def _zeros(self, batch_size: int | None) -> jax.Array:
         shape = (self.d_hidden,) if batch_size is None else (batch_size, self.d_hidden)
         return jnp.zeros(shape)
 
-    def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+    def init_state(self, batch_size: int | None = None, **kwargs: object) -> None:
         """Create ``h_re`` and ``h_im`` as zeros, ``(batch_size, d_hidden)`` or ``(d_hidden,)``."""
         self.h_re = brainstate.HiddenState(self._zeros(batch_size))
         self.h_im = brainstate.HiddenState(self._zeros(batch_size))
 
-    def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+    def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
         """Zero ``h_re`` and ``h_im``."""
         self.h_re.value = self._zeros(batch_size)
         self.h_im.value = self._zeros(batch_size)
 
-    def update(self, x: Any) -> Any:
+    def update(self, x: Value) -> Value:
         state_shape = tuple(u.math.shape(self.h_re.value))
         check_step_input("LRUCell", x, state_shape[:-1] + (self.d_model,), "h_re", state_shape)
         a = u.math.exp(-u.math.exp(element_wise(self.nu_log.value)))

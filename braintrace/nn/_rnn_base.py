@@ -6,8 +6,6 @@ through :func:`braintrace.matmul` and the compiler links them to the cell's hidd
 
 from __future__ import annotations
 
-from typing import Any
-
 import brainstate
 import braintools
 import brainunit as u
@@ -104,12 +102,12 @@ class CellBase(StatesFromInitState, brainstate.nn.RNNCell):
         state_shape = tuple(u.math.shape(getattr(self, name).value))
         check_step_input(type(self).__name__, x, state_shape[:-1] + (self.num_in,), name, state_shape)
 
-    def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+    def init_state(self, batch_size: int | None = None, **kwargs: object) -> None:
         """Create the hidden states, ``(batch_size, *out_size)`` or ``out_size``."""
         for state in self.state_names:
             setattr(self, state, brainstate.HiddenState(self._initial(batch_size)))
 
-    def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+    def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
         """Re-assign every hidden state its initial value."""
         for state in self.state_names:
             getattr(self, state).value = self._initial(batch_size)

@@ -12,8 +12,6 @@ recurrence, so ``W`` and the time constants are in D_RTRL's exact class.
 
 from __future__ import annotations
 
-from typing import Any
-
 import brainstate
 import braintools
 import brainunit as u
@@ -102,11 +100,11 @@ class Expon(ConstantsDynamics):
         self.tau = self._constant("tau", tau, time_constant=True)
         self.g_initializer = g_initializer
 
-    def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+    def init_state(self, batch_size: int | None = None, **kwargs: object) -> None:
         """Create ``g`` from ``g_initializer``."""
         self.g = brainstate.HiddenState(_state(self.g_initializer, self.varshape, batch_size))
 
-    def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+    def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
         """Re-initialise ``g`` in place (the state object is kept)."""
         self.g.value = _state(self.g_initializer, self.varshape, batch_size)
 
@@ -179,12 +177,12 @@ class Alpha(ConstantsDynamics):
         self.tau = self._constant("tau", tau, time_constant=True)
         self.g_initializer = g_initializer
 
-    def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+    def init_state(self, batch_size: int | None = None, **kwargs: object) -> None:
         """Create ``g`` and ``h`` from ``g_initializer``."""
         self.g = brainstate.HiddenState(_state(self.g_initializer, self.varshape, batch_size))
         self.h = brainstate.HiddenState(_state(self.g_initializer, self.varshape, batch_size))
 
-    def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+    def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
         """Re-initialise ``g`` and ``h`` in place (the state objects are kept)."""
         self.g.value = _state(self.g_initializer, self.varshape, batch_size)
         self.h.value = _state(self.g_initializer, self.varshape, batch_size)
@@ -290,12 +288,12 @@ class DualExpon(ConstantsDynamics):
         r = u.maybe_decimal(tau_rise / tau_decay)
         return 1.0 / (u.math.power(r, r / (1.0 - r)) * (1.0 - r))
 
-    def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+    def init_state(self, batch_size: int | None = None, **kwargs: object) -> None:
         """Create ``g_rise`` and ``g_decay`` from ``g_initializer``."""
         self.g_rise = brainstate.HiddenState(_state(self.g_initializer, self.varshape, batch_size))
         self.g_decay = brainstate.HiddenState(_state(self.g_initializer, self.varshape, batch_size))
 
-    def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+    def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
         """Re-initialise both components in place (the state objects are kept)."""
         self.g_rise.value = _state(self.g_initializer, self.varshape, batch_size)
         self.g_decay.value = _state(self.g_initializer, self.varshape, batch_size)

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import braintrace
-from braintrace._algorithm import d_rtrl
+from braintrace._algorithm import param_trace_window
 from tests.algorithm.bptt import (
     bptt_grads,
     cosine,
@@ -337,14 +337,14 @@ def test_every_operation_rolls_a_window_in_closed_form_and_equals_bptt(
     x64: None, row: Row, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Off the fast path the window is rolled through the operation's own rules in closed form
-    (``_general_chunk``), its per-step terms summed all at once or, past ``CHUNK_TERM_BYTES``,
+    (``general_chunk``), its per-step terms summed all at once or, past ``CHUNK_TERM_BYTES``,
     one step at a time; both equal BPTT."""
     make, xs, batch = _setup(row, row.batched[0])
     ref = bptt_grads(make(), xs, batch_size=batch)
-    for term_bytes in (d_rtrl.CHUNK_TERM_BYTES, 1):
-        monkeypatch.setattr(d_rtrl, "CHUNK_TERM_BYTES", term_bytes)
+    for term_bytes in (param_trace_window.CHUNK_TERM_BYTES, 1):
+        monkeypatch.setattr(param_trace_window, "CHUNK_TERM_BYTES", term_bytes)
         learner = compile_quiet(make(), xs[0], batch, vjp_method="multi-step")
-        chunked, stepped = learner._chunk_split()
+        chunked, stepped = param_trace_window.chunk_split(learner)
         assert not stepped and any(learner._fast_path(rel) is None for rel in chunked)
         assert max_rel_err(ref, window_grads(learner, xs, [3, 1])) < EXACT
 

@@ -11,8 +11,9 @@ also refuses at trace time a step that does not call the learner exactly once) a
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+from typing import Mapping, NamedTuple
 
+import brainstate
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +23,7 @@ from braintrace._algorithm.finite import refuse_traced
 from braintrace._algorithm.input_data import ETraceInputData
 from braintrace._algorithm.layout import check_layout, checked_time_axis, time_major
 from braintrace._errors import internal_error
-from braintrace._typing import Path
+from braintrace._typing import Path, PyTree
 
 __all__ = [
     "Drive", "validate", "check_sequences", "check_reduction", "check_loss_output", "check_mask",
@@ -39,13 +40,13 @@ class Drive(NamedTuple):
 
     length: int
     window: int | None
-    sequences: tuple[Any, ...]
+    sequences: tuple[PyTree, ...]
     time_axis: int
 
 
 def validate(
-    host: SequenceHost, call: str, sequences: tuple[Any, ...], chunk_size: Any, needs_multi_step: bool,
-    time_axis: Any = 0, any_batch: bool = False,
+    host: SequenceHost, call: str, sequences: tuple[PyTree, ...], chunk_size: object, needs_multi_step: bool,
+    time_axis: object = 0, any_batch: bool = False,
 ) -> Drive:
     """Checks every argument before tracing (rows 3-13 of the driver contract, in order, with
     ``time_axis`` after ``chunk_size`` and the layout before the lengths), and puts the
@@ -66,16 +67,7 @@ def validate(
     ...
     ValueError: etrace_grad: window mode (chunk_size=2) needs a multi-step learner, ...
     """
-    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)):
-        raise TypeError(
-            f"{call}: chunk_size must be None or a Python int >= 1, got {chunk_size!r} of type "
-            f"{type(chunk_size).__name__}. Pass a plain int (int(k) converts a NumPy or JAX integer)."
-        )
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(
-            f"{call}: chunk_size must be >= 1, got {chunk_size}. Use None (or 1) for one learner "
-            f"call per step, or k >= 2 for one call per window of k steps."
-        )
+    window = _checked_window(call, chunk_size)
     time_axis = checked_time_axis(call, time_axis)
     batch_size = None if any_batch else host._seq_batch_size
     if time_axis == 1 and batch_size is None and not any_batch:
@@ -84,7 +76,6 @@ def validate(
             f"is unbatched (compiled without batch_size), so its sequences have no batch axis. Pass "
             f"them time-major, (time, ...), with time_axis=0, or compile with batch_size=B."
         )
-    window = chunk_size if chunk_size is not None and chunk_size >= 2 else None
     length = check_sequences(call, sequences, time_axis, batch_size)
     sequences = time_major(sequences, time_axis)
     if window is not None and host._seq_is_vmapped:
@@ -112,11 +103,28 @@ def validate(
     return Drive(length, window, sequences, time_axis)
 
 
-def _is_marker(x: Any) -> bool:
+def _checked_window(call: str, chunk_size: object) -> int | None:
+    """The window length of ``chunk_size`` (``None`` for ``None`` or 1), refused unless ``None`` or an int >= 1."""
+    if chunk_size is None:
+        return None
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool):
+        raise TypeError(
+            f"{call}: chunk_size must be None or a Python int >= 1, got {chunk_size!r} of type "
+            f"{type(chunk_size).__name__}. Pass a plain int (int(k) converts a NumPy or JAX integer)."
+        )
+    if chunk_size < 1:
+        raise ValueError(
+            f"{call}: chunk_size must be >= 1, got {chunk_size}. Use None (or 1) for one learner "
+            f"call per step, or k >= 2 for one call per window of k steps."
+        )
+    return chunk_size if chunk_size >= 2 else None
+
+
+def _is_marker(x: object) -> bool:
     return isinstance(x, ETraceInputData)
 
 
-def check_sequences(call: str, sequences: tuple[Any, ...], time_axis: int = 0, batch_size: int | None = None) -> int:
+def check_sequences(call: str, sequences: tuple[PyTree, ...], time_axis: int = 0, batch_size: int | None = None) -> int:
     """The common length ``T`` of every leaf of every sequence along ``time_axis`` (rows 5-10), each
     leaf's layout checked against ``batch_size`` where it is known (:func:`check_layout`).
 
@@ -174,7 +182,7 @@ def check_sequences(call: str, sequences: tuple[Any, ...], time_axis: int = 0, b
     return reference[1]
 
 
-def check_reduction(call: str, reduction: Any) -> None:
+def check_reduction(call: str, reduction: object) -> None:
     """Refuse a ``reduction`` other than ``'mean'`` and ``'sum'``.
 
     Examples
@@ -191,7 +199,7 @@ def check_reduction(call: str, reduction: Any) -> None:
         )
 
 
-def check_loss_output(call: str, loss_output: Any) -> None:
+def check_loss_output(call: str, loss_output: object) -> None:
     """Refuse a ``loss_output`` other than ``'per_step'``, ``'masked'`` and ``'scalar'``.
 
     Examples
@@ -208,7 +216,7 @@ def check_loss_output(call: str, loss_output: Any) -> None:
         )
 
 
-def check_update_every(update_every: Any, drive: Drive) -> int:
+def check_update_every(update_every: object, drive: Drive) -> int:
     """The steps between optimizer updates of ``etrace_train`` (the whole stream for ``None``).
 
     Examples
@@ -237,7 +245,7 @@ def check_update_every(update_every: Any, drive: Drive) -> int:
     return update_every
 
 
-def check_mask(call: str, mask: Any, length: int) -> jax.Array:
+def check_mask(call: str, mask: jax.typing.ArrayLike | None, length: int) -> jax.Array:
     """The ``(T,)`` floating mask (all ones by default).
 
     Examples
@@ -264,7 +272,9 @@ def check_mask(call: str, mask: Any, length: int) -> jax.Array:
     return mask if jnp.issubdtype(mask.dtype, jnp.floating) else mask.astype(jnp.float32)
 
 
-def checked_weights(host: SequenceHost, call: str, weights: Mapping[Path, Any] | None) -> dict[Path, Any]:
+def checked_weights(
+    host: SequenceHost, call: str, weights: Mapping[Path, brainstate.ParamState] | None,
+) -> dict[Path, brainstate.ParamState]:
     """The ``path -> ParamState`` mapping to differentiate (default: the learner's parameters).
 
     Examples
@@ -308,7 +318,7 @@ def checked_step_fn(host: SequenceHost, call: str, step_fn: StepFn) -> StepFn:
             f"e.g. step_fn=lambda x, y: jnp.mean((learner(x) - y) ** 2)."
         )
 
-    def stepped(*slices: Any) -> Any:
+    def stepped(*slices: PyTree) -> PyTree:
         before = host._seq_calls
         result = step_fn(*slices)
         calls = host._seq_calls - before
@@ -330,7 +340,9 @@ def checked_step_fn(host: SequenceHost, call: str, step_fn: StepFn) -> StepFn:
     return stepped
 
 
-def guarded_states(host: SequenceHost, call: str, check_finite: Any, *data: Any) -> list[Any] | None:
+def guarded_states(
+    host: SequenceHost, call: str, check_finite: object, *data: PyTree,
+) -> list[brainstate.State] | None:
     """The states to freeze after a non-finite step under ``check_finite`` (``None``: unchecked).
 
     ``data`` (the sequences, the mask) and the states must be concrete: a checked run reports

@@ -21,7 +21,7 @@ an exception raised by ``step_fn`` leaves the learner exactly as it was.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 import brainstate
 import jax
@@ -44,19 +44,22 @@ from braintrace._algorithm.finite import Status, StateGuard, advance, all_finite
 from braintrace._algorithm.input_data import MultiStepData
 from braintrace._algorithm.layout import in_declared_layout
 from braintrace._compatible_imports import Tracer
-from braintrace._typing import Path
+from braintrace._typing import Path, PyTree
 
 __all__ = ["etrace_grad", "etrace_evolve", "run_program", "divided"]
+
+#: What a driver's loop returns.
+Result = TypeVar("Result")
 
 
 @serialised
 def etrace_grad(
     learner: SequenceHost,
-    *sequences: Any,
+    *sequences: PyTree,
     step_fn: StepFn,
-    mask: Any = None,
+    mask: jax.typing.ArrayLike | None = None,
     chunk_size: int | None = None,
-    weights: Mapping[Path, Any] | None = None,
+    weights: Mapping[Path, brainstate.ParamState] | None = None,
     reduction: str = "mean",
     loss_output: str = "per_step",
     has_aux: bool = False,
@@ -210,7 +213,7 @@ def etrace_grad(
     elif loss_output == "scalar":
         losses = jnp.sum(mask * losses)
         losses = losses / denom if reduction == "mean" else losses
-    out: tuple[Any, ...] = (grads, losses) if return_value else (grads,)
+    out: tuple[PyTree, ...] = (grads, losses) if return_value else (grads,)
     out = (*out, aux) if has_aux else out
     return out[0] if len(out) == 1 else out
 
@@ -218,13 +221,13 @@ def etrace_grad(
 @serialised
 def etrace_evolve(
     learner: SequenceHost,
-    *sequences: Any,
+    *sequences: PyTree,
     step_fn: StepFn | None = None,
     chunk_size: int | None = None,
     return_outputs: bool = False,
     check_finite: bool = False,
     time_axis: int = 0,
-) -> Any:
+) -> PyTree:
     """Advance hidden states and traces over sequences as :meth:`etrace_grad` would, without a gradient.
 
     Parameters
@@ -284,10 +287,10 @@ def etrace_evolve(
     else:
         learner_call = learner._seq_call
 
-        def call(*slices: Any) -> Any:
+        def call(*slices: PyTree) -> PyTree:
             return learner_call(*(MultiStepData(s) for s in slices))
 
-    def body(*slices: Any) -> Any:
+    def body(*slices: PyTree) -> PyTree:
         out = call(*slices)
         return out if return_outputs else None
 
@@ -297,7 +300,7 @@ def etrace_evolve(
                            windows(drive.sequences, drive.window))
         return _declared(learner, drive, outs)
 
-    def checked(status: Status, inputs: tuple[tuple[Any, ...], jax.Array]) -> tuple[Status, Any]:
+    def checked(status: Status, inputs: tuple[tuple[PyTree, ...], jax.Array]) -> tuple[Status, PyTree]:
         slices, step = inputs
         guard = StateGuard(guarded)
         out = body(*slices)
@@ -305,7 +308,7 @@ def etrace_evolve(
         guard.keep_if(status.fine)
         return status, out
 
-    def loop(calls: Any, starts: jax.Array) -> tuple[Status, Any]:
+    def loop(calls: tuple[PyTree, ...], starts: jax.Array) -> tuple[Status, PyTree]:
         return brainstate.transform.scan(checked, Status.fresh(), (calls, starts))
 
     starts = jnp.arange(0, drive.length, drive.window or 1)
@@ -317,7 +320,7 @@ def etrace_evolve(
 # --- loop plumbing ----------------------------------------------------------------------------
 
 
-def run_program(loop: Callable[..., Any], *args: Any) -> Any:
+def run_program(loop: Callable[..., Result], *args: PyTree) -> Result:
     """``loop(*args)``: on traced data, part of the caller's program; on concrete data,
     compiled as one program of its own, released with it (inside a ``jit`` that closes over
     concrete data, a nested one, which XLA inlines).
@@ -338,7 +341,7 @@ def run_program(loop: Callable[..., Any], *args: Any) -> Any:
     return brainstate.transform.jit(loop)(*args)
 
 
-def _declared(learner: SequenceHost, drive: Drive, outputs: Any) -> Any:
+def _declared(learner: SequenceHost, drive: Drive, outputs: PyTree) -> PyTree:
     """Per-call outputs stacked time-major, in the layout ``drive`` declared."""
     return in_declared_layout(outputs, drive.time_axis, learner._seq_batch_size, 1 if drive.window is None else 2)
 

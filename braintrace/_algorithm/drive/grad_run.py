@@ -11,17 +11,15 @@ that rolls traces in the backward pass gets a sink for them here
 
 from __future__ import annotations
 
-from typing import Any
-
 import brainstate
 import brainunit as u
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from braintrace._algorithm.drive.host import Grads, SequenceHost, StepFn
+from braintrace._algorithm.drive.host import Grads, RollSink, SequenceHost, StepFn
 from braintrace._algorithm.finite import Status, StateGuard, advance, all_finite
-from braintrace._typing import Path
+from braintrace._typing import Path, PyTree
 
 __all__ = ["GradRun", "windows", "zeros_like"]
 
@@ -57,8 +55,8 @@ class GradRun:
     """
 
     def __init__(
-        self, call: str, step_fn: StepFn, weights: dict[Path, Any], window: int | None, has_aux: bool,
-        host: SequenceHost, guarded: list[Any] | None = None,
+        self, call: str, step_fn: StepFn, weights: dict[Path, brainstate.ParamState], window: int | None,
+        has_aux: bool, host: SequenceHost, guarded: list[brainstate.State] | None = None,
     ) -> None:
         self.call = call
         self.step_fn = step_fn
@@ -69,8 +67,8 @@ class GradRun:
         self.guarded = guarded  # check_finite: the states frozen after a non-finite step
 
     def __call__(
-        self, sequences: tuple[Any, ...], mask: jax.Array, steps: jax.Array, status: Status | None = None
-    ) -> tuple[Grads, jax.Array, Any, Status | None]:
+        self, sequences: tuple[PyTree, ...], mask: jax.Array, steps: jax.Array, status: Status | None = None
+    ) -> tuple[Grads, jax.Array, PyTree, Status | None]:
         """The summed estimate, losses and aux; and the status, checked from ``status`` on."""
         xs = windows(sequences, self.window)
         mask_rows = mask if self.window is None else mask.reshape((-1, self.window))
@@ -83,8 +81,8 @@ class GradRun:
         (grads, status), (losses, aux) = brainstate.transform.scan(self._checked_body, carry, (xs, mask_rows, starts))
         return grads, losses, aux, status
 
-    def _grad(self, slices: tuple[Any, ...], w: jax.Array) -> tuple[Grads, tuple[Any, Any]]:
-        def objective(*sink: Any) -> tuple[Any, tuple[Any, Any]]:
+    def _grad(self, slices: tuple[PyTree, ...], w: jax.Array) -> tuple[Grads, tuple[jax.Array, PyTree]]:
+        def objective(*sink: RollSink) -> tuple[jax.Array, tuple[jax.Array, PyTree]]:
             with self.host._seq_rolling_into(sink[0] if sink else None):
                 loss, aux = self._loss(self.step_fn(*slices))
             return u.math.sum(w * loss), (loss, aux)
@@ -99,13 +97,13 @@ class GradRun:
         self.host._seq_after_gradient(grads)
         return grads, loss_aux
 
-    def _body(self, acc: Grads, inputs: tuple[tuple[Any, ...], jax.Array]) -> tuple[Grads, Any]:
+    def _body(self, acc: Grads, inputs: tuple[tuple[PyTree, ...], jax.Array]) -> tuple[Grads, tuple[jax.Array, PyTree]]:
         g, loss_aux = self._grad(*inputs)
         return jax.tree.map(lambda a, b: a + b, acc, g), loss_aux
 
     def _checked_body(
-        self, carry: tuple[Grads, Status], inputs: tuple[tuple[Any, ...], jax.Array, jax.Array]
-    ) -> tuple[tuple[Grads, Status], Any]:
+        self, carry: tuple[Grads, Status], inputs: tuple[tuple[PyTree, ...], jax.Array, jax.Array]
+    ) -> tuple[tuple[Grads, Status], tuple[jax.Array, PyTree]]:
         """:meth:`_body`, with every update discarded from the first non-finite step on."""
         (acc, status), (slices, w, step) = carry, inputs
         guard = StateGuard(self.guarded or ())
@@ -119,14 +117,14 @@ class GradRun:
 
     @staticmethod
     def _step_checks(
-        slices: tuple[Any, ...], w: jax.Array, entering: list[Any], loss: Any, guard: StateGuard
+        slices: tuple[PyTree, ...], w: jax.Array, entering: list[PyTree], loss: jax.Array, guard: StateGuard
     ) -> dict[str, jax.Array]:
         """What ``check_finite`` checks at a step, its gradient aside (``what -> all finite``)."""
         # The first sequence is the input; the others (targets, modulators) are named targets.
         return {"input": all_finite(slices[:1]), "target": all_finite(slices[1:]), "mask": all_finite(w),
                 "weight": all_finite(entering), "loss": all_finite(loss), "trace": all_finite(guard.written())}
 
-    def _loss(self, result: Any) -> tuple[Any, Any]:
+    def _loss(self, result: PyTree) -> tuple[jax.Array, PyTree]:
         """``(loss, aux)`` of one ``step_fn`` result, with the loss's shape checked."""
         if self.has_aux:
             if not (isinstance(result, (tuple, list)) and len(result) == 2):
@@ -153,7 +151,7 @@ class GradRun:
         return loss, aux
 
 
-def windows(sequences: tuple[Any, ...], window: int | None) -> tuple[Any, ...]:
+def windows(sequences: tuple[PyTree, ...], window: int | None) -> tuple[PyTree, ...]:
     """The sequences, every leaf reshaped ``(T, ...) -> (T // k, k, ...)`` in window mode.
 
     Examples
@@ -167,7 +165,7 @@ def windows(sequences: tuple[Any, ...], window: int | None) -> tuple[Any, ...]:
     return jax.tree.map(lambda a: jnp.reshape(a, (-1, window, *np.shape(a)[1:])), sequences)
 
 
-def zeros_like(value: Any) -> Any:
+def zeros_like(value: PyTree) -> PyTree:
     """Zeros shaped, typed and (for a ``brainunit`` quantity) unit-carrying like ``value``.
 
     Examples
@@ -179,7 +177,7 @@ def zeros_like(value: Any) -> Any:
     return jax.tree.map(u.math.zeros_like, value, is_leaf=lambda x: isinstance(x, u.Quantity))
 
 
-def _describe(value: Any) -> str:
+def _describe(value: object) -> str:
     if isinstance(value, (tuple, list)):
         return f"a {type(value).__name__} of length {len(value)}"
     shape = getattr(value, "shape", None)

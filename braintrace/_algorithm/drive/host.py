@@ -5,8 +5,9 @@ the learner through the ``_seq_*`` members named here and nothing else, so any o
 them can be driven: every learner (:class:`~braintrace.ETraceAlgorithm`) and the vmapped learner
 (:class:`~braintrace.ETraceVmap`), through the defaults of
 :class:`~braintrace.SequenceDriverMixin`. This module also names the drivers' own types: a
-gradient keyed like its weights (:data:`Grads`), a user's step function (:data:`StepFn`), and the
-loop that takes a sequence's gradient (:class:`SequenceRun`, built by a :class:`SequenceRunType`).
+gradient keyed like its weights (:data:`Grads`), a user's step function (:data:`StepFn`), the
+traces a call may roll in its backward pass (:data:`RollSink`), and the loop that takes a
+sequence's gradient (:class:`SequenceRun`, built by a :class:`SequenceRunType`).
 
 It imports the non-finite status only (:mod:`braintrace._algorithm.finite`).
 """
@@ -14,19 +15,27 @@ It imports the non-finite status only (:mod:`braintrace._algorithm.finite`).
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any, Callable, ClassVar, Mapping, Protocol
+from typing import Callable, ClassVar, Mapping, Protocol, Sequence, Union
 
+import brainstate
 import jax
 
 from braintrace._algorithm.finite import Status
-from braintrace._typing import Path
+from braintrace._typing import Path, PyTree, Trace
 
-__all__ = ["Grads", "StepFn", "SequenceHost", "SequenceRun", "SequenceRunType"]
+__all__ = ["Grads", "StepFn", "RolledTrace", "RollSink", "SequenceHost", "SequenceRun", "SequenceRunType"]
 
-#: ``path -> gradient`` keyed like the ``weights`` that were differentiated.
-Grads = dict[Path, Any]
+#: ``path -> gradient`` keyed like the ``weights`` that were differentiated (each shaped like the
+#: parameter's value, a pytree).
+Grads = dict[Path, PyTree]
 #: ``step_fn(*slices) -> loss`` (or ``(loss, aux)``): calls the learner once and scores its output.
-StepFn = Callable[..., Any]
+StepFn = Callable[..., PyTree]
+#: One trace rolled in the backward pass, in its stored form: the trace, or a filtered trace's
+#: ``{'eps': trace, 'filt': filter}``.
+RolledTrace = Union[Trace, dict[str, Trace]]
+#: Zeros shaped like each trace a call rolls in its backward pass, in the learner's order; the
+#: call's backward pass returns the rolled traces as its cotangent.
+RollSink = Sequence[RolledTrace]
 
 
 class SequenceRun(Protocol):
@@ -39,8 +48,8 @@ class SequenceRun(Protocol):
     """
 
     def __call__(
-        self, sequences: tuple[Any, ...], mask: jax.Array, steps: jax.Array, status: Status | None = None
-    ) -> tuple[Grads, jax.Array, Any, Status | None]: ...
+        self, sequences: tuple[PyTree, ...], mask: jax.Array, steps: jax.Array, status: Status | None = None
+    ) -> tuple[Grads, jax.Array, PyTree, Status | None]: ...
 
 
 class SequenceRunType(Protocol):
@@ -48,8 +57,8 @@ class SequenceRunType(Protocol):
     :class:`~braintrace._algorithm.drive.grad_run.GradRun` (the sum of the per-call estimates)."""
 
     def __call__(
-        self, call: str, step_fn: StepFn, weights: dict[Path, Any], window: int | None, has_aux: bool,
-        host: SequenceHost, guarded: list[Any] | None = None,
+        self, call: str, step_fn: StepFn, weights: dict[Path, brainstate.ParamState], window: int | None,
+        has_aux: bool, host: SequenceHost, guarded: list[brainstate.State] | None = None,
     ) -> SequenceRun: ...
 
 
@@ -68,7 +77,7 @@ class SequenceHost(Protocol):
     _seq_is_vmapped: ClassVar[bool]
 
     @property
-    def _seq_call(self) -> Callable[..., Any]:
+    def _seq_call(self) -> Callable[..., PyTree]:
         """The callable ``etrace_evolve`` drives when it is given no ``step_fn``."""
 
     @property
@@ -77,11 +86,11 @@ class SequenceHost(Protocol):
         it unchanged never called the learner and is refused."""
 
     @property
-    def _seq_param_states(self) -> Mapping[Path, Any]:
+    def _seq_param_states(self) -> Mapping[Path, brainstate.ParamState]:
         """The ``path -> ParamState`` mapping a driver differentiates by default."""
 
     @property
-    def _seq_guarded(self) -> list[Any]:
+    def _seq_guarded(self) -> list[brainstate.State]:
         """The states ``check_finite=True`` freezes after a non-finite step."""
 
     @property
@@ -103,11 +112,11 @@ class SequenceHost(Protocol):
         """Called with each call's gradient inside the traced step (a learner orders its trace
         writes after the gradient there)."""
 
-    def _seq_roll_sink(self) -> Any:
+    def _seq_roll_sink(self) -> RollSink | None:
         """Zeros shaped like the traces the next call rolls in its backward pass (``None``: none)."""
 
-    def _seq_rolling_into(self, sink: Any) -> AbstractContextManager[None]:
+    def _seq_rolling_into(self, sink: RollSink | None) -> AbstractContextManager[None]:
         """Within this block, the learner's call rolls those traces into ``sink``'s cotangent."""
 
-    def _seq_write_rolled(self, rolled: Any) -> None:
+    def _seq_write_rolled(self, rolled: Sequence[RolledTrace]) -> None:
         """Write the traces rolled in the backward pass (``rolled``: the sink's cotangent)."""

@@ -9,7 +9,7 @@ optax transformation (:mod:`braintrace._algorithm.train_optimizer`).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Mapping, NamedTuple
 
 import brainstate
 import jax
@@ -30,7 +30,11 @@ from braintrace._algorithm.drive.drivers import divided, run_program
 from braintrace._algorithm.drive.host import SequenceHost, StepFn
 from braintrace._algorithm.finite import Status, StateGuard, advance, all_finite, raise_if_bad
 from braintrace._algorithm.train_optimizer import train_optimizer
-from braintrace._typing import Path
+from braintrace._typing import Path, PyTree
+
+if TYPE_CHECKING:
+    import braintools
+    import optax
 
 __all__ = ["TrainResult", "etrace_train"]
 
@@ -51,20 +55,20 @@ class TrainResult(NamedTuple):
     """
 
     losses: jax.Array
-    aux: Any
-    optimizer: Any
+    aux: PyTree
+    optimizer: braintools.optim.OptaxOptimizer
 
 
 @serialised
 def etrace_train(
     learner: SequenceHost,
-    *sequences: Any,
+    *sequences: PyTree,
     step_fn: StepFn,
-    optimizer: Any,
+    optimizer: braintools.optim.OptaxOptimizer | optax.GradientTransformation,
     update_every: int | None = None,
-    mask: Any = None,
+    mask: jax.typing.ArrayLike | None = None,
     chunk_size: int | None = None,
-    weights: Mapping[Path, Any] | None = None,
+    weights: Mapping[Path, brainstate.ParamState] | None = None,
     reduction: str = "mean",
     has_aux: bool = False,
     check_finite: bool = False,
@@ -171,9 +175,9 @@ def etrace_train(
     run = learner._seq_run_type("etrace_train", checked_step_fn(learner, "etrace_train", step_fn), weights,
                                 drive.window, has_aux, learner, guarded)
     optimizer_states = list(brainstate.graph.states(optimizer).values())
-    Span = tuple[tuple[Any, ...], jax.Array, jax.Array]
+    Span = tuple[tuple[PyTree, ...], jax.Array, jax.Array]
 
-    def train_span(status: Status | None, inputs: Span) -> tuple[Status | None, tuple[jax.Array, Any]]:
+    def train_span(status: Status | None, inputs: Span) -> tuple[Status | None, tuple[jax.Array, PyTree]]:
         seqs, span_mask, span_steps = inputs
         grads, losses, aux, status = run(seqs, span_mask, span_steps, status)
         if reduction == "mean":
@@ -189,7 +193,9 @@ def etrace_train(
 
     full, rest = divmod(drive.length, span)
 
-    def train(sequences: tuple[Any, ...], mask: jax.Array, steps: jax.Array) -> tuple[Status | None, list[Any]]:
+    def train(
+        sequences: tuple[PyTree, ...], mask: jax.Array, steps: jax.Array,
+    ) -> tuple[Status | None, list[tuple[jax.Array, PyTree]]]:
         status = None if guarded is None else Status.fresh()
         parts = []
         if full == 1:
@@ -215,7 +221,7 @@ def etrace_train(
     return TrainResult(losses, aux, optimizer)
 
 
-def _steps(sequences: tuple[Any, ...], start: int, stop: int) -> tuple[Any, ...]:
+def _steps(sequences: tuple[PyTree, ...], start: int, stop: int) -> tuple[PyTree, ...]:
     """Steps ``start:stop`` of every sequence."""
     return jax.tree.map(lambda a: a[start:stop], sequences)
 
