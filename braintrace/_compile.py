@@ -47,9 +47,9 @@ from braintrace._algorithm import (
     UORO,
     pp_prop,
 )
-from braintrace._algorithm.batch_size import checked_batch_size
-from braintrace._algorithm.trace_rule import RuleLearner, TraceRule
-from braintrace._algorithm.sharding import Sharding, check_batch_size, plan_sharding
+from braintrace._algorithm.engine.batch_size import checked_batch_size
+from braintrace._algorithm.rules.trace_rule import RuleLearner, TraceRule
+from braintrace._algorithm.engine.sharding import Sharding, check_batch_size, plan_sharding
 from braintrace._errors import CompilationError
 from braintrace._typing import PyTree
 
@@ -221,7 +221,7 @@ def compile(
         ``RandomProjectionVjpAlgorithm``), which receives it as ``config``. ``'bptt'``
         (:class:`~braintrace.BPTT`) is backpropagation through time behind the same interface.
         A :class:`~braintrace.TraceRule` (a rule written as pure functions) runs on
-        :class:`~braintrace._algorithm.trace_rule.RuleLearner`.
+        :class:`~braintrace._algorithm.rules.trace_rule.RuleLearner`.
     *example_inputs
         Inputs of one step (with the batch on axis 0 when batched): arrays, or
         ``jax.ShapeDtypeStruct`` shapes.

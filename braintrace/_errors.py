@@ -159,7 +159,7 @@ _NON_FINITE_ADVICE = {
 
 
 def non_finite_advice(what: str) -> str:
-    """What to do about a non-finite ``what`` (one of :data:`braintrace._algorithm.finite.WHAT`)."""
+    """What to do about a non-finite ``what`` (one of :data:`braintrace._algorithm.drive.finite.WHAT`)."""
     return _NON_FINITE_ADVICE[what][2:]
 
 

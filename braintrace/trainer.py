@@ -67,10 +67,10 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from braintrace._algorithm import ETraceAlgorithm, ETraceConfig
-from braintrace._algorithm.finite import WHAT, Status, advance, all_finite
-from braintrace._algorithm.layout import checked_time_axis
+from braintrace._algorithm.drive.finite import WHAT, Status, advance, all_finite
+from braintrace._algorithm.drive.layout import checked_time_axis
 from braintrace._compile import Learner, compile as compile_learner
-from braintrace._algorithm.trace_rule import TraceRule
+from braintrace._algorithm.rules.trace_rule import TraceRule
 from braintrace._errors import NonFiniteWarning, non_finite_advice
 from braintrace._typing import Path, PyTree
 

@@ -1,34 +1,42 @@
 """Learning rules over the compiled ``ETraceGraph``.
 
-The graph executors (:mod:`.graph_executor`) run model steps and extract ``x``, ``df`` and
-``D``; the custom-VJP engine (:mod:`.base`) turns a call into online gradients; each learning
-rule is one module filling in the trace hooks (:mod:`.d_rtrl`, ...).
+One sub-package per concern, importing downward only:
+
+* :mod:`.engine` — the graph executors (run model steps, extract ``x``, ``df`` and ``D``), the
+  custom-VJP engine that turns a call into online gradients (:mod:`.engine.base`), and what every
+  call shares (checks, lock, placement, configuration, exactness labels);
+* :mod:`.carriers` — where traces live: one store for every engine's carriers
+  (:mod:`.carriers.carrier_store`), reduced-precision storage, the roll in the backward pass;
+* :mod:`.param_trace` — per-parameter traces: D_RTRL's engine and the rules on it;
+* :mod:`.io_trace` — factored input/output traces: pp_prop's engine;
+* :mod:`.rules` — the other learning rules and the public :class:`~braintrace.TraceRule` contract;
+* :mod:`.drive` — the sequence drivers, as functions of a learner.
 """
 
-from braintrace._algorithm.base import EligibilityTrace, ETraceAlgorithm, ETraceVjpAlgorithm
-from braintrace._algorithm.bptt import BPTT
-from braintrace._algorithm.config import ETraceConfig
-from braintrace._algorithm.d_rtrl import D_RTRL, ParamDimVjpAlgorithm
-from braintrace._algorithm.graph_executor import ETraceGraphExecutor, ETraceVjpGraphExecutor
-from braintrace._algorithm.input_data import MultiStepData, SingleStepData
-from braintrace._algorithm.sequence import SequenceDriverMixin
-from braintrace._algorithm.sharding import Sharding
-from braintrace._algorithm.vmap import ETraceVmap
-from braintrace._algorithm.pp_prop import ES_D_RTRL, IODimVjpAlgorithm, pp_prop
-from braintrace._algorithm.eprop import EProp
-from braintrace._algorithm.ostl import OSTLFeedforward, OSTLRecurrent
-from braintrace._algorithm.osttp import OSTTP
-from braintrace._algorithm.otpe import OTPE
-from braintrace._algorithm.ottt import OTTT
-from braintrace._algorithm.snn_helpers import FixedRandomFeedback, KappaFilter, PresynapticTrace
-from braintrace._algorithm.snap import SnAp
-from braintrace._algorithm.random_projection import RandomProjectionVjpAlgorithm
-from braintrace._algorithm.uoro import UORO
-from braintrace._algorithm.three_factor import ThreeFactor
-from braintrace._algorithm.dni import DNI
-from braintrace._algorithm.synthetic_gradient import SyntheticGradient
-from braintrace._algorithm.synthetic_training import train_synthetic_gradient
-from braintrace._algorithm.trace_rule import RelationInfo, RelationStep, TraceRule
+from braintrace._algorithm.engine.base import EligibilityTrace, ETraceAlgorithm, ETraceVjpAlgorithm
+from braintrace._algorithm.rules.bptt import BPTT
+from braintrace._algorithm.engine.config import ETraceConfig
+from braintrace._algorithm.param_trace.d_rtrl import D_RTRL, ParamDimVjpAlgorithm
+from braintrace._algorithm.engine.graph_executor import ETraceGraphExecutor, ETraceVjpGraphExecutor
+from braintrace._algorithm.engine.input_data import MultiStepData, SingleStepData
+from braintrace._algorithm.drive.sequence import SequenceDriverMixin
+from braintrace._algorithm.engine.sharding import Sharding
+from braintrace._algorithm.engine.vmap import ETraceVmap
+from braintrace._algorithm.io_trace.pp_prop import ES_D_RTRL, IODimVjpAlgorithm, pp_prop
+from braintrace._algorithm.param_trace.eprop import EProp
+from braintrace._algorithm.param_trace.ostl import OSTLFeedforward, OSTLRecurrent
+from braintrace._algorithm.param_trace.osttp import OSTTP
+from braintrace._algorithm.rules.otpe import OTPE
+from braintrace._algorithm.rules.ottt import OTTT
+from braintrace._algorithm.rules.snn_helpers import FixedRandomFeedback, KappaFilter, PresynapticTrace
+from braintrace._algorithm.param_trace.snap import SnAp
+from braintrace._algorithm.rules.random_projection import RandomProjectionVjpAlgorithm
+from braintrace._algorithm.rules.uoro import UORO
+from braintrace._algorithm.rules.three_factor import ThreeFactor
+from braintrace._algorithm.rules.dni import DNI
+from braintrace._algorithm.rules.synthetic_gradient import SyntheticGradient
+from braintrace._algorithm.rules.synthetic_training import train_synthetic_gradient
+from braintrace._algorithm.rules.trace_rule import RelationInfo, RelationStep, TraceRule
 
 __all__ = [
     "ETraceAlgorithm",

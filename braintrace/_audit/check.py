@@ -58,9 +58,9 @@ from braintrace._algorithm.drive.checks import check_mask, checked_weights, vali
 from braintrace._algorithm.drive.drivers import run_program
 from braintrace._algorithm.drive.grad_run import GradRun, windows
 from braintrace._algorithm.drive.host import Grads, StepFn
-from braintrace._algorithm.input_data import merge_data, split_input_data_types
-from braintrace._algorithm.jaxpr_eval import eval_jaxpr
-from braintrace._algorithm.while_vjp import bind_reversibly
+from braintrace._algorithm.engine.input_data import merge_data, split_input_data_types
+from braintrace._algorithm.engine.jaxpr_eval import eval_jaxpr
+from braintrace._algorithm.engine.while_vjp import bind_reversibly
 from braintrace._compiler.jaxpr_graph import contains_eqn
 from braintrace._audit.report import GradientAudit, Path
 from braintrace._compile import Learner
@@ -257,7 +257,7 @@ class _BareModelStep:
     Takes and returns what the custom-VJP step does, ``(out, new hidden, new other, traces)``;
     the traces are passed through unchanged (nothing reads them in the BPTT run). A step holding
     a ``while_loop``, which JAX's reverse mode cannot cross, runs as the step the compiler traced
-    with every loop bound by :func:`~braintrace._algorithm.while_vjp.bind_reversibly` (the same
+    with every loop bound by :func:`~braintrace._algorithm.engine.while_vjp.bind_reversibly` (the same
     values; reverse mode recomputes the loop's iterations).
     """
 

@@ -23,7 +23,7 @@ read here per relation and per driven group:
 
 Only differentiable paths count: a ``stop_gradient`` or an integer/boolean value carries no
 gradient in BPTT either. The learners combine these facts with their own coordinate
-(:mod:`braintrace._algorithm.exactness`).
+(:mod:`braintrace._algorithm.engine.exactness`).
 
 Examples
 --------

@@ -1,7 +1,7 @@
 """``ExactnessLabel``: whether a learner's online gradient of one relation's weights equals BPTT's.
 
-A learner labels each of its relations (:func:`braintrace._algorithm.exactness.relation_labels`)
-and each weight outside every relation (:func:`~braintrace._algorithm.exactness.plain_weight_labels`);
+A learner labels each of its relations (:func:`braintrace._algorithm.engine.exactness.relation_labels`)
+and each weight outside every relation (:func:`~braintrace._algorithm.engine.exactness.plain_weight_labels`);
 :class:`~braintrace.CompilationReport` lists the labels. ``exact`` is a guarantee of the
 math for single steps, or windows with the trace entering each window; everything else is
 ``approximate``, with the reasons in words.

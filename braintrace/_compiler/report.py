@@ -50,7 +50,7 @@ class CompilationReport:
     labels : iterable of ExactnessLabel, optional
         One per relation of ``graph``, in relation order: whether a learner's online gradient of
         the relation's weights equals BPTT's (``learner.report`` passes the learner's; see
-        :mod:`braintrace._algorithm.exactness`). Without labels the report lists none.
+        :mod:`braintrace._algorithm.engine.exactness`). Without labels the report lists none.
     plain_labels : iterable of ExactnessLabel, optional
         One per ``ParamState`` outside every relation, in the order of :attr:`excluded_weights`
         (``learner.report`` passes the learner's). With ``labels``, :attr:`weight_exactness`

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from braintrace._algorithm.batch_size import checked_batch_size
+from braintrace._algorithm.engine.batch_size import checked_batch_size
 from braintrace._compile import AlgorithmSpec
 from braintrace._compile import compile as compile_learner
 from braintrace._errors import CompilationError

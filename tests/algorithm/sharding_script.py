@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 import braintrace
-from braintrace._algorithm import sharding as sharding_module
+from braintrace._algorithm.engine import sharding as sharding_module
 from tests.algorithm.test_snn_training import LIFNet
 
 B, N_IN, H, T, WINDOW = 8, 5, 16, 4, 2

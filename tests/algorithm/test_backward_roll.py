@@ -1,4 +1,4 @@
-"""Traces rolled in the backward pass (``braintrace._algorithm.backward_roll``), exercised on CPU.
+"""Traces rolled in the backward pass (``braintrace._algorithm.carriers.backward_roll``), exercised on CPU.
 
 On a TPU the drivers have a single-step learner roll its large dense traces in the backward pass,
 with the gradient's history term, in one pass (a Pallas kernel). Here the learners are compiled
@@ -24,7 +24,7 @@ import pytest
 
 import braintrace
 from benchmarks.models import LIF as ReadPastLIF
-from braintrace._algorithm import backward_roll
+from braintrace._algorithm.carriers import backward_roll
 from braintrace._op import dense, fused_roll
 from tests.algorithm.bptt import _to_numpy, bptt_grads, max_rel_err, normal, target_loss
 from tests.device.test_exactness_on_device import MODELS, RTOL, B, I, T

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import braintrace
-from braintrace._algorithm.carrier_store import CarrierStore
+from braintrace._algorithm.carriers.carrier_store import CarrierStore
 
 T, B, I, O = 3, 2, 3, 4
 

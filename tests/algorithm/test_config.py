@@ -23,8 +23,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import braintrace
-from braintrace._algorithm.config import _check_compatibility
-from braintrace._algorithm.learning_signal import project_feedback
+from braintrace._algorithm.engine.config import _check_compatibility
+from braintrace._algorithm.engine.learning_signal import project_feedback
 from tests.algorithm.bptt import Grads, max_rel_err, normal, single_step_grads, window_grads, x64
 from tests.compiler import control_flow_models as cf
 

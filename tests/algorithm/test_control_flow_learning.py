@@ -36,7 +36,7 @@ from tests.algorithm.bptt import (
     window_grads,
     x64,
 )
-from braintrace._algorithm.graph_executor import detached_df_key, df_key
+from braintrace._algorithm.engine.graph_executor import detached_df_key, df_key
 from tests.compiler import control_flow_models as cf
 
 __all__ = ["x64"]  # the fixture is used by name

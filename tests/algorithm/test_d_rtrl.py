@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import braintrace
-from braintrace._algorithm import param_trace_window
+from braintrace._algorithm.param_trace import window as param_trace_window
 from tests.algorithm.bptt import (
     bptt_grads,
     cosine,

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 import braintrace
-from braintrace._algorithm.eager_calls import WARN_AT
+from braintrace._algorithm.engine.eager_calls import WARN_AT
 
 X = jnp.ones((2, 3))
 

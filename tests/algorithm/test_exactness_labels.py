@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import braintrace
-from braintrace._algorithm.exactness import relation_labels
+from braintrace._algorithm.engine.exactness import relation_labels
 from braintrace._audit import GradientAudit, check_gradients
 from braintrace._compiler.exactness_label import ExactnessLabel
 from tests.algorithm.bptt import normal, x64

@@ -27,7 +27,7 @@ import pytest
 
 import braintrace
 from braintrace import SequenceDriverMixin
-from braintrace._algorithm.input_data import ETraceInputData
+from braintrace._algorithm.engine.input_data import ETraceInputData
 from tests.algorithm.bptt import Grads, _to_numpy, bptt_grads, max_rel_err, normal, x64
 
 __all__ = ["x64"]  # the fixture is used by name

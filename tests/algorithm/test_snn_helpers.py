@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import braintrace
-from braintrace._algorithm.snn_helpers import _ZeroResetState, extract_y_target
+from braintrace._algorithm.rules.snn_helpers import _ZeroResetState, extract_y_target
 
 
 def test_presynaptic_trace_leaks_and_accumulates() -> None:

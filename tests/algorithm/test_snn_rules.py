@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import braintrace
-from braintrace._algorithm.learning_signal import project_feedback
+from braintrace._algorithm.engine.learning_signal import project_feedback
 from tests.algorithm.bptt import (
     Grads,
     bptt_grads,

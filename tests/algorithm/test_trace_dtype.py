@@ -8,7 +8,7 @@ figures are in the comments next to each tolerance.
 Over long streams the rounding of a slowly decaying trace adds up: with leaks up to 0.95 the
 bfloat16 gradient keeps a cosine above 0.999 to the float32 one after 1000 steps; with leaks up
 to 0.99 it does not, and float16 (three more mantissa bits) does. A test pins both, as
-documented in :mod:`braintrace._algorithm.trace_storage`.
+documented in :mod:`braintrace._algorithm.carriers.trace_storage`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import braintrace
-from braintrace._algorithm import trace_storage
+from braintrace._algorithm.carriers import trace_storage
 from braintrace._op import _rule_helpers
 from tests.algorithm import test_trace_traffic as traffic
 from tests.algorithm.bptt import bptt_grads, cosine, max_rel_err, normal, single_step_grads, window_grads
@@ -269,7 +269,7 @@ def test_slicing_rows_without_the_barrier_widens_the_trace(monkeypatch: pytest.M
 def _roundings_to_bfloat16(text: str, result_shape: str) -> dict[str, int]:
     """For each fused computation with a bfloat16 result of ``result_shape``, how many of its
     instructions round every element to 16 bits: a convert to bfloat16, or one to uint16 (the
-    last step of :func:`~braintrace._algorithm.trace_storage.rounded` on CPU, which drops the
+    last step of :func:`~braintrace._algorithm.carriers.trace_storage.rounded` on CPU, which drops the
     low half of a float32 split to bfloat16's precision)."""
     counts = {}
     for name, body in traffic._computations(text).items():
@@ -295,7 +295,7 @@ def test_ordering_a_bfloat16_update_after_the_gradient_rounds_it_once() -> None:
 
 
 def test_ordering_with_a_floating_zero_rounds_twice(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(braintrace._algorithm.base, "_or_zero_bits", lambda v, zero: v + zero.astype(v.dtype))
+    monkeypatch.setattr(braintrace._algorithm.engine.base, "_or_zero_bits", lambda v, zero: v + zero.astype(v.dtype))
     assert _driver_trace_roundings() == [2]
 
 

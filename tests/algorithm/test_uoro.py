@@ -29,9 +29,9 @@ import numpy as np
 import pytest
 
 import braintrace
-from braintrace._algorithm import random_projection
-from braintrace._algorithm.graph_executor import TransitionPoint
-from braintrace._algorithm.random_projection import transition_jvp
+from braintrace._algorithm.rules import random_projection
+from braintrace._algorithm.engine.graph_executor import TransitionPoint
+from braintrace._algorithm.rules.random_projection import transition_jvp
 from tests.algorithm.bptt import bptt_grads, max_rel_err, normal, single_step_grads, x64
 from tests.algorithm.test_d_rtrl import ROW, Leaky, Row, identity
 from tests.compiler import control_flow_models as cf

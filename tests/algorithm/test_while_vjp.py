@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from braintrace._algorithm.while_vjp import bind_reversibly, reversible_jaxpr
+from braintrace._algorithm.engine.while_vjp import bind_reversibly, reversible_jaxpr
 
 Fn = Callable[..., Any]
 

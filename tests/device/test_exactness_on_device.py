@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import braintrace
-from braintrace._algorithm import backward_roll
+from braintrace._algorithm.carriers import backward_roll
 from braintrace._op import fused_roll
 from tests.algorithm.bptt import _to_numpy, bptt_grads, max_rel_err, normal, single_step_grads, target_loss, window_grads
 from tests.compiler.models import spike
@@ -145,7 +145,7 @@ def test_check_gradients_reads_exact_at_float32_rounding() -> None:
 @pytest.mark.parametrize("model", ["leaky", "lif"])
 def test_traces_rolled_in_the_backward_pass_match_bptt(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a TPU the drivers roll large dense traces in the backward pass with a Pallas kernel
-    (``braintrace._algorithm.backward_roll``); with its size threshold at zero these small models
+    (``braintrace._algorithm.carriers.backward_roll``); with its size threshold at zero these small models
     take that path there. Elsewhere the traces roll in the forward pass, checked the same way."""
     monkeypatch.setattr(backward_roll, "ROLL_MIN_BYTES", 0)
     xs = normal(11, (T, B, I))

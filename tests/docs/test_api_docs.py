@@ -96,7 +96,7 @@ LEARNERS = ["ETraceVjpAlgorithm", "ParamDimVjpAlgorithm", "D_RTRL", "IODimVjpAlg
 
 @pytest.mark.parametrize("name", LEARNERS)
 def test_every_learner_documents_every_constructor_option(name: str) -> None:
-    from braintrace._algorithm.base import constructor_options
+    from braintrace._algorithm.engine.base import constructor_options
 
     cls = getattr(braintrace, name)
     undocumented = [o for o in constructor_options(cls) if f"{o} :" not in (cls.__doc__ or "")]

@@ -8,10 +8,16 @@
 * :mod:`~braintrace._algorithm.drive.train` — :func:`etrace_train`, an optimizer applied while
   the stream runs.
 
-:class:`~braintrace.SequenceDriverMixin` (:mod:`braintrace._algorithm.sequence`) makes the
-drivers every learner's methods. The modules here import the learner-independent helpers of
-:mod:`braintrace._algorithm` (non-finite checks, layouts, input markers, the call lock, the
-training optimizer), never a learner.
+* :mod:`~braintrace._algorithm.drive.sequence` — :class:`~braintrace.SequenceDriverMixin`, which
+  makes the drivers every learner's methods;
+* :mod:`~braintrace._algorithm.drive.predict` — ``learner.predict``, the model forward over
+  sequences from fresh states;
+* :mod:`~braintrace._algorithm.drive.finite`, :mod:`~braintrace._algorithm.drive.layout` and
+  :mod:`~braintrace._algorithm.drive.train_optimizer` — the non-finite checks, batch-major
+  layouts and the optimizer a training run applies.
+
+The modules here import the learner-independent parts of :mod:`braintrace._algorithm.engine`
+(input markers, the call lock, batch sizes), never a learner.
 """
 
 from braintrace._algorithm.drive.drivers import etrace_evolve, etrace_grad

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from braintrace._algorithm.drive.host import SequenceHost, StepFn
-from braintrace._algorithm.finite import refuse_traced
-from braintrace._algorithm.input_data import ETraceInputData
-from braintrace._algorithm.layout import check_layout, checked_time_axis, time_major
+from braintrace._algorithm.drive.finite import refuse_traced
+from braintrace._algorithm.engine.input_data import ETraceInputData
+from braintrace._algorithm.drive.layout import check_layout, checked_time_axis, time_major
 from braintrace._errors import internal_error
 from braintrace._typing import Path, PyTree
 

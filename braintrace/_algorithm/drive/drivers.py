@@ -11,7 +11,7 @@ with an optimizer applied while it runs). Each takes the learner first and reads
 :class:`~braintrace._algorithm.drive.host.SequenceHost` protocol;
 :class:`~braintrace.SequenceDriverMixin` makes them every learner's methods
 (``learner.etrace_grad(...)`` is ``etrace_grad(learner, ...)``), and each holds the learner's
-lock (:func:`~braintrace._algorithm.call_lock.serialised`) for its whole run.
+lock (:func:`~braintrace._algorithm.engine.call_lock.serialised`) for its whole run.
 
 Every argument is checked before tracing (:mod:`braintrace._algorithm.drive.checks`). Failure
 is transactional: the loop body is traced into a functional scan, which restores every state it
@@ -27,7 +27,7 @@ import brainstate
 import jax
 import jax.numpy as jnp
 
-from braintrace._algorithm.call_lock import serialised
+from braintrace._algorithm.engine.call_lock import serialised
 from braintrace._algorithm.drive.checks import (
     Drive,
     check_loss_output,
@@ -40,9 +40,9 @@ from braintrace._algorithm.drive.checks import (
 )
 from braintrace._algorithm.drive.grad_run import windows
 from braintrace._algorithm.drive.host import Grads, SequenceHost, StepFn
-from braintrace._algorithm.finite import Status, StateGuard, advance, all_finite, raise_if_bad
-from braintrace._algorithm.input_data import MultiStepData
-from braintrace._algorithm.layout import in_declared_layout
+from braintrace._algorithm.drive.finite import Status, StateGuard, advance, all_finite, raise_if_bad
+from braintrace._algorithm.engine.input_data import MultiStepData
+from braintrace._algorithm.drive.layout import in_declared_layout
 from braintrace._compatible_imports import Tracer
 from braintrace._typing import Path, PyTree
 

@@ -4,9 +4,9 @@ For each call ``c`` (a step, or a window of ``k`` steps) the learner's online es
 the gradient of ``J_c = Σ_{t in call c} mask_t · loss_t`` is taken with
 ``brainstate.transform.grad`` inside ``brainstate.transform.scan``, and the scan carries
 ``Σ_c ĝ_c``. Under ``check_finite`` the carry also holds the non-finite status, and every update
-from the first non-finite step on is discarded (:mod:`braintrace._algorithm.finite`). A learner
+from the first non-finite step on is discarded (:mod:`braintrace._algorithm.drive.finite`). A learner
 that rolls traces in the backward pass gets a sink for them here
-(:mod:`braintrace._algorithm.backward_roll`).
+(:mod:`braintrace._algorithm.carriers.backward_roll`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from braintrace._algorithm.drive.host import Grads, RollSink, SequenceHost, StepFn
-from braintrace._algorithm.finite import Status, StateGuard, advance, all_finite
+from braintrace._algorithm.drive.finite import Status, StateGuard, advance, all_finite
 from braintrace._typing import Path, PyTree
 
 __all__ = ["GradRun", "windows", "zeros_like"]

@@ -9,7 +9,7 @@ gradient keyed like its weights (:data:`Grads`), a user's step function (:data:`
 traces a call may roll in its backward pass (:data:`RollSink`), and the loop that takes a
 sequence's gradient (:class:`SequenceRun`, built by a :class:`SequenceRunType`).
 
-It imports the non-finite status only (:mod:`braintrace._algorithm.finite`).
+It imports the non-finite status only (:mod:`braintrace._algorithm.drive.finite`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Callable, ClassVar, Mapping, Protocol, Sequence, Union
 import brainstate
 import jax
 
-from braintrace._algorithm.finite import Status
+from braintrace._algorithm.drive.finite import Status
 from braintrace._typing import Path, PyTree, Trace
 
 __all__ = ["Grads", "StepFn", "RolledTrace", "RollSink", "SequenceHost", "SequenceRun", "SequenceRunType"]

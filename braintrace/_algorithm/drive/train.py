@@ -4,7 +4,7 @@ One scan runs over the whole stream. It accumulates the learner's online estimat
 :func:`~braintrace._algorithm.drive.drivers.etrace_grad` does and, every ``update_every`` steps,
 hands the accumulated estimate to the optimizer, clears it and goes on, without resetting
 anything. The optimizer is the one given, or the ``braintools`` wrapper the learner keeps for an
-optax transformation (:mod:`braintrace._algorithm.train_optimizer`).
+optax transformation (:mod:`braintrace._algorithm.drive.train_optimizer`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from braintrace._algorithm.call_lock import serialised
+from braintrace._algorithm.engine.call_lock import serialised
 from braintrace._algorithm.drive.checks import (
     check_mask,
     check_reduction,
@@ -28,8 +28,8 @@ from braintrace._algorithm.drive.checks import (
 )
 from braintrace._algorithm.drive.drivers import divided, run_program
 from braintrace._algorithm.drive.host import SequenceHost, StepFn
-from braintrace._algorithm.finite import Status, StateGuard, advance, all_finite, raise_if_bad
-from braintrace._algorithm.train_optimizer import train_optimizer
+from braintrace._algorithm.drive.finite import Status, StateGuard, advance, all_finite, raise_if_bad
+from braintrace._algorithm.drive.train_optimizer import train_optimizer
 from braintrace._typing import Path, PyTree
 
 if TYPE_CHECKING:

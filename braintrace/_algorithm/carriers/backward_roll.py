@@ -1,0 +1,293 @@
+"""Rolling a trace in the backward pass, where its gradient is read in the same pass (TPU, drivers).
+
+A single-step D-RTRL call rolls each trace in its forward pass, ``ε^t = D ε^{t-1} + x ⊗ df``,
+and its backward pass reads a trace again for the history term ``⟨Dᵀ g, ε^{t-1}⟩``: three
+passes over the trace per step, as the signal ``g`` exists only in the backward pass. When the
+learners' own drivers (``etrace_grad``, ``etrace_train``) take the step's gradient, they can
+receive the rolled trace from the backward pass instead: the driver hands the call a *sink*
+(zeros shaped like the stored traces), the forward pass leaves those traces as they entered,
+and the backward pass rolls them and contracts the history in one pass
+(:func:`braintrace._op.fused_roll.roll_and_contract`, a Pallas kernel) and returns the rolled
+traces as the sink's cotangent, which the driver writes into the trace states. Same maths, the
+sums in another order (float32 rounding); two passes over the trace instead of three. A filtered
+trace (EProp's ``kappa_filter_decay``, ``ē^t = κ ē^{t-1} + ε^t``, whose gradient reads ``ē^t``)
+has its filter rolled by the same pass, the history ``κ ⟨g, ē^{t-1}⟩ + ⟨Dᵀ g, ε^{t-1}⟩``
+contracted from both entering arrays (:func:`braintrace._op.fused_roll.roll_filter_and_contract`):
+one read and one write of each per step instead of five passes.
+
+It applies on a TPU, where traces of one-state groups are stored without their state axis
+(``ParamDimVjpAlgorithm._stored``), to the float32 traces of batched ``matmul`` relations that
+roll plainly (single-step D_RTRL, EProp with or without a filter, OSTL), outside a mesh. Every other
+call, and every call of a learner outside its drivers (``learner(x)`` under a user's own
+``grad``), rolls its traces in the forward pass as before. Inside the driver's ``step_fn``, the
+deferred traces read their entering value until the step's gradient is taken.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, NamedTuple, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from braintrace._algorithm.drive.host import RolledTrace, RollSink
+from braintrace._algorithm.engine.graph_executor import CallJacobians, is_step_jacobians, trace_key
+from braintrace._algorithm.param_trace.residual import plain_rolls
+from braintrace._algorithm.param_trace.solve import solve_instant
+from braintrace._algorithm.param_trace.types import (
+    BackwardResidual,
+    Carried,
+    FilteredTraces,
+    ParamTraceHost,
+    Traces,
+    split_filtered,
+)
+from braintrace._algorithm.engine.sharding import ShardingPlan
+from braintrace._compiler.hid_param_op import HiddenParamOpRelation
+from braintrace._compiler.hidden_group import HiddenGroup
+from braintrace._errors import internal_error
+from braintrace._op import _registries as reg
+from braintrace._op._rule_helpers import mix_states, shape_of
+from braintrace._typing import Path, PyTree, Trace, TraceKey
+
+__all__ = ["BackwardRollMixin", "ROLL_MIN_BYTES"]
+
+#: The smallest weight trace (bytes) rolled in the backward pass. On a TPU v5e (batch 32,
+#: T = 100) the one-pass kernel took a LIF-1024 D_RTRL step (130 MiB of trace) from 62.8 to
+#: 45.5 ms, but made the GRU-256 (two traces, 17 MiB together) and LIF-256 (8.5 MiB) steps 3 and
+#: 9 % slower than XLA's fusion, which keeps traces that small in on-chip memory.
+ROLL_MIN_BYTES = 64 << 20
+
+class Rolled(NamedTuple):
+    """One trace's part of the backward residual."""
+
+    #: The entering trace, in its stored form.
+    old: Trace
+    #: The entering filter of a filtered trace (stored form; ``None``: no filter).
+    old_filter: Trace | None
+    #: The group's Jacobian ``D`` that rolls the trace.
+    diag: jax.Array
+    #: The relation's input.
+    x: jax.Array
+    #: The relation's ``df`` (output layout).
+    df: jax.Array
+    #: The group's history Jacobian.
+    history_jacobian: jax.Array
+
+
+#: A trace the backward pass may roll: its relation's index, the relation, the group.
+RolledRelation = tuple[int, HiddenParamOpRelation, HiddenGroup]
+
+
+class _RollHost(ParamTraceHost, Protocol):
+    """The learner (``ParamDimVjpAlgorithm``) as the backward roll reads it."""
+
+    _roll_sink: RollSink | None
+    _rolled_now: frozenset[TraceKey]
+    _rolled_relations: dict[TraceKey, RolledRelation]
+    _sink_keys: tuple[TraceKey, ...]
+
+    @property
+    def vjp_method(self) -> str:
+        """``'single-step'`` or ``'multi-step'``."""
+
+    @property
+    def sharding_plan(self) -> ShardingPlan | None:
+        """Where the states live on a device mesh (``None``: not sharded)."""
+
+    @property
+    def _squeezed(self) -> frozenset[TraceKey]:
+        """The trace keys stored without their trailing state axis."""
+
+    def _stored(self, key: TraceKey, view: Trace) -> Trace:
+        """The trace of ``key`` as the learner stores it."""
+
+    def _defined_in_library(self, *methods: str) -> bool:
+        """Whether the learner's ``methods`` are the library's."""
+
+
+class BackwardRollMixin:
+    """The backward roll of ``ParamDimVjpAlgorithm`` (see the module docstring)."""
+
+    _roll_sink: RollSink | None = None
+    _rolled_now: frozenset[TraceKey] = frozenset()
+    #: Per trace key the backward pass may roll: the relation's index, the relation, the group
+    #: (set with the traces, :meth:`_find_rolled_relations`).
+    _rolled_relations: dict[TraceKey, RolledRelation] = {}
+    #: The keys the driver's current sink holds, in its order (:meth:`_seq_roll_sink`).
+    _sink_keys: tuple[TraceKey, ...] = ()
+
+    def _find_rolled_relations(self: _RollHost) -> dict[TraceKey, RolledRelation]:
+        """The keys of :attr:`_rolled_relations`, found from the stored traces."""
+        filtered = bool(self._trace_filters)
+        hooks = ("_trace_for_backward", "_solve_weight_gradients")
+        if not (self._squeezed and self.vjp_method == "single-step" and not self.replaces_signal
+                and self._rolls_plainly() and self._defined_in_library(*hooks)):
+            return {}
+        found: dict[TraceKey, RolledRelation] = {}
+        for index, rel in enumerate(self.graph.hidden_param_op_relations):
+            fp = self._fast_path(rel)
+            kernel = None if fp is None else (fp.roll_filter_and_solve if filtered else fp.roll_and_solve)
+            if (kernel is None or not reg.is_batched_primitive(rel.primitive)
+                    or rel.control_flow_context is not None or rel.x_var is None or len(shape_of(rel.x_var)) != 2):
+                continue
+            for group in rel.hidden_groups:
+                key = trace_key(rel, group)
+                stored = self.etrace_bwg[key].value
+                if (key in self._squeezed and stored["weight"].ndim == 3
+                        and all(v.dtype == jnp.float32 for v in stored.values())):
+                    found[key] = (index, rel, group)
+        return found
+
+    # --- the driver's side ----------------------------------------------------------------
+
+    def _seq_roll_sink(self: _RollHost) -> RollSink | None:
+        """Zeros shaped like each trace the backward pass may roll, in order (``None``: none)."""
+        if self.sharding_plan is not None:
+            return None
+        traces = {key: self.etrace_bwg[key].value for key in self._rolled_relations}
+        self._sink_keys = tuple(key for key, trace in traces.items()
+                                if trace["weight"].size * trace["weight"].dtype.itemsize >= ROLL_MIN_BYTES)
+        if not self._sink_keys:
+            return None
+        sink = [{k: jnp.zeros(v.shape, v.dtype) for k, v in traces[key].items()} for key in self._sink_keys]
+        if self._trace_filters:
+            return [{"eps": zeros, "filt": jax.tree.map(jnp.zeros_like, zeros)} for zeros in sink]
+        return sink
+
+    @contextlib.contextmanager
+    def _seq_rolling_into(self, sink: RollSink | None) -> Iterator[None]:
+        """Within this block, the learner's next call rolls its traces into ``sink``'s cotangent."""
+        self._roll_sink, self._rolled_now = sink, frozenset()
+        try:
+            yield
+        finally:
+            self._roll_sink = None
+
+    def _seq_write_rolled(self: _RollHost, rolled: Sequence[RolledTrace]) -> None:
+        """Write the traces the backward pass rolled (``rolled``: the sink's cotangent)."""
+        for key, value in zip(self._sink_keys, rolled):
+            if key not in self._rolled_now:
+                continue
+            if self._trace_filters:
+                self.etrace_bwg[key].value = value["eps"]
+                self._trace_filters[key].value = value["filt"]
+            else:
+                self.etrace_bwg[key].value = value
+
+    def _take_roll_sink(self) -> RollSink | None:
+        """The sink of the driver's step for this call (once: a second call gets none)."""
+        sink, self._roll_sink = self._roll_sink, None
+        return sink
+
+    # --- the learner's side ---------------------------------------------------------------
+
+    def _roll_in_backward(
+        self: _RollHost, entering: Carried, new: Carried, residual: BackwardResidual, jac: CallJacobians,
+    ) -> tuple[BackwardResidual, Carried]:
+        """Move the roll of the plainly rolled keys from the forward to the backward pass.
+
+        ``entering`` and ``new`` are the traces as the learner passes them (``{'eps', 'filt'}``
+        of a filtered learner). Returns the residual, whose history (and entering filter) no
+        longer reads those traces and whose ``rolled`` holds, per key of the sink, what the
+        backward pass needs (for a key rolled in the forward pass: zeros, its sink's cotangent),
+        and the new traces with the deferred keys as they entered.
+        """
+        if not is_step_jacobians(jac):
+            raise internal_error("a learner that rolls traces in the backward pass got transition points")
+        filtered = bool(self._trace_filters)
+        eps_in, filt_in = split_filtered(entering, filtered)
+        eps_new, filt_new = split_filtered(new, filtered)
+        history = residual.trace
+        plain = plain_rolls(self, jac, history.through_while)
+        local_keys = self._local_relation_weights().keys
+        rolled: list[Rolled | RolledTrace] = []
+        kept, taken = dict(eps_new), set()
+        kept_filter: Traces = {} if filt_new is None else dict(filt_new)
+        for key in self._sink_keys:
+            index, _, group = self._rolled_relations[key]
+            stored = self._stored(key, eps_in[key])
+            stored_filter = None if filt_in is None else self._stored(key, filt_in[key])
+            # Weights left out of the one-step VJP have a history read off the new trace only.
+            if key not in plain or (key not in history.instant and local_keys.get(index)):
+                zeros = jax.tree.map(jnp.zeros_like, stored)
+                rolled.append({"eps": zeros, "filt": jax.tree.map(jnp.zeros_like, stored)} if filtered else zeros)
+                continue
+            x, df = plain[key][2]
+            if x is None:  # a rolled relation is a batched matmul (see _find_rolled_relations)
+                raise internal_error(f"the relation of trace {key} rolled in the backward pass reads no input")
+            if history.history_jacobians is None:
+                raise internal_error(f"trace {key} rolled in the backward pass without its group's history Jacobian")
+            rolled.append(Rolled(stored, stored_filter, jac[1][group.index], x, df,
+                                 history.history_jacobians[group.index]))
+            kept[key] = eps_in[key]
+            if filt_in is not None:
+                kept_filter[key] = filt_in[key]
+            taken.add(key)
+        self._rolled_now = frozenset(taken)
+        history = history._replace(
+            traces={k: v for k, v in history.traces.items() if k not in taken},
+            instant={k: v for k, v in history.instant.items() if k not in taken})
+        old_filter = residual.old_filter
+        if old_filter is not None:
+            old_filter = {k: v for k, v in old_filter.items() if k not in taken}
+        residual = residual._replace(trace=history, old_filter=old_filter, rolled=rolled)
+        return residual, (FilteredTraces(eps=kept, filt=kept_filter) if filtered else kept)
+
+    def _solve_rolled(
+        self: _RollHost, residual: BackwardResidual, signals: Sequence[jax.Array], weight_vals: dict[Path, PyTree],
+        grads: dict[Path, PyTree],
+    ) -> tuple[dict[Path, PyTree], RollSink | None]:
+        """Roll the traces the ``residual`` deferred and add their history term to ``grads``.
+
+        The history term is the entering trace met by the signal the forward roll's history
+        would have met it with: ``Hᵀ g`` (``H`` the group's history Jacobian, ``D`` where the
+        history was read off the new trace) or, for a group read past its update, ``∂L/∂h^{t-1}``;
+        a filtered trace adds its entering filter met by ``κ g``. Returns the gradients and the
+        rolled traces, the roll sink's cotangent (zeros for the keys rolled in the forward pass,
+        which the driver does not write; ``None``: no sink).
+        """
+        rolled: Sequence[Rolled | RolledTrace] | None = residual.rolled
+        if rolled is None:
+            return grads, None
+        local_keys = self._local_relation_weights().keys
+        read_past = residual.trace.read_past_update
+        traces: list[RolledTrace] = []
+        for key, entry in zip(self._sink_keys, rolled):
+            index, rel, group = self._rolled_relations[key]
+            if not isinstance(entry, Rolled):
+                traces.append(entry)
+                continue
+            g = signals[group.index]
+            if group.index in read_past:
+                history_signal = read_past[group.index]
+            else:
+                history_signal = mix_states(jnp.swapaxes(entry.history_jacobian, -1, -2), g)
+            fp = self._fast_path(rel)
+            diag = rel.output_layout(group, entry.diag)[..., 0, 0]
+            signal = rel.output_layout(group, history_signal)[..., 0]
+            has_bias = bool(rel.eqn_params.get("has_bias", False))
+            if entry.old_filter is None:
+                roll = None if fp is None else fp.roll_and_solve
+                if roll is None:
+                    raise internal_error(f"trace {key} rolled in the backward pass without its kernel")
+                new, history = roll(entry.old, diag, entry.x, entry.df[..., 0], signal, has_bias)
+                traces.append(new)
+            else:
+                roll_filtered = None if fp is None else fp.roll_filter_and_solve
+                if roll_filtered is None:
+                    raise internal_error(f"filtered trace {key} rolled in the backward pass without its kernel")
+                filt_signal = rel.output_layout(group, self.kappa * g)[..., 0]
+                new, new_filter, history = roll_filtered(
+                    entry.old, entry.old_filter, diag, entry.x, entry.df[..., 0], signal, filt_signal,
+                    self.kappa, has_bias)
+                traces.append({"eps": new, "filt": new_filter})
+            covered = local_keys.get(index, frozenset())
+            if covered:  # weights left out of the one-step VJP: their gradient is the whole ⟨g, ε^t⟩ (ē^t)
+                weights = self._relation_operands(rel, weight_vals)
+                same_step = solve_instant(rel, rel.output_layout(group, g), entry.x, entry.df, weights, fp)
+                history = {k: v + same_step[k] if k in covered else v for k, v in history.items()}
+            for k, v in history.items():
+                grads = self._add_operand_gradient(grads, rel, k, v, weight_vals)
+        return grads, traces

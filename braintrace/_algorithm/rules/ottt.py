@@ -1,0 +1,342 @@
+"""``OTTT``: online training through time, a presynaptic-trace learning rule for dense layers.
+
+For every dense relation ``y = x @ W (+ b)`` driving a one-state hidden group, OTTT keeps a
+leaky trace of the presynaptic input, ``â^t = λ â^{t-1} + x^t`` (mode ``'A'``) or
+``â^t = x^t`` (mode ``'O'``), and a scalar bias companion ``ĉ^t = λ ĉ^{t-1} + 1`` (or ``1``).
+Its gradient estimate at step ``t`` is ``â^t ⊗ L^t`` with the learning signal
+``L = Σ_a ∂L/∂h[..., a]``; ``D`` and ``df`` are not used.
+
+What a call adds to the engine's gradient (see :mod:`braintrace._algorithm.engine.base`; the one-step gradient is exact
+and holds the same-step term ``x^t ⊗ df ⊙ L``): the history of the estimate,
+``λ â^{t-1} ⊗ L`` and ``λ ĉ^{t-1} L`` for the bias (nothing in mode ``'O'``). Where ``y`` enters
+the hidden state unscaled (``df ≡ 1``, see :func:`~braintrace._compiler.unit_tail.enters_unscaled`)
+and reaches the outputs only through it, the same-step term is ``x^t ⊗ L``: the engine then
+leaves the weight out of the one-step VJP and its whole gradient is ``â^t ⊗ L`` (``ĉ^t L``), one
+product of the weight's size per step instead of two.
+
+Exactness: equal to backpropagation through time on ``h ← λ h + matmul(x, W) (+ b)`` with
+the same ``λ`` (there ``D ≡ λ`` and ``df ≡ 1``). Elsewhere the history ignores ``df`` (an
+input scaling, a ``tanh'``) and the true ``D``.
+
+Examples
+--------
+>>> import brainstate, jax.numpy as jnp, braintrace
+>>> class Leaky(brainstate.nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.w = brainstate.ParamState(jnp.ones((3, 2)))
+...         self.h = brainstate.HiddenState(jnp.zeros(2))
+...     def update(self, x):
+...         self.h.value = 0.9 * self.h.value + braintrace.matmul(x, self.w.value)
+...         return self.h.value
+>>> learner = braintrace.compile(Leaky(), braintrace.OTTT, jnp.ones(3), leak=0.9)
+>>> grad = brainstate.transform.grad(lambda x: learner(x).sum(), learner.param_states)
+>>> [round(float(grad(jnp.ones(3))[('w',)][0, 0]), 4) for _ in range(2)]  # x, then x + λ·x
+[1.0, 1.9]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import brainstate
+import jax
+import jax.numpy as jnp
+
+from braintrace._algorithm.engine.base import ETraceVjpAlgorithm
+from braintrace._algorithm.carriers.carrier_store import CarrierStore
+from braintrace._algorithm.engine.input_data import has_multistep_data
+from braintrace._algorithm.rules.snn_helpers import PresynapticTrace
+from braintrace._compiler import ControlFlowPolicy
+from braintrace._compiler.hid_param_op import HiddenParamOpRelation
+from braintrace._compiler.hidden_group import HiddenGroup
+from braintrace._compiler.unit_tail import enters_unscaled
+from braintrace._errors import internal_error
+from braintrace._op import _registries as reg
+from braintrace._op._rule_helpers import dtype_of, shape_of
+from braintrace._op.dense import etp_mm_p, etp_mv_p
+from braintrace._typing import Path
+
+__all__ = ["OTTT", "DenseLeakRule"]
+
+_DENSE = (etp_mm_p, etp_mv_p)
+
+
+class DenseLeakRule(ETraceVjpAlgorithm):
+    """The shared shell of OTTT and OTPE: a fixed leak, dense relations, one-state groups,
+    single-step calls only.
+
+    Subclasses set :attr:`_modes` and fill in the trace hooks.
+    """
+
+    _modes: tuple[str, ...] = ()
+    _supports_scan_descent = False
+
+    def __init__(
+        self,
+        model: brainstate.nn.Module,
+        mode: str,
+        leak: float,
+        name: str | None = None,
+        vjp_method: str = "single-step",
+        control_flow: ControlFlowPolicy | None = None,
+    ) -> None:
+        cls = type(self).__name__
+        if mode not in self._modes:
+            raise ValueError(f"{cls}: mode must be one of {list(self._modes)}, got {mode!r}.")
+        if isinstance(leak, bool) or not isinstance(leak, (int, float)) or not 0.0 < float(leak) < 1.0:
+            raise ValueError(
+                f"{cls}: leak must be a number with 0 < leak < 1 (the decay of the hidden state, "
+                f"e.g. 0.9 for h <- 0.9 h + ...), got {leak!r}."
+            )
+        if vjp_method != "single-step":
+            raise ValueError(
+                f"{cls}: only vjp_method='single-step' is supported, got {vjp_method!r}; use D_RTRL "
+                f"for multi-step windows."
+            )
+        super().__init__(model, name=name, vjp_method=vjp_method, control_flow=control_flow)
+        self.mode = mode
+        self.leak = float(leak)
+
+    def _check_relations(self) -> None:
+        """Dense primitives, one-state groups whose shape is the op's output (at compilation)."""
+        cls = type(self).__name__
+        for rel in self.graph.hidden_param_op_relations:
+            if rel.primitive not in _DENSE:
+                raise NotImplementedError(
+                    f"{cls} supports dense matmul relations (etp_mm / etp_mv) only, but the weights "
+                    f"{sorted(map(str, rel.trainable_paths.values()))} go through {rel.primitive.name}. "
+                    f"Use D_RTRL, which handles every primitive."
+                )
+            for group in rel.hidden_groups:
+                if group.num_state != 1:
+                    raise ValueError(
+                        f"{cls} requires hidden groups with num_state == 1, but group {group.index} "
+                        f"({group.hidden_paths}) has num_state == {group.num_state}. Use D_RTRL for "
+                        f"multi-state neurons."
+                    )
+                if tuple(group.varshape) != shape_of(rel.y_var):
+                    raise ValueError(
+                        f"{cls}: the matmul output {shape_of(rel.y_var)} must have the hidden shape "
+                        f"{tuple(group.varshape)} of group {group.index}; use D_RTRL."
+                    )
+
+    def update(self, *args: Any, **options: Any) -> Any:
+        if has_multistep_data(*args):
+            raise NotImplementedError(
+                f"{type(self).__name__} v1 supports single-step only: call it once per time step "
+                f"(MultiStepData inputs need D_RTRL or pp_prop with vjp_method='multi-step')."
+            )
+        return super().update(*args, **options)
+
+    def _relation_signal(self, rel: HiddenParamOpRelation, signals: Sequence[jax.Array]) -> jax.Array:
+        """``L = Σ_a g[..., a]`` summed over the relation's groups, shaped like ``y``."""
+        return sum((signals[g.index].sum(axis=-1) for g in rel.hidden_groups[1:]),
+                   signals[rel.hidden_groups[0].index].sum(axis=-1))
+
+    def _add_grads(
+        self, rel: HiddenParamOpRelation, effective: dict[str, jax.Array], weight_vals: dict[Path, Any],
+        grads: dict[Path, Any],
+    ) -> dict[Path, Any]:
+        """Pull gradients w.r.t. ``weight_fn(W)`` / ``bias_fn(b)`` back to the raw parameters
+        and add them to ``grads``."""
+        weights = self._relation_operands(rel, weight_vals)
+        for key, g in effective.items():
+            if key not in rel.trainable_paths:
+                continue
+            hook = rel.eqn_params.get("weight_fn" if key == "weight" else "bias_fn")
+            if hook is not None:
+                _, vjp = jax.vjp(hook, weights[key])
+                g = vjp(g.astype(weights[key].dtype))[0]
+            grads = self._add_operand_gradient(grads, rel, key, g, weight_vals)
+        return grads
+
+
+def outer_sum(x: jax.Array, signal: jax.Array, batched: bool) -> jax.Array:
+    """``Σ_b x[b, i] L[b, o]`` (batched) or ``x[i] L[o]``."""
+    if batched:
+        return jnp.einsum("bi,bo->io", x, signal)
+    return jnp.outer(x, signal)
+
+
+class OTTT(DenseLeakRule):
+    """Online training through time (see the module docstring).
+
+    Parameters
+    ----------
+    model : brainstate.nn.Module
+    mode : {'A', 'O'}
+        ``'A'``: accumulated presynaptic trace. ``'O'``: the current input only (no history).
+    leak : float
+        ``λ``, keyword-only, ``0 < λ < 1``: the leak of the hidden state the rule assumes.
+    name : str, optional
+    vjp_method : {'single-step'}
+    control_flow : ControlFlowPolicy, optional
+
+    Raises
+    ------
+    ValueError
+        For a bad ``mode``, ``leak`` or ``vjp_method``; at compilation, for groups with more
+        than one state.
+    NotImplementedError
+        At compilation, for relations that are not dense matmuls; at a call, for
+        ``MultiStepData`` input.
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), braintrace.OTTT, jnp.ones(3),
+    ...                              leak=0.9)
+    >>> grads = brainstate.transform.grad(lambda x: learner(x).sum(), learner.param_states)(jnp.ones(3))
+    >>> grads[('W', 'weight')]['weight'].shape
+    (7, 4)
+    """
+
+    rule_approximations = ("presynaptic trace (OTTT's leaky input trace ignores the hidden Jacobian and df)",)
+    _modes = ("A", "O")
+    # Mode A's new trace â^t = λ â^{t-1} + x^t holds x^t ⊗ L, the same-step term where df ≡ 1
+    # (see _same_step_in_history).
+    _history_holds_same_step = True
+
+    def __init__(
+        self,
+        model: brainstate.nn.Module,
+        mode: str = "A",
+        *,
+        leak: float,
+        name: str | None = None,
+        vjp_method: str = "single-step",
+        control_flow: ControlFlowPolicy | None = None,
+    ) -> None:
+        super().__init__(model, mode, leak, name=name, vjp_method=vjp_method, control_flow=control_flow)
+        self._pre_traces: CarrierStore[int, PresynapticTrace] = CarrierStore()
+        self._bias_trace: brainstate.ShortTermState | None = None
+
+    def init_etrace_state(self, *args: Any, **kwargs: Any) -> None:
+        """One presynaptic trace per distinct input, one scalar bias trace if any bias learns."""
+        self._check_relations()
+        pre: dict[int, jax.Array] = {}
+        bias_dtype = None
+        for rel in self.graph.hidden_param_op_relations:
+            x_var = rel.x_var
+            if x_var is None:
+                raise internal_error("a dense relation without an input passed _check_relations")
+            pre.setdefault(id(x_var), jnp.zeros(shape_of(x_var), dtype_of(x_var)))
+            if "bias" in rel.trainable_paths:
+                bias_dtype = dtype_of(rel.y_var)
+        self._pre_traces = CarrierStore.of_zeros(pre, lambda zeros: PresynapticTrace(zeros, self.leak))
+        # The bias trace counts steps; it lives in the outputs' precision (float64 under x64).
+        self._bias_trace = None if bias_dtype is None else brainstate.ShortTermState(jnp.zeros((), bias_dtype))
+
+    def _get_etrace_data(self) -> dict[int, jax.Array]:
+        data: dict[int, jax.Array] = self._pre_traces.read()
+        if self._bias_trace is not None:
+            data[-1] = self._bias_trace.value
+        return data
+
+    def _assign_etrace_data(self, etrace_vals: dict[int, jax.Array]) -> None:
+        if -1 in etrace_vals and self._bias_trace is None:
+            raise internal_error("a bias trace value for a learner without a bias trace")
+        self._pre_traces.assign({k: v for k, v in etrace_vals.items() if k != -1})
+        if self._bias_trace is not None and -1 in etrace_vals:
+            self._bias_trace.value = etrace_vals[-1]
+
+    def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+        """Zero the traces and the step counter; ``batch_size`` resizes the inputs of batched
+        (``etp_mm``) relations only."""
+        batched = {id(r.x_var) for r in self.graph.hidden_param_op_relations if reg.is_batched_primitive(r.primitive)}
+        self._pre_traces.reset(batch_size, batched.__contains__)
+        self.running_index.value = jnp.zeros_like(self.running_index.value)
+        if self._bias_trace is not None:
+            self._bias_trace.value = jnp.zeros((), self._bias_trace.value.dtype)
+
+    def _relation_etrace(self, rel: HiddenParamOpRelation, group: HiddenGroup) -> dict[str, jax.Array]:
+        """``{'x': presynaptic trace}``, plus ``'bias'`` for a relation with a bias."""
+        out = {"x": self._pre_traces[id(rel.x_var)].value}
+        if self._bias_trace is not None and "bias" in rel.trainable_paths:
+            out["bias"] = self._bias_trace.value
+        return out
+
+    def get_etrace_of(self, weight: Any) -> dict[int, jax.Array]:
+        """The presynaptic traces (and the bias trace, key ``-1``) of the relations of ``weight``."""
+        path = weight if isinstance(weight, tuple) else self.state_id_to_path.get(id(weight))
+        found: dict[int, jax.Array] = {}
+        for rel in self.graph.hidden_param_op_relations:
+            if path in rel.trainable_paths.values():
+                found.update(self._pre_traces.select([id(rel.x_var)]))
+                if self._bias_trace is not None and "bias" in rel.trainable_paths:
+                    found[-1] = self._bias_trace.value
+        if not found:
+            raise ValueError(f"OTTT: no relation learns {weight if path is None else path}.")
+        return found
+
+    def _update_etrace_data(
+        self, running_index: Any, etrace_vals_util_t_1: Any, hid2weight_jac_single_or_multi_times: Any,
+        hid2hid_jac_single_or_multi_times: Any, weight_vals: Any, input_is_multi_step: bool,
+    ) -> dict[int, jax.Array]:
+        xs, _ = hid2weight_jac_single_or_multi_times
+        lam = self.leak
+        new = {}
+        for key, old in etrace_vals_util_t_1.items():
+            if key == -1:
+                new[key] = (lam * old + 1.0 if self.mode == "A" else jnp.ones_like(old)).astype(old.dtype)
+            else:
+                new[key] = (lam * old + xs[key] if self.mode == "A" else xs[key]).astype(old.dtype)
+        return new
+
+    def _same_step_in_history(self, rel: HiddenParamOpRelation) -> bool:
+        # â^t ⊗ L holds x^t ⊗ L, which is the same-step term x^t ⊗ (df ⊙ L) only where df ≡ 1;
+        # mode O keeps no history to hold it.
+        return self.mode == "A" and enters_unscaled(rel)
+
+    def _trace_for_backward(self, old_etrace: Any, new_etrace: Any, jac: Any, single_step: bool) -> Any:
+        """``(entering, new)`` traces by key: the new one for the weights the engine left out of
+        the one-step VJP (their gradient is the whole estimate ``â^t ⊗ L``), the entering one for
+        the others (the estimate minus its same-step term, ``λ â^{t-1} ⊗ L``).
+
+        Where no relation reads a key's entering trace, its only reader is the update, which then
+        runs in place. The barrier keeps XLA from recomputing ``â^t`` from ``â^{t-1}`` inside the
+        products, which would give the entering trace a second reader and cost a copy of it.
+        """
+        covered = self._local_relation_weights().keys
+        entering, new = {}, {}
+        for i, rel in enumerate(self.graph.hidden_param_op_relations):
+            for name, key in (("weight", id(rel.x_var)), ("bias", -1)):
+                if name not in rel.trainable_paths:
+                    continue
+                if name in covered.get(i, ()):
+                    new[key] = new_etrace[key]
+                else:
+                    entering[key] = old_etrace[key]
+        return entering, jax.lax.optimization_barrier(new) if new else new
+
+    def _solve_weight_gradients(
+        self, running_index: Any, etrace_h2w_at_t: Any, dl_to_hidden_groups: Sequence[Any],
+        weight_vals: dict[Path, Any], dl_to_nonetws_at_t: dict[Path, Any], dl_to_etws_at_t: dict[Path, Any],
+    ) -> dict[Path, Any]:
+        grads = dict(dl_to_etws_at_t)
+        if self.mode == "O":
+            return grads
+        entering, new = etrace_h2w_at_t
+        covered = self._local_relation_weights().keys
+        lam = self.leak
+
+        def estimate(name: str, key: int, i: int, dtype: Any) -> jax.Array:
+            if name in covered.get(i, ()):
+                return new[key].astype(dtype)
+            return lam * entering[key].astype(dtype)
+
+        for i, rel in enumerate(self.graph.hidden_param_op_relations):
+            signal = self._relation_signal(rel, dl_to_hidden_groups)
+            batched = reg.is_batched_primitive(rel.primitive)
+            effective = {}
+            if "weight" in rel.trainable_paths:
+                effective["weight"] = outer_sum(estimate("weight", id(rel.x_var), i, signal.dtype), signal, batched)
+            if "bias" in rel.trainable_paths:
+                summed = signal.sum(axis=0) if batched else signal
+                effective["bias"] = estimate("bias", -1, i, signal.dtype) * summed
+            grads = self._add_grads(rel, effective, weight_vals, grads)
+        return grads
+
+
+OTTT.__module__ = "braintrace"
