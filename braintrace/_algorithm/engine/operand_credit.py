@@ -11,20 +11,54 @@ once, at compile time, and refuses an operand whose trace cannot be credited to 
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import jax
 
-from braintrace._compiler import ETraceGraph
+from braintrace._compiler import ETraceGraph, LocalRelationWeights
 from braintrace._compiler.hid_param_op import HiddenParamOpRelation
 from braintrace._compiler.operand_chain import OperandChain, operand_chain
 from braintrace._errors import NotSupportedError
 from braintrace._op._rule_helpers import shape_of, sum_leading
 from braintrace._typing import Path, PyTree
 
-__all__ = ["OperandChains", "build_operand_chains", "relation_parameter_paths", "relation_operands",
+__all__ = ["CreditHost", "OperandChains", "build_operand_chains", "relation_parameter_paths", "relation_operands",
            "add_operand_gradient", "add_to_leaf"]
 
 #: ``id(operand var) -> chain``: how each trainable operand that is not a parameter leaf is computed.
 OperandChains = dict[int, OperandChain]
+
+
+class CreditHost(Protocol):
+    """A learner as its gradient functions read it to credit a relation's operands to parameters.
+
+    What the trace engines' solve functions (:mod:`braintrace._algorithm.param_trace.solve`,
+    :mod:`braintrace._algorithm.io_trace.solve`) share of the learner: every
+    :class:`~braintrace.ETraceVjpAlgorithm` has these members.
+    """
+
+    @property
+    def graph(self) -> ETraceGraph:
+        """The compiled graph of the model step."""
+
+    @property
+    def _modulated(self) -> bool:
+        """Whether the coordinate is ``learning_signal='modulatory'``."""
+
+    def _relation_operands(self, rel: HiddenParamOpRelation, weight_vals: dict[Path, PyTree]) -> dict[str, jax.Array]:
+        """The current values of ``rel``'s trainable operands."""
+
+    def _relation_parameter_paths(self) -> frozenset[Path]:
+        """The parameters some relation reads."""
+
+    def _add_operand_gradient(
+        self, grads: dict[Path, PyTree], rel: HiddenParamOpRelation, key: str, g: PyTree,
+        weight_vals: dict[Path, PyTree],
+    ) -> dict[Path, PyTree]:
+        """``grads`` plus ``g``, credited from ``rel``'s operand ``key`` to its parameters."""
+
+    def _local_relation_weights(self) -> LocalRelationWeights:
+        """Single step: the weights left out of the one-step VJP."""
 
 
 def build_operand_chains(graph: ETraceGraph) -> OperandChains:

@@ -32,8 +32,8 @@ from braintrace._algorithm.engine.graph_executor import DfKey, detached_df_key, 
 from braintrace._algorithm.io_trace.roll import IOTrace, IOTraceHost
 from braintrace._algorithm.engine.learning_signal import SignalPair
 from braintrace._algorithm.engine.modulator import without_etp_gradients
+from braintrace._algorithm.engine.operand_credit import CreditHost
 from braintrace._algorithm.carriers.trace_storage import math_dtype
-from braintrace._compiler import LocalRelationWeights
 from braintrace._compiler.hid_param_op import HiddenParamOpRelation
 from braintrace._compiler.hidden_group import HiddenGroup
 from braintrace._errors import internal_error
@@ -52,31 +52,12 @@ IOInstant = tuple[dict[int, jax.Array], dict[DfKey, jax.Array]]
 IOResidual = tuple[IOTrace, IOInstant | None, IOTrace | None, dict[int, jax.Array]]
 
 
-class IOSolveHost(IOTraceHost, Protocol):
+class IOSolveHost(IOTraceHost, CreditHost, Protocol):
     """The learner (:class:`~braintrace.IODimVjpAlgorithm`) as the gradient reads it."""
 
     @property
     def fast_solve(self) -> bool:
         """Whether ``xy_to_dw`` is called once per relation (else once per hidden state)."""
-
-    @property
-    def _modulated(self) -> bool:
-        """Whether the coordinate is ``learning_signal='modulatory'``."""
-
-    def _relation_operands(self, rel: HiddenParamOpRelation, weight_vals: dict[Path, PyTree]) -> Trace:
-        """The current values of ``rel``'s trainable operands."""
-
-    def _relation_parameter_paths(self) -> frozenset[Path]:
-        """The parameters some relation reads."""
-
-    def _add_operand_gradient(
-        self, grads: dict[Path, PyTree], rel: HiddenParamOpRelation, key: str, g: PyTree,
-        weight_vals: dict[Path, PyTree],
-    ) -> dict[Path, PyTree]:
-        """``grads`` plus ``g``, credited from ``rel``'s operand ``key`` to its parameters."""
-
-    def _local_relation_weights(self) -> LocalRelationWeights:
-        """Single step: the weights left out of the one-step VJP."""
 
 
 def correction(steps: jax.Array, dtype: DTypeLike, decay_f: float) -> jax.Array:

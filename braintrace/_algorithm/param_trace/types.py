@@ -31,7 +31,7 @@ import jax
 from braintrace._algorithm.engine.base import EligibilityTrace
 from braintrace._algorithm.engine.graph_executor import DfKey
 from braintrace._algorithm.engine.learning_signal import SignalPair
-from braintrace._compiler import ETraceGraph, LocalRelationWeights
+from braintrace._algorithm.engine.operand_credit import CreditHost
 from braintrace._compiler.hid_param_op import HiddenParamOpRelation
 from braintrace._compiler.hidden_group import HiddenGroup
 from braintrace._op._registries import FastPathRules
@@ -166,16 +166,12 @@ class BackwardResidual(NamedTuple):
     rolled: list[PyTree] | None = None
 
 
-class ParamTraceHost(Protocol):
+class ParamTraceHost(CreditHost, Protocol):
     """The learner (:class:`~braintrace.ParamDimVjpAlgorithm`) as the engine's functions read it.
 
     The ``_step_relation`` and ``_step_all`` hooks are read through the learner, so that a
     subclass which overrides them is heard.
     """
-
-    @property
-    def graph(self) -> ETraceGraph:
-        """The compiled graph of the model step."""
 
     @property
     def chunked_trace(self) -> bool:
@@ -190,10 +186,6 @@ class ParamTraceHost(Protocol):
         """Whether the relation weights meet a learning signal other than ``∂L/∂h``."""
 
     @property
-    def _modulated(self) -> bool:
-        """Whether the coordinate is ``learning_signal='modulatory'``."""
-
-    @property
     def _trace_filters(self) -> Mapping[TraceKey, brainstate.ShortTermState]:
         """Per trace key, its filter's state (empty: no filter)."""
 
@@ -203,21 +195,6 @@ class ParamTraceHost(Protocol):
 
     def _fast_path(self, rel: HiddenParamOpRelation) -> FastPathRules | None:
         """The closed-form kernels that roll ``rel``'s trace (``None``: its own rules)."""
-
-    def _relation_operands(self, rel: HiddenParamOpRelation, weight_vals: dict[Path, PyTree]) -> Trace:
-        """The current values of ``rel``'s trainable operands."""
-
-    def _relation_parameter_paths(self) -> frozenset[Path]:
-        """The parameters some relation reads."""
-
-    def _add_operand_gradient(
-        self, grads: dict[Path, PyTree], rel: HiddenParamOpRelation, key: str, g: PyTree,
-        weight_vals: dict[Path, PyTree],
-    ) -> dict[Path, PyTree]:
-        """``grads`` plus ``g``, credited from ``rel``'s operand ``key`` to its parameters."""
-
-    def _local_relation_weights(self) -> LocalRelationWeights:
-        """Single step: the weights left out of the one-step VJP."""
 
     def _groups_read_past_update(self) -> frozenset[int]:
         """The groups whose previous value an output of the step reads past its update."""
