@@ -28,26 +28,28 @@ True
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import weakref
-from typing import Any, Callable, Sequence, TypeVar, cast
+from typing import Callable, Concatenate, ParamSpec, Sequence, TypeVar
 
 from brainstate import StateTraceStack
 from brainstate._state import TRACE_CONTEXT  # the current thread's enclosing traces; no public accessor
 
 from braintrace._errors import ConcurrentCallError
+from braintrace._typing import PyTree
 
 __all__ = ["learner_lock", "serialised", "guard_enclosing_traces"]
 
 _LOCKS: dict[int, threading.RLock] = {}
 _LOCKS_GUARD = threading.Lock()
 
-Method = TypeVar("Method", bound=Callable[..., Any])
+Learner = TypeVar("Learner")
+Arguments = ParamSpec("Arguments")
+Result = TypeVar("Result")
 
 
-def learner_lock(learner: Any) -> threading.RLock:
+def learner_lock(learner: object) -> threading.RLock:
     """The re-entrant lock of ``learner`` (made on first use, dropped with the learner)."""
     key = id(learner)
     with _LOCKS_GUARD:
@@ -58,19 +60,21 @@ def learner_lock(learner: Any) -> threading.RLock:
     return lock
 
 
-def serialised(method: Method) -> Method:
+def serialised(
+    method: Callable[Concatenate[Learner, Arguments], Result],
+) -> Callable[Concatenate[Learner, Arguments], Result]:
     """``method`` of a learner, run while holding the learner's lock (and guarding the traces enclosing it)."""
 
     @functools.wraps(method)
-    def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def locked(self: Learner, /, *args: Arguments.args, **kwargs: Arguments.kwargs) -> Result:
         with learner_lock(self):
             guard_enclosing_traces(self)
             return method(self, *args, **kwargs)
 
-    return cast(Method, locked)
+    return locked
 
 
-def guard_enclosing_traces(learner: Any) -> None:
+def guard_enclosing_traces(learner: object) -> None:
     """Make every brainstate function now tracing a call of ``learner`` refuse a lost update at its write-back."""
     for stack in TRACE_CONTEXT.state_stack:
         guard = stack.__dict__.get(_WriteBackGuard.ATTRIBUTE)
@@ -94,7 +98,7 @@ class _WriteBackGuard:
 
     def __init__(self, stack: StateTraceStack) -> None:
         self._stack = weakref.ref(stack)
-        self._locks: dict[int, threading.RLock] = {}
+        self._locks: tuple[threading.RLock, ...] = ()
         self._read = threading.local()
         self._read_states = stack.get_state_values
         self._write_back = stack.assign_state_vals_v2
@@ -103,32 +107,39 @@ class _WriteBackGuard:
         stack.__dict__["assign_state_vals_v2"] = self.write_back
 
     def add(self, lock: threading.RLock) -> None:
-        self._locks.setdefault(id(lock), lock)
+        """Hold ``lock`` too at write-back (the locks are taken in one order, by ``id``)."""
+        if all(held is not lock for held in self._locks):
+            self._locks = tuple(sorted((*self._locks, lock), key=id))
 
-    def read_states(self, *args: Any, **kwargs: Any) -> Any:
-        values = self._read_states(*args, **kwargs)
-        if not args and not kwargs:  # the call's read of every state, in the stack's order
+    def read_states(self, separate: bool = False, replace: bool = False) -> Sequence[PyTree] | tuple[
+            Sequence[PyTree], Sequence[PyTree]]:
+        values = self._read_states(separate, replace)
+        if not separate:  # the call's read of every state, in the stack's order
             self._read.values = tuple(values)
         return values
 
-    def write_back(self, read_values: Sequence[Any], write_values: Sequence[Any]) -> None:
-        seen: tuple[Any, ...] | None = getattr(self._read, "values", None)
-        self._read.values = None
-        with contextlib.ExitStack() as held:
-            for _, lock in sorted(self._locks.items()):
-                held.enter_context(lock)
+    def write_back(self, read_values: Sequence[PyTree], write_values: Sequence[PyTree]) -> None:
+        seen: tuple[PyTree, ...] | None = self._read.__dict__.pop("values", None)
+        locks = self._locks
+        for lock in locks:
+            lock.acquire()
+        try:
             if seen is not None:
                 self._refuse_changed(seen, read_values)
             self._write_back(read_values, write_values)
+        finally:
+            for lock in reversed(locks):
+                lock.release()
 
-    def _refuse_changed(self, seen: tuple[Any, ...], read_values: Sequence[Any]) -> None:
+    def _refuse_changed(self, seen: tuple[PyTree, ...], read_values: Sequence[PyTree]) -> None:
         stack = self._stack()
         if stack is None or len(seen) != len(stack.states):
             return
-        changed = [
-            st for st, at_call, read in zip(stack.states, seen, read_values)
-            if st.value is not at_call or (read is not None and st.value is not read)
-        ]
+        changed = []
+        for st, at_call, read in zip(stack.states, seen, read_values):
+            now = st.value
+            if now is not at_call or (read is not None and now is not read):
+                changed.append(st)
         if changed:
             names = ", ".join(sorted({type(st).__name__ + (f" {st.name!r}" if st.name else "") for st in changed}))
             raise ConcurrentCallError(

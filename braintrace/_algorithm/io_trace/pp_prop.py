@@ -60,7 +60,7 @@ Array([[1., 1.],
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import brainstate
 import jax
@@ -75,17 +75,24 @@ from braintrace._algorithm.engine.config import (
     require_feedback_key,
     require_single_step_modulator,
 )
-from braintrace._algorithm.engine.graph_executor import df_key
-from braintrace._algorithm.io_trace.roll import IOStepper, IOTrace, step, stepper, x_tilde
+from braintrace._algorithm.engine.graph_executor import (
+    CallHiddenJacobians,
+    CallJacobians,
+    CallWeightJacobians,
+    df_key,
+)
+from braintrace._algorithm.io_trace.roll import IOStepper, IOTrace, XRepr, step, stepper, x_tilde
 from braintrace._algorithm.io_trace.solve import IOResidual, solve_weight_gradients
 from braintrace._algorithm.engine.learning_signal import SignalPair, draw_feedback, feedback_signals
 from braintrace._algorithm.engine.modulator import ModulatorSlot, modulator_signals
+from braintrace._algorithm.param_trace.types import step_jacobians
 from braintrace._algorithm.rules.snn_helpers import FixedRandomFeedback
 from braintrace._algorithm.carriers.trace_storage import storage_dtype
 from braintrace._compatible_imports import Var
 from braintrace._compiler import ControlFlowPolicy
 from braintrace._compiler.hid_param_op import HiddenParamOpRelation
 from braintrace._compiler.hidden_group import HiddenGroup
+from braintrace._errors import internal_error
 from braintrace._op import _registries as reg
 from braintrace._op._rule_helpers import dtype_of, shape_of
 from braintrace._op.elemwise import etp_elemwise_p
@@ -98,7 +105,7 @@ DecayOrRank = float | int | tuple[float | int, float | int] | list[float | int]
 _DECAY_OR_RANK_MSG = 'Please provide "num_rank" (int) or "decay" (float, 0 <= decay < 1). '
 
 
-def parse_decay_or_rank(decay_or_rank: Any) -> float:
+def parse_decay_or_rank(decay_or_rank: object) -> float:
     """The decay ``α`` given a decay (float in ``[0, 1)``) or a rank (int ``r > 0``).
 
     A rank ``r`` means ``α = (r − 1) / (r + 1)``, the decay whose filter has the same mean
@@ -132,7 +139,7 @@ def parse_decay_or_rank(decay_or_rank: Any) -> float:
     raise ValueError(_DECAY_OR_RANK_MSG + f"Got {decay_or_rank!r} of type {type(decay_or_rank).__name__}.")
 
 
-def parse_decay_pair(decay_or_rank: Any) -> tuple[float, float]:
+def parse_decay_pair(decay_or_rank: object) -> tuple[float, float]:
     """``(α_x, α_f)`` given one decay or rank (both sides) or a pair of them (tuple or list of 2).
 
     Raises
@@ -155,7 +162,7 @@ def parse_decay_pair(decay_or_rank: Any) -> tuple[float, float]:
     return decay, decay
 
 
-class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
+class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm[IOTrace, IOResidual]):
     """The IO-dim eligibility-trace learner: every ``io_factorized`` coordinate of
     :class:`~braintrace.ETraceConfig` (see the module docstring).
 
@@ -248,8 +255,8 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         fast_solve: bool = True,
         control_flow: ControlFlowPolicy | None = None,
         config: ETraceConfig | None = None,
-        random_feedback_key: Any = None,
-        trace_dtype: Any = None,
+        random_feedback_key: int | jax.Array | None = None,
+        trace_dtype: jax.typing.DTypeLike | None = None,
     ) -> None:
         self.trace_dtype = storage_dtype(trace_dtype, type(self).__name__)
         if config is None:
@@ -272,9 +279,9 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         self.etrace_dfs: TraceStore[tuple[int, str]] = CarrierStore()
         self.trace_steps = brainstate.LongTermState(jnp.asarray(0, dtype=jnp.int32))
         # Per x key: the primitive's pp_x_repr rule (or None) and the weight avals it reads.
-        self._x_reprs: dict[int, tuple[Any, dict[str, Any]]] = {}
+        self._x_reprs: dict[int, XRepr] = {}
 
-    def _check_config(self, config: Any) -> ETraceConfig:
+    def _check_config(self, config: ETraceConfig | None) -> ETraceConfig:
         return engine_config(config, "io_factorized", type(self).__name__,
                              ("symmetric", "random_feedback", "modulatory"))
 
@@ -304,12 +311,12 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
 
     # --- trace storage --------------------------------------------------------------------
 
-    def init_etrace_state(self, *args: Any, **kwargs: Any) -> None:
+    def init_etrace_state(self, *args: PyTree, **kwargs: object) -> None:
         """Allocate the zero input and output traces of every relation (and the random feedback
         matrices of ``learning_signal='random_feedback'``)."""
         xs: dict[int, jax.Array] = {}
         dfs: dict[tuple[int, str], jax.Array] = {}
-        reprs: dict[int, tuple[Any, dict[str, Any]]] = {}
+        reprs: dict[int, XRepr] = {}
         for rel in self.graph.hidden_param_op_relations:
             if rel.x_var is not None:
                 self._init_x_trace(rel, rel.x_var, xs, reprs)
@@ -324,9 +331,13 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         self._x_reprs = reprs
         self._feedback_matrices = {}
         if self.config.learning_signal == "random_feedback":
-            self._feedback_matrices = draw_feedback(self.graph, self.random_feedback_key)
+            seed = self.random_feedback_key
+            if seed is None:  # given at construction (require_feedback_key), set to None since
+                raise ValueError(f"{type(self).__name__}: learning_signal='random_feedback' needs random_feedback_key "
+                                 f"(an int seed or a PRNG key), got None; set learner.random_feedback_key = 0.")
+            self._feedback_matrices = draw_feedback(self.graph, seed)
 
-    def _stored_dtype(self, dtype: Any) -> Any:
+    def _stored_dtype(self, dtype: jax.typing.DTypeLike) -> jax.typing.DTypeLike:
         """The dtype a trace of native ``dtype`` is stored in (``trace_dtype`` for floats)."""
         if self.trace_dtype is None or not jnp.issubdtype(dtype, jnp.floating):
             return dtype
@@ -334,7 +345,7 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
 
     def _init_x_trace(
         self, rel: HiddenParamOpRelation, x_var: Var, xs: dict[int, jax.Array],
-        reprs: dict[int, tuple[Any, dict[str, Any]]],
+        reprs: dict[int, XRepr],
     ) -> None:
         avals = {k: v.aval for k, v in rel.trainable_vars.items()}
         rule = reg.get_pp_x_repr(rel.primitive)
@@ -399,7 +410,7 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         self.etrace_dfs.assign(etrace_vals["dfs"])
         self.trace_steps.value = etrace_vals["steps"]
 
-    def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+    def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
         """Zero both traces and the step counters (model states are not touched).
 
         With ``batch_size``, the traces that carry a batch axis (inputs of batched primitives,
@@ -423,7 +434,7 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         dfs = {df_key(r, g) for r in relations for g in r.hidden_groups if g.index in batched_groups}
         return xs, dfs
 
-    def get_etrace_of(self, weight: Any) -> tuple[dict[int, jax.Array], dict[tuple[int, str], jax.Array]]:
+    def get_etrace_of(self, weight: brainstate.ParamState | Path) -> tuple[dict[int, jax.Array], dict[tuple[int, str], jax.Array]]:
         """The input and output traces of every relation that has ``weight`` as a trainable key.
 
         Parameters
@@ -464,37 +475,45 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
     # --- one step of the traces -----------------------------------------------------------
 
     def _update_etrace_data(
-        self, running_index: Any, etrace_vals_util_t_1: Any, hid2weight_jac_single_or_multi_times: Any,
-        hid2hid_jac_single_or_multi_times: Any, weight_vals: Any, input_is_multi_step: bool,
+        self, running_index: jax.Array, etrace_vals_util_t_1: IOTrace,
+        hid2weight_jac_single_or_multi_times: CallWeightJacobians,
+        hid2hid_jac_single_or_multi_times: CallHiddenJacobians, weight_vals: dict[Path, PyTree],
+        input_is_multi_step: bool,
     ) -> IOTrace:
-        xs, dfs = hid2weight_jac_single_or_multi_times
-        Ds = hid2hid_jac_single_or_multi_times
+        (xs, dfs), Ds = step_jacobians(hid2weight_jac_single_or_multi_times, hid2hid_jac_single_or_multi_times,
+                                       type(self).__name__)
         if not input_is_multi_step:
             return step(self, etrace_vals_util_t_1, xs, dfs, Ds)
         rolled: IOTrace = jax.lax.scan(self._make_etrace_stepper(weight_vals), etrace_vals_util_t_1, (xs, dfs, Ds))[0]
         return rolled
 
-    def _make_etrace_stepper(self, weight_vals: Any) -> IOStepper:
+    def _make_etrace_stepper(self, weight_vals: dict[Path, PyTree]) -> IOStepper:
         # Always fused into the executor's scan: the counter then advances once per time step.
         return stepper(self)
 
     # --- the gradient ---------------------------------------------------------------------
 
-    def _trace_for_backward(self, old_etrace: Any, new_etrace: Any, jac: Any, single_step: bool) -> IOResidual:
+    def _trace_for_backward(
+        self, old_etrace: IOTrace, new_etrace: IOTrace, jac: CallJacobians | None, single_step: bool,
+    ) -> IOResidual:
         # Single step: the estimate at the new trace, minus its same-step term (x̃_t, df_t),
         # which the exact one-step gradient already holds. Multi-step: the entering trace.
         if single_step:
-            (xs, dfs), _ = jac
+            if jac is None:
+                raise internal_error("a single step's residual needs the step's Jacobians")
+            (xs, dfs), _ = step_jacobians(jac[0], jac[1], type(self).__name__)
             return new_etrace, (x_tilde(xs, self._x_reprs), dfs), old_etrace, {}
         return old_etrace, None, None, {}
 
-    def _with_previous_signal(self, trace_for_bwd: Any, previous: list[Any]) -> IOResidual:
+    def _with_previous_signal(self, trace_for_bwd: IOResidual, previous: list[jax.Array]) -> IOResidual:
         # A group whose previous value the step reads past its update takes its history as
         # ⟨∂L/∂h^{t-1}, x̄^{t-1} ⊗ df̄^{t-1}⟩ from the entering traces (as D_RTRL does).
         new, instant, old, _ = trace_for_bwd
         return new, instant, old, {i: previous[i] for i in self._groups_read_past_update()}
 
-    def _compute_learning_signal(self, dl_to_hidden_from_autodiff: list[Any], args: Any) -> list[Any]:
+    def _compute_learning_signal(
+        self, dl_to_hidden_from_autodiff: list[jax.Array], args: tuple[PyTree, ...],
+    ) -> list[jax.Array] | list[SignalPair]:
         if self._modulated:  # args ends with the call's modulator
             return modulator_signals(args[-1], dl_to_hidden_from_autodiff, self.graph)
         if self.config.learning_signal != "random_feedback":
@@ -504,7 +523,7 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm):
         return [SignalPair(g, s) for g, s in zip(dl_to_hidden_from_autodiff, learning)]
 
     def _solve_weight_gradients(
-        self, running_index: Any, etrace_h2w_at_t: Any, dl_to_hidden_groups: Sequence[Any],
+        self, running_index: jax.Array, etrace_h2w_at_t: IOResidual, dl_to_hidden_groups: Sequence[jax.Array | SignalPair],
         weight_vals: dict[Path, PyTree], dl_to_nonetws_at_t: dict[Path, PyTree], dl_to_etws_at_t: dict[Path, PyTree],
     ) -> dict[Path, PyTree]:
         return solve_weight_gradients(self, etrace_h2w_at_t, dl_to_hidden_groups, weight_vals, dl_to_nonetws_at_t,

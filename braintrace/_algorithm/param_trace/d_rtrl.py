@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from typing import Any, ClassVar, Sequence
+from typing import Callable, ClassVar, Sequence
 
 import brainstate
 import jax
@@ -79,7 +79,12 @@ from braintrace._algorithm.engine.config import (
     require_feedback_key,
     require_single_step_modulator,
 )
-from braintrace._algorithm.engine.graph_executor import trace_key
+from braintrace._algorithm.engine.graph_executor import (
+    CallHiddenJacobians,
+    CallJacobians,
+    CallWeightJacobians,
+    trace_key,
+)
 from braintrace._algorithm.engine.learning_signal import SignalPair, draw_feedback, feedback_signals
 from braintrace._algorithm.engine.modulator import ModulatorSlot, modulator_signals
 from braintrace._algorithm.param_trace.residual import slot_signals, trace_for_backward, with_previous_signal
@@ -88,11 +93,15 @@ from braintrace._algorithm.param_trace.solve import solve_weight_gradients
 from braintrace._algorithm.param_trace.types import (
     BackwardResidual,
     Carried,
+    FilteredTraces,
     Inputs,
     RelationInput,
+    Signal,
     Tails,
     Traces,
     TraceStepper,
+    split_filtered,
+    step_jacobians,
 )
 from braintrace._algorithm.param_trace.window import roll_traces
 from braintrace._algorithm.rules.snn_helpers import FixedRandomFeedback
@@ -108,7 +117,7 @@ __all__ = ["ParamDimVjpAlgorithm", "D_RTRL", "init_rule_kwargs"]
 Trace = dict[str, jax.Array]
 
 
-def init_rule_kwargs(rule: Any, **available: Any) -> dict[str, Any]:
+def init_rule_kwargs(rule: Callable[..., object], **available: object) -> dict[str, object]:
     """The optional context (``group=``, ``eqn_params=``) an init rule declares it accepts."""
     try:
         params = inspect.signature(rule).parameters
@@ -119,7 +128,7 @@ def init_rule_kwargs(rule: Any, **available: Any) -> dict[str, Any]:
     return {k: v for k, v in available.items() if k in params}
 
 
-class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm):
+class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm[Carried, BackwardResidual]):
     """The per-parameter trace engine: every ``per_param`` coordinate of :class:`~braintrace.ETraceConfig`.
 
     The trace has the dimension of the parameters (see the module docstring). The coordinate
@@ -227,11 +236,11 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
         name: str | None = None,
         vjp_method: str = "single-step",
         fast_solve: bool = True,
-        trace_dtype: Any = None,
+        trace_dtype: jax.typing.DTypeLike | None = None,
         chunked_trace: bool = True,
         control_flow: ControlFlowPolicy | None = None,
         config: ETraceConfig | None = None,
-        random_feedback_key: Any = None,
+        random_feedback_key: int | jax.Array | None = None,
         snap_max_jacobian_elements: int = DEFAULT_MAX_JACOBIAN_ELEMENTS,
     ) -> None:
         ceiling = _element_ceiling(snap_max_jacobian_elements, type(self).__name__)
@@ -252,10 +261,10 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
             self._history_holds_same_step = False
         self.etrace_bwg: TraceStore[TraceKey] = CarrierStore()
         self._trace_filters: CarrierStore[TraceKey, brainstate.ShortTermState] = CarrierStore()
-        self._squeezed: frozenset[Any] = frozenset()
+        self._squeezed: frozenset[TraceKey] = frozenset()
         self._feedback_matrices: dict[int, FixedRandomFeedback] = {}
 
-    def _check_config(self, config: Any) -> ETraceConfig:
+    def _check_config(self, config: ETraceConfig | None) -> ETraceConfig:
         return engine_config(self._default_config if config is None else config, "per_param",
                              type(self).__name__, ("symmetric", "random_feedback", "modulatory"))
 
@@ -265,7 +274,7 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
         feedback, a modulator)."""
         return self.config.learning_signal in ("random_feedback", "modulatory")
 
-    def _learning_signals(self, signals: Sequence[jax.Array], args: Any) -> list[jax.Array]:
+    def _learning_signals(self, signals: Sequence[jax.Array], args: tuple[PyTree, ...]) -> list[jax.Array]:
         """The learning signal of every group, replacing ``g`` when :attr:`replaces_signal`
         (``args`` ends with the call's modulator under ``learning_signal='modulatory'``)."""
         if self._modulated:
@@ -280,11 +289,11 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
             return fp
         return None
 
-    def init_etrace_state(self, *args: Any, **kwargs: Any) -> None:
+    def init_etrace_state(self, *args: PyTree, **kwargs: object) -> None:
         """Allocate a zero trace per (relation, hidden group), its filter (``κ > 0``) and the
         random feedback matrices (``learning_signal='random_feedback'``)."""
         traces: dict[TraceKey, Trace] = {}
-        squeezed: set[Any] = set()
+        squeezed: set[TraceKey] = set()
         squeeze = jax.default_backend() == "tpu"  # see _stored
         for rel in self.graph.hidden_param_op_relations:
             init = reg.required_rules(rel.primitive).init_drtrl
@@ -312,7 +321,11 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
                                else CarrierStore())
         self._feedback_matrices = {}
         if self.config.learning_signal == "random_feedback":
-            self._feedback_matrices = draw_feedback(self.graph, self.random_feedback_key)
+            seed = self.random_feedback_key
+            if seed is None:  # given at construction (require_feedback_key), set to None since
+                raise ValueError(f"{type(self).__name__}: learning_signal='random_feedback' needs random_feedback_key "
+                                 f"(an int seed or a PRNG key), got None; set learner.random_feedback_key = 0.")
+            self._feedback_matrices = draw_feedback(self.graph, seed)
         self._rolled_relations = self._find_rolled_relations()
 
     def _warn_unused_trace_dtype(self) -> None:
@@ -324,7 +337,7 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
             f"an operation without closed-form kernels, or fast_solve=False). Every trace stays in "
             f"the parameters' dtype.", UserWarning, stacklevel=3)
 
-    def _allocate_final_shapes(self, *args: Any) -> None:
+    def _allocate_final_shapes(self, *args: PyTree) -> None:
         """Re-allocate traces that one step would broadcast to a larger shape.
 
         An operation that sees no batch axis (``matmul`` of an unbatched input) driving a
@@ -335,8 +348,8 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
         if not args:
             return
 
-        def roll(jac: Any, weight_vals: dict[Path, PyTree]) -> dict[TraceKey, Trace]:
-            (xs, dfs), Ds = jac
+        def roll(jac: CallJacobians, weight_vals: dict[Path, PyTree]) -> dict[TraceKey, Trace]:
+            (xs, dfs), Ds = step_jacobians(jac[0], jac[1], type(self).__name__)
             return self._step_all(self._trace_views(), xs, dfs, Ds, weight_vals)
 
         self.etrace_bwg.reallocate(self._shapes_after_one_step(roll, *args), self._view, self._stored)
@@ -347,20 +360,20 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
         (:func:`~braintrace._algorithm.param_trace.roll.eps_after_filters`)."""
         super()._seq_after_gradient(grads)
         if self._trace_filters and self._entering_reads:
-            ordered = eps_after_filters(self._get_etrace_data(), self._entering_reads, grads)
+            ordered = eps_after_filters(self._filtered_traces(), self._entering_reads, grads)
             if ordered is not None:
                 self._assign_etrace_data(ordered)
 
     # --- stored traces and their rule view ------------------------------------------------
 
-    def _view(self, key: Any, stored: Trace) -> Trace:
+    def _view(self, key: TraceKey, stored: Trace) -> Trace:
         """The trace of ``key`` as the rules and :meth:`get_etrace_of` see it: with its trailing
         state axis (of one entry, for a key stored without it; see :meth:`_stored`)."""
         if key not in self._squeezed:
             return dict(stored)
         return {k: v[..., None] for k, v in stored.items()}
 
-    def _stored(self, key: Any, view: Trace) -> Trace:
+    def _stored(self, key: TraceKey, view: Trace) -> Trace:
         """The trace of ``key`` as :attr:`etrace_bwg` holds it.
 
         On a TPU, the trace of a group of one state is stored without its trailing state axis, as
@@ -384,19 +397,23 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
     def _trace_views(self) -> dict[TraceKey, Trace]:
         return self.etrace_bwg.read(self._view)
 
-    def _get_etrace_data(self) -> Any:
+    def _get_etrace_data(self) -> Carried:
         """The traces (and filters) in their rule view (see :meth:`_stored`)."""
-        eps = self._trace_views()
         if not self._trace_filters:
-            return eps
-        return {"eps": eps, "filt": self._trace_filters.read(self._view)}
+            return self._trace_views()
+        return self._filtered_traces()
 
-    def _assign_etrace_data(self, etrace_vals: Any) -> None:
-        self.etrace_bwg.assign(etrace_vals["eps"] if self._trace_filters else etrace_vals, self._stored)
-        if self._trace_filters:
-            self._trace_filters.assign(etrace_vals["filt"], self._stored)
+    def _filtered_traces(self) -> FilteredTraces:
+        """The traces and their filters in their rule view (of a learner that filters them)."""
+        return FilteredTraces(eps=self._trace_views(), filt=self._trace_filters.read(self._view))
 
-    def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+    def _assign_etrace_data(self, etrace_vals: Carried) -> None:
+        eps, filt = split_filtered(etrace_vals, bool(self._trace_filters))
+        self.etrace_bwg.assign(eps, self._stored)
+        if filt is not None:
+            self._trace_filters.assign(filt, self._stored)
+
+    def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
         """Zero every trace (and its filter) and the step counter (model states are not touched).
 
         With ``batch_size``, every trace that leads with the batch axis of its hidden group gets
@@ -412,7 +429,7 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
         self._trace_filters.reset(batch_size, batched.__contains__)  # a filter has its trace's shapes
         self.running_index.value = jnp.zeros_like(self.running_index.value)
 
-    def get_etrace_of(self, weight: Any) -> dict[TraceKey, Trace]:
+    def get_etrace_of(self, weight: brainstate.ParamState | Path) -> dict[TraceKey, Trace]:
         """The traces of every relation that has ``weight`` (a ``ParamState`` or its path) as a key.
 
         Each relation's whole trace: one entry per trainable key (``'weight'``, ``'bias'``, ...),
@@ -456,20 +473,24 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
         return step_all(self, etrace, xs, dfs, Ds, weight_vals)
 
     def _update_etrace_data(
-        self, running_index: Any, etrace_vals_util_t_1: Any, hid2weight_jac_single_or_multi_times: Any,
-        hid2hid_jac_single_or_multi_times: Any, weight_vals: Any, input_is_multi_step: bool,
+        self, running_index: jax.Array, etrace_vals_util_t_1: Carried,
+        hid2weight_jac_single_or_multi_times: CallWeightJacobians,
+        hid2hid_jac_single_or_multi_times: CallHiddenJacobians, weight_vals: dict[Path, PyTree],
+        input_is_multi_step: bool,
     ) -> Carried:
-        xs, dfs = hid2weight_jac_single_or_multi_times
-        return roll_traces(self, etrace_vals_util_t_1, xs, dfs, hid2hid_jac_single_or_multi_times, weight_vals,
-                           input_is_multi_step)
+        (xs, dfs), Ds = step_jacobians(hid2weight_jac_single_or_multi_times, hid2hid_jac_single_or_multi_times,
+                                       type(self).__name__)
+        return roll_traces(self, etrace_vals_util_t_1, xs, dfs, Ds, weight_vals, input_is_multi_step)
 
-    def _make_etrace_stepper(self, weight_vals: Any) -> TraceStepper | None:
+    def _make_etrace_stepper(self, weight_vals: dict[Path, PyTree]) -> TraceStepper | None:
         # The filter needs every step's trace, so filtered windows always roll step by step.
         return None if self.chunked_trace and not self._trace_filters else trace_stepper(self, weight_vals)
 
     # --- the gradient ---------------------------------------------------------------------
 
-    def _trace_for_backward(self, old_etrace: Any, new_etrace: Any, jac: Any, single_step: bool) -> BackwardResidual:
+    def _trace_for_backward(
+        self, old_etrace: Carried, new_etrace: Carried, jac: CallJacobians | None, single_step: bool,
+    ) -> BackwardResidual:
         return trace_for_backward(self, old_etrace, new_etrace, jac, single_step)
 
     def _same_step_in_history(self, rel: HiddenParamOpRelation) -> bool:
@@ -486,10 +507,12 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
         """
         return self._defined_in_library("_update_etrace_data", "_step_all", "_step_relation")
 
-    def _with_previous_signal(self, trace_for_bwd: Any, previous: list[Any]) -> BackwardResidual:
+    def _with_previous_signal(self, trace_for_bwd: BackwardResidual, previous: list[jax.Array]) -> BackwardResidual:
         return with_previous_signal(self, BackwardResidual(*trace_for_bwd), previous)
 
-    def _compute_learning_signal(self, dl_to_hidden_from_autodiff: list[Any], args: Any) -> list[Any]:
+    def _compute_learning_signal(
+        self, dl_to_hidden_from_autodiff: list[jax.Array], args: tuple[PyTree, ...],
+    ) -> list[jax.Array] | list[SignalPair]:
         signals = slot_signals(self.graph.hidden_groups, dl_to_hidden_from_autodiff)
         if not self.replaces_signal:
             return signals
@@ -497,14 +520,14 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm)
         return [SignalPair(g, s) for g, s in zip(signals, learning)]
 
     def _solve_weight_gradients(
-        self, running_index: Any, etrace_h2w_at_t: Any, dl_to_hidden_groups: Sequence[Any],
+        self, running_index: jax.Array, etrace_h2w_at_t: BackwardResidual, dl_to_hidden_groups: Sequence[Signal],
         weight_vals: dict[Path, PyTree], dl_to_nonetws_at_t: dict[Path, PyTree], dl_to_etws_at_t: dict[Path, PyTree],
     ) -> dict[Path, PyTree]:
         return solve_weight_gradients(self, BackwardResidual(*etrace_h2w_at_t), dl_to_hidden_groups, weight_vals,
                                       dl_to_etws_at_t, self.vjp_executor.is_single_step_vjp)
 
 
-def _element_ceiling(value: Any, learner: str) -> int:
+def _element_ceiling(value: object, learner: str) -> int:
     """``snap_max_jacobian_elements`` as a positive int."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{learner}: snap_max_jacobian_elements must be an int (a count of elements), got {value!r}.")

@@ -28,11 +28,13 @@ from typing import Sequence
 import jax
 
 from braintrace._algorithm.engine.graph_executor import (
+    CallJacobians,
     StepJacobians,
     WeightJacobians,
     detached_df_key,
     df_key,
     history_jacobian_key,
+    is_step_jacobians,
     trace_key,
     widens,
 )
@@ -51,6 +53,7 @@ from braintrace._algorithm.param_trace.types import (
 from braintrace._compiler.hid_param_op import HiddenParamOpRelation
 from braintrace._compiler.hidden_group import HiddenGroup
 from braintrace._compiler.snap_pattern import gather_signal
+from braintrace._errors import internal_error
 from braintrace._typing import TraceKey
 
 __all__ = [
@@ -60,13 +63,16 @@ __all__ = [
 
 
 def trace_for_backward(
-    host: ParamTraceHost, old_etrace: Carried, new_etrace: Carried, jac: StepJacobians, single_step: bool,
+    host: ParamTraceHost, old_etrace: Carried, new_etrace: Carried, jac: CallJacobians | None, single_step: bool,
 ) -> BackwardResidual:
-    """The residual of a call (see the module docstring) from the traces entering and leaving it."""
+    """The residual of a call (see the module docstring) from the traces entering and leaving it
+    (``jac``: ``None`` where a stepper rolled a window's traces)."""
     filtered = bool(host._trace_filters)
     old_eps, old_filter = split_filtered(old_etrace, filtered)
     if not single_step:  # the trace term of the state entering the window
         return BackwardResidual(BackwardTrace(old_eps if old_filter is None else old_filter, None))
+    if jac is None or not is_step_jacobians(jac):
+        raise internal_error("a single step's residual needs the step's Jacobians, not transition points")
     new_eps, new_filter = split_filtered(new_etrace, filtered)
     if host._modulated:
         return BackwardResidual(BackwardTrace({}, None), learning_trace=new_eps if new_filter is None else new_filter)

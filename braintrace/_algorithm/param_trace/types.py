@@ -23,24 +23,32 @@ True
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, NamedTuple, Protocol, Sequence, TypedDict, Union, cast
+from typing import Callable, Mapping, NamedTuple, Protocol, Sequence, TypedDict, TypeGuard, Union, cast
 
 import brainstate
 import jax
 
 from braintrace._algorithm.engine.base import EligibilityTrace
-from braintrace._algorithm.engine.graph_executor import DfKey
+from braintrace._algorithm.engine.graph_executor import (
+    CallHiddenJacobians,
+    CallWeightJacobians,
+    DfKey,
+    StepJacobians,
+    TailPoint,
+    TransitionPoint,
+)
 from braintrace._algorithm.engine.learning_signal import SignalPair
 from braintrace._algorithm.engine.operand_credit import CreditHost
 from braintrace._compiler.hid_param_op import HiddenParamOpRelation
 from braintrace._compiler.hidden_group import HiddenGroup
+from braintrace._errors import internal_error
 from braintrace._op._registries import FastPathRules
 from braintrace._typing import Path, PyTree, Trace, TraceKey
 
 __all__ = [
     "Traces", "FilteredTraces", "Carried", "Inputs", "Tails", "RelationInput", "Term", "Terms", "Signal",
     "PlainRoll", "TraceStepper", "StepRelation", "BackwardTrace", "BackwardResidual", "ParamTraceHost",
-    "split_filtered",
+    "split_filtered", "step_jacobians",
 ]
 
 #: Per trace key, one relation's trace for one hidden group, as the rules see it (with its
@@ -88,6 +96,29 @@ def split_filtered(carried: Carried, filtered: bool) -> tuple[Traces, Traces | N
         return cast(Traces, carried), None
     both = cast(FilteredTraces, carried)
     return both["eps"], both["filt"]
+
+
+def step_jacobians(weight_jac: CallWeightJacobians, hidden_jac: CallHiddenJacobians, learner: str) -> StepJacobians:
+    """A call's ``((xs, dfs), Ds)`` as arrays, for a learner whose executor sets no
+    ``transition_points`` (it receives no :class:`TailPoint` nor :class:`TransitionPoint`).
+
+    Raises
+    ------
+    RuntimeError
+        (an internal error) If the call holds points.
+    """
+    xs, dfs = weight_jac
+    if not (_array_tails(dfs) and _array_hidden(hidden_jac)):
+        raise internal_error(f"{learner} received transition points, though its executor sets no transition_points")
+    return (xs, dfs), hidden_jac
+
+
+def _array_tails(dfs: Mapping[DfKey, jax.Array | TailPoint]) -> TypeGuard[Tails]:
+    return not any(isinstance(df, TailPoint) for df in dfs.values())
+
+
+def _array_hidden(Ds: CallHiddenJacobians) -> TypeGuard[list[jax.Array]]:
+    return not any(isinstance(D, TransitionPoint) for D in Ds)
 
 
 class BackwardTrace(NamedTuple):

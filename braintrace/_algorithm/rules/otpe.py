@@ -38,7 +38,7 @@ Examples
 from __future__ import annotations
 
 import warnings
-from typing import Any, Sequence
+from typing import Sequence
 
 import brainstate
 import jax
@@ -46,23 +46,32 @@ import jax.numpy as jnp
 
 from braintrace._algorithm.carriers.carrier_store import CarrierStore
 from braintrace._algorithm.rules.ottt import DenseLeakRule, outer_sum
-from braintrace._algorithm.engine.graph_executor import df_key
+from braintrace._algorithm.engine.graph_executor import (
+    CallHiddenJacobians,
+    CallJacobians,
+    CallWeightJacobians,
+    df_key,
+)
+from braintrace._algorithm.param_trace.types import Inputs, Tails, step_jacobians
 from braintrace._compiler import ControlFlowPolicy
 from braintrace._compiler.hid_param_op import HiddenParamOpRelation
 from braintrace._compiler.hidden_group import HiddenGroup
 from braintrace._errors import internal_error
 from braintrace._op import _registries as reg
 from braintrace._op._rule_helpers import drtrl_dtype, shape_of, sum_rows
-from braintrace._typing import Path
+from braintrace._typing import Path, PyTree
 
 __all__ = ["OTPE"]
 
 Store = dict[str, jax.Array]
 #: One relation's stores (``'R'``, ``'R_b'`` or ``'Rx'``, ``'Rg'``) as states.
 StoreStates = CarrierStore[str, brainstate.ShortTermState]
+#: What the backward pass reads: per relation's ``id(y_var)``, the stores the estimate is read off,
+#: and (``None`` under a plain history) this step's ``xs`` and ``dfs``, for its same-step term.
+StoreResidual = tuple[dict[int, Store], Inputs | None, Tails | None]
 
 
-class OTPE(DenseLeakRule):
+class OTPE(DenseLeakRule[dict[int, Store], StoreResidual]):
     """Online training with postsynaptic estimates (see the module docstring).
 
     Parameters
@@ -118,7 +127,7 @@ class OTPE(DenseLeakRule):
         self.trace_clip_abs = None if trace_clip_abs is None else float(trace_clip_abs)
         self._stores: dict[int, StoreStates] = {}
 
-    def init_etrace_state(self, *args: Any, **kwargs: Any) -> None:
+    def init_etrace_state(self, *args: PyTree, **kwargs: object) -> None:
         """Allocate the zero stores of every relation (after checking the graph fits OTPE)."""
         relations = self.graph.hidden_param_op_relations
         for rel in relations:
@@ -160,7 +169,7 @@ class OTPE(DenseLeakRule):
         for k, store in etrace_vals.items():
             self._stores[k].assign(store)
 
-    def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+    def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
         """Zero the stores and the step counter; ``batch_size`` resizes batched relations only."""
         for rel in self.graph.hidden_param_op_relations:
             batched = reg.is_batched_primitive(rel.primitive)
@@ -170,7 +179,7 @@ class OTPE(DenseLeakRule):
     def _relation_etrace(self, rel: HiddenParamOpRelation, group: HiddenGroup) -> Store:
         return self._stores[id(rel.y_var)].read()
 
-    def get_etrace_of(self, weight: Any) -> dict[int, Store]:
+    def get_etrace_of(self, weight: brainstate.ParamState | Path) -> dict[int, Store]:
         """The stores of the relations of ``weight`` (by ``id(y_var)``)."""
         path = weight if isinstance(weight, tuple) else self.state_id_to_path.get(id(weight))
         found = {
@@ -184,10 +193,13 @@ class OTPE(DenseLeakRule):
     # --- one step -------------------------------------------------------------------------
 
     def _update_etrace_data(
-        self, running_index: Any, etrace_vals_util_t_1: Any, hid2weight_jac_single_or_multi_times: Any,
-        hid2hid_jac_single_or_multi_times: Any, weight_vals: Any, input_is_multi_step: bool,
+        self, running_index: jax.Array, etrace_vals_util_t_1: dict[int, Store],
+        hid2weight_jac_single_or_multi_times: CallWeightJacobians,
+        hid2hid_jac_single_or_multi_times: CallHiddenJacobians, weight_vals: dict[Path, PyTree],
+        input_is_multi_step: bool,
     ) -> dict[int, Store]:
-        xs, dfs = hid2weight_jac_single_or_multi_times
+        (xs, dfs), _ = step_jacobians(hid2weight_jac_single_or_multi_times, hid2hid_jac_single_or_multi_times,
+                                      type(self).__name__)
         lam = self.leak
         new = {}
         for rel in self.graph.hidden_param_op_relations:
@@ -210,19 +222,24 @@ class OTPE(DenseLeakRule):
         """Full mode without clipping: the history is ``λ R^{t-1}`` (no cancellation needed)."""
         return self.mode == "full" and self.trace_clip_abs is None
 
-    def _trace_for_backward(self, old_etrace: Any, new_etrace: Any, jac: Any, single_step: bool) -> Any:
+    def _trace_for_backward(
+        self, old_etrace: dict[int, Store], new_etrace: dict[int, Store], jac: CallJacobians | None,
+        single_step: bool,
+    ) -> StoreResidual:
         if self._plain_history:
             return old_etrace, None, None
         # The estimate at the new stores minus its same-step term, which needs this step's x, df.
-        (xs, dfs), _ = jac
+        if jac is None:
+            raise internal_error("OTPE's single step came without its Jacobians")
+        (xs, dfs), _ = step_jacobians(jac[0], jac[1], type(self).__name__)
         return new_etrace, xs, dfs
 
     # --- the gradient ---------------------------------------------------------------------
 
     def _solve_weight_gradients(
-        self, running_index: Any, etrace_h2w_at_t: Any, dl_to_hidden_groups: Sequence[Any],
-        weight_vals: dict[Path, Any], dl_to_nonetws_at_t: dict[Path, Any], dl_to_etws_at_t: dict[Path, Any],
-    ) -> dict[Path, Any]:
+        self, running_index: jax.Array, etrace_h2w_at_t: StoreResidual, dl_to_hidden_groups: Sequence[jax.Array],
+        weight_vals: dict[Path, PyTree], dl_to_nonetws_at_t: dict[Path, PyTree], dl_to_etws_at_t: dict[Path, PyTree],
+    ) -> dict[Path, PyTree]:
         stores, xs, dfs = etrace_h2w_at_t
         grads = dict(dl_to_etws_at_t)
         for rel in self.graph.hidden_param_op_relations:
@@ -232,6 +249,8 @@ class OTPE(DenseLeakRule):
                 # λ on the estimate, not on the stores: a scaled trace would be a trace-sized temporary.
                 effective = {k: self.leak * v for k, v in self._estimate(rel, store, signal).items()}
             else:
+                if xs is None or dfs is None:
+                    raise internal_error("OTPE's residual lacks the step's x and df its same-step term needs")
                 x = xs[id(rel.x_var)].astype(signal.dtype)
                 df = dfs[df_key(rel, rel.hidden_groups[0])].sum(axis=-1).astype(signal.dtype)
                 estimate = self._estimate(rel, store, signal)

@@ -37,13 +37,13 @@ Examples
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import brainstate
 import jax
 import jax.numpy as jnp
 
-from braintrace._algorithm.engine.base import ETraceVjpAlgorithm
+from braintrace._algorithm.engine.base import ETraceVjpAlgorithm, Residual, TraceData
 from braintrace._algorithm.carriers.carrier_store import CarrierStore
 from braintrace._algorithm.engine.input_data import has_multistep_data
 from braintrace._algorithm.rules.snn_helpers import PresynapticTrace
@@ -55,14 +55,22 @@ from braintrace._errors import internal_error
 from braintrace._op import _registries as reg
 from braintrace._op._rule_helpers import dtype_of, shape_of
 from braintrace._op.dense import etp_mm_p, etp_mv_p
-from braintrace._typing import Path
+from braintrace._algorithm.engine.graph_executor import CallHiddenJacobians, CallJacobians, CallWeightJacobians
+from braintrace._typing import Path, PyTree
 
 __all__ = ["OTTT", "DenseLeakRule"]
 
 _DENSE = (etp_mm_p, etp_mv_p)
 
 
-class DenseLeakRule(ETraceVjpAlgorithm):
+#: Per ``id(x_var)``, the presynaptic trace ``â`` of a relation's input (key ``-1``: its bias's).
+PresynapticTraces = dict[int, jax.Array]
+#: ``(entering, new)`` traces by key: the entering ones the estimate reads, the new ones of the
+#: weights the engine left out of the one-step VJP.
+PresynapticResidual = tuple[PresynapticTraces, PresynapticTraces]
+
+
+class DenseLeakRule(ETraceVjpAlgorithm[TraceData, Residual]):
     """The shared shell of OTTT and OTPE: a fixed leak, dense relations, one-state groups,
     single-step calls only.
 
@@ -121,7 +129,7 @@ class DenseLeakRule(ETraceVjpAlgorithm):
                         f"{tuple(group.varshape)} of group {group.index}; use D_RTRL."
                     )
 
-    def update(self, *args: Any, **options: Any) -> Any:
+    def update(self, *args: PyTree, **options: object) -> PyTree:
         if has_multistep_data(*args):
             raise NotImplementedError(
                 f"{type(self).__name__} v1 supports single-step only: call it once per time step "
@@ -135,9 +143,9 @@ class DenseLeakRule(ETraceVjpAlgorithm):
                    signals[rel.hidden_groups[0].index].sum(axis=-1))
 
     def _add_grads(
-        self, rel: HiddenParamOpRelation, effective: dict[str, jax.Array], weight_vals: dict[Path, Any],
-        grads: dict[Path, Any],
-    ) -> dict[Path, Any]:
+        self, rel: HiddenParamOpRelation, effective: dict[str, jax.Array], weight_vals: dict[Path, PyTree],
+        grads: dict[Path, PyTree],
+    ) -> dict[Path, PyTree]:
         """Pull gradients w.r.t. ``weight_fn(W)`` / ``bias_fn(b)`` back to the raw parameters
         and add them to ``grads``."""
         weights = self._relation_operands(rel, weight_vals)
@@ -159,7 +167,7 @@ def outer_sum(x: jax.Array, signal: jax.Array, batched: bool) -> jax.Array:
     return jnp.outer(x, signal)
 
 
-class OTTT(DenseLeakRule):
+class OTTT(DenseLeakRule[PresynapticTraces, PresynapticResidual]):
     """Online training through time (see the module docstring).
 
     Parameters
@@ -212,7 +220,7 @@ class OTTT(DenseLeakRule):
         self._pre_traces: CarrierStore[int, PresynapticTrace] = CarrierStore()
         self._bias_trace: brainstate.ShortTermState | None = None
 
-    def init_etrace_state(self, *args: Any, **kwargs: Any) -> None:
+    def init_etrace_state(self, *args: PyTree, **kwargs: object) -> None:
         """One presynaptic trace per distinct input, one scalar bias trace if any bias learns."""
         self._check_relations()
         pre: dict[int, jax.Array] = {}
@@ -241,7 +249,7 @@ class OTTT(DenseLeakRule):
         if self._bias_trace is not None and -1 in etrace_vals:
             self._bias_trace.value = etrace_vals[-1]
 
-    def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+    def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
         """Zero the traces and the step counter; ``batch_size`` resizes the inputs of batched
         (``etp_mm``) relations only."""
         batched = {id(r.x_var) for r in self.graph.hidden_param_op_relations if reg.is_batched_primitive(r.primitive)}
@@ -257,7 +265,7 @@ class OTTT(DenseLeakRule):
             out["bias"] = self._bias_trace.value
         return out
 
-    def get_etrace_of(self, weight: Any) -> dict[int, jax.Array]:
+    def get_etrace_of(self, weight: brainstate.ParamState | Path) -> PresynapticTraces:
         """The presynaptic traces (and the bias trace, key ``-1``) of the relations of ``weight``."""
         path = weight if isinstance(weight, tuple) else self.state_id_to_path.get(id(weight))
         found: dict[int, jax.Array] = {}
@@ -271,9 +279,11 @@ class OTTT(DenseLeakRule):
         return found
 
     def _update_etrace_data(
-        self, running_index: Any, etrace_vals_util_t_1: Any, hid2weight_jac_single_or_multi_times: Any,
-        hid2hid_jac_single_or_multi_times: Any, weight_vals: Any, input_is_multi_step: bool,
-    ) -> dict[int, jax.Array]:
+        self, running_index: jax.Array, etrace_vals_util_t_1: PresynapticTraces,
+        hid2weight_jac_single_or_multi_times: CallWeightJacobians,
+        hid2hid_jac_single_or_multi_times: CallHiddenJacobians, weight_vals: dict[Path, PyTree],
+        input_is_multi_step: bool,
+    ) -> PresynapticTraces:
         xs, _ = hid2weight_jac_single_or_multi_times
         lam = self.leak
         new = {}
@@ -289,7 +299,10 @@ class OTTT(DenseLeakRule):
         # mode O keeps no history to hold it.
         return self.mode == "A" and enters_unscaled(rel)
 
-    def _trace_for_backward(self, old_etrace: Any, new_etrace: Any, jac: Any, single_step: bool) -> Any:
+    def _trace_for_backward(
+        self, old_etrace: PresynapticTraces, new_etrace: PresynapticTraces, jac: CallJacobians | None,
+        single_step: bool,
+    ) -> PresynapticResidual:
         """``(entering, new)`` traces by key: the new one for the weights the engine left out of
         the one-step VJP (their gradient is the whole estimate ``â^t ⊗ L``), the entering one for
         the others (the estimate minus its same-step term, ``λ â^{t-1} ⊗ L``).
@@ -311,9 +324,9 @@ class OTTT(DenseLeakRule):
         return entering, jax.lax.optimization_barrier(new) if new else new
 
     def _solve_weight_gradients(
-        self, running_index: Any, etrace_h2w_at_t: Any, dl_to_hidden_groups: Sequence[Any],
-        weight_vals: dict[Path, Any], dl_to_nonetws_at_t: dict[Path, Any], dl_to_etws_at_t: dict[Path, Any],
-    ) -> dict[Path, Any]:
+        self, running_index: jax.Array, etrace_h2w_at_t: PresynapticResidual, dl_to_hidden_groups: Sequence[jax.Array],
+        weight_vals: dict[Path, PyTree], dl_to_nonetws_at_t: dict[Path, PyTree], dl_to_etws_at_t: dict[Path, PyTree],
+    ) -> dict[Path, PyTree]:
         grads = dict(dl_to_etws_at_t)
         if self.mode == "O":
             return grads
@@ -321,7 +334,7 @@ class OTTT(DenseLeakRule):
         covered = self._local_relation_weights().keys
         lam = self.leak
 
-        def estimate(name: str, key: int, i: int, dtype: Any) -> jax.Array:
+        def estimate(name: str, key: int, i: int, dtype: jax.typing.DTypeLike) -> jax.Array:
             if name in covered.get(i, ()):
                 return new[key].astype(dtype)
             return lam * entering[key].astype(dtype)

@@ -54,7 +54,7 @@ Examples
 from __future__ import annotations
 
 import numbers
-from typing import Any, NamedTuple, Sequence, TypedDict
+from typing import Callable, Mapping, NamedTuple, Sequence, TypedDict, TypeGuard
 
 import brainstate
 import brainunit as u
@@ -65,12 +65,21 @@ import numpy as np
 from braintrace._algorithm.engine.base import EligibilityTrace, ETraceVjpAlgorithm
 from braintrace._algorithm.carriers.carrier_store import CarrierStore, TraceStore
 from braintrace._algorithm.engine.config import ETraceConfig, engine_config
-from braintrace._algorithm.engine.graph_executor import TailPoint, TransitionPoint, df_key
+from braintrace._algorithm.engine.graph_executor import (
+    CallHiddenJacobians,
+    CallJacobians,
+    CallWeightJacobians,
+    DfKey,
+    TailPoint,
+    TransitionPoint,
+    df_key,
+)
 from braintrace._compatible_imports import eval_jaxpr
 from braintrace._compiler import ControlFlowPolicy
 from braintrace._compiler.hid_param_op import HiddenParamOpRelation
 from braintrace._compiler.hidden_group import HiddenGroup
 from braintrace._compiler.jaxpr_graph import contains_eqn
+from braintrace._errors import internal_error
 from braintrace._op import _registries as reg
 from braintrace._typing import Path, PyTree
 
@@ -78,8 +87,6 @@ __all__ = ["RandomProjectionVjpAlgorithm", "ProjectionCarrier", "transition_jvp"
 
 #: ``(hidden group index, parameter path)``: the key of one parameter factor ``θ̃``.
 FactorKey = tuple[int, Path]
-#: A parameter-shaped pytree of mantissas (the parameter's structure, units removed).
-ParamTree = Any
 
 
 class ProjectionCarrier(TypedDict):
@@ -99,19 +106,36 @@ class ProjectionCarrier(TypedDict):
     """
 
     s_tilde: dict[int, jax.Array]
-    theta_tilde: dict[FactorKey, ParamTree]
+    theta_tilde: dict[FactorKey, PyTree]
     key: jax.Array
     step: jax.Array
+
+
+class RelationFactors(TypedDict):
+    """One relation's factors for one group (:meth:`~RandomProjectionVjpAlgorithm._relation_etrace`)."""
+
+    #: The group's hidden factor ``s̃`` ``(*varshape, S)``.
+    s_tilde: jax.Array
+    #: Per credited parameter path, its factor ``θ̃`` (shaped and unit-carrying like the parameter).
+    theta_tilde: dict[Path, PyTree]
+
+
+#: Per df key, a relation's :class:`TailPoint` (``df`` itself for a relation under control flow).
+ProjectionTails = Mapping[DfKey, jax.Array | TailPoint]
+#: ``(xs, tail points, transition points)`` of one step in the executor's scan.
+ProjectionStep = tuple[dict[int, jax.Array], ProjectionTails, Sequence[TransitionPoint]]
+#: ``stepper(carrier, step) -> (carrier, None)``: one step of the factors in a scan.
+ProjectionStepper = Callable[[ProjectionCarrier, ProjectionStep], tuple[ProjectionCarrier, None]]
 
 
 class BoundaryTerm(NamedTuple):
     """What the backward pass contracts: the carrier entering the call and, single step, ``∂L/∂h^{t-1}``."""
 
     carrier: ProjectionCarrier
-    previous: list[Any] | None = None
+    previous: list[jax.Array] | None = None
 
 
-class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm):
+class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm[ProjectionCarrier, BoundaryTerm]):
     """The random-projection (rank-one factor) trace engine; see the module docstring.
 
     Parameters
@@ -180,10 +204,10 @@ class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm):
         vjp_method: str = "multi-step",
         fast_solve: bool = True,
         control_flow: ControlFlowPolicy | None = None,
-        config: Any = None,
-        projection_key: Any = 42,
+        config: ETraceConfig | None = None,
+        projection_key: int | jax.Array = 42,
         projection_eps: float = 1e-12,
-        random_feedback_key: Any = None,
+        random_feedback_key: int | jax.Array | None = None,
     ) -> None:
         key_data = _key_data(projection_key)
         eps = _check_eps(projection_eps)
@@ -200,11 +224,11 @@ class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm):
         self.projection_rng = brainstate.ShortTermState(jnp.asarray(self._key_data))
         self.projection_step = brainstate.ShortTermState(jnp.zeros((), jnp.int32))
         self._group_paths: dict[int, list[Path]] = {}
-        self._group_relations: dict[int, list[Any]] = {}
+        self._group_relations: dict[int, list[HiddenParamOpRelation]] = {}
         self._param_treedefs: dict[Path, jax.tree_util.PyTreeDef] = {}
 
     @staticmethod
-    def _check_config(config: Any) -> ETraceConfig:
+    def _check_config(config: ETraceConfig | None) -> ETraceConfig:
         # ETraceConfig itself allows random_projection only with the coupled scope, the jacobian
         # recursion and no filter; this engine realises the symmetric learning signal.
         if config is None:
@@ -213,7 +237,7 @@ class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm):
 
     # --- trace storage --------------------------------------------------------------------
 
-    def init_etrace_state(self, *args: Any, **kwargs: Any) -> None:
+    def init_etrace_state(self, *args: PyTree, **kwargs: object) -> None:
         """Allocate zero factors (``s̃`` per group, ``θ̃`` per group and parameter), the key and counter."""
         graph = self.graph
         for group in graph.hidden_groups:
@@ -225,7 +249,7 @@ class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm):
                     f"fixed trip count (lax.fori_loop with static bounds, or lax.scan)."
                 )
         group_paths: dict[int, list[Path]] = {}
-        group_relations: dict[int, list[Any]] = {}
+        group_relations: dict[int, list[HiddenParamOpRelation]] = {}
         for rel in graph.hidden_param_op_relations:
             credited = self._credited_paths(rel)
             for group in rel.hidden_groups:
@@ -273,7 +297,7 @@ class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm):
         self.projection_rng.value = etrace_vals["key"]
         self.projection_step.value = etrace_vals["step"]
 
-    def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+    def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
         """Zero the factors, the step counter and ``running_index``; re-derive the key.
 
         A run after a reset repeats the run after the previous one bit for bit. With
@@ -288,7 +312,7 @@ class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm):
         self.projection_step.value = jnp.zeros((), jnp.int32)
         self.projection_rng.value = jnp.asarray(self._key_data)
 
-    def get_etrace_of(self, weight: Any) -> dict[FactorKey, Any]:
+    def get_etrace_of(self, weight: brainstate.ParamState | Path) -> dict[FactorKey, PyTree]:
         """The parameter factors ``θ̃`` of ``weight`` (a ``ParamState`` or its path), one per group.
 
         Returns
@@ -313,20 +337,20 @@ class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm):
             )
         return found
 
-    def _relation_etrace(self, rel: HiddenParamOpRelation, group: HiddenGroup) -> dict[str, Any]:
+    def _relation_etrace(self, rel: HiddenParamOpRelation, group: HiddenGroup) -> RelationFactors:
         paths = self._credited_paths(rel)
-        return {
-            "s_tilde": self.s_tilde[group.index].value,
-            "theta_tilde": {p: self._with_unit(p, self.theta_tilde[(group.index, p)].value) for p in paths},
-        }
+        return RelationFactors(
+            s_tilde=self.s_tilde[group.index].value,
+            theta_tilde={p: self._with_unit(p, self.theta_tilde[(group.index, p)].value) for p in paths},
+        )
 
-    def _with_unit(self, path: Path, mantissas: ParamTree) -> Any:
+    def _with_unit(self, path: Path, mantissas: PyTree) -> PyTree:
         return jax.tree.unflatten(self._param_treedefs[path], jax.tree.leaves(mantissas))
 
     # --- one step of the carrier ----------------------------------------------------------
 
     def _draw_projection(self, key: jax.Array, step: jax.Array, group_index: int, shape: tuple[int, ...],
-                         dtype: Any) -> jax.Array:
+                         dtype: jax.typing.DTypeLike) -> jax.Array:
         """The draw ``ν`` of one group at one step: Rademacher entries (±1) of ``shape``.
 
         A pure function of its arguments (``key`` is the group's subkey of the step); override
@@ -335,7 +359,7 @@ class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm):
         return jax.random.rademacher(key, shape, dtype=jnp.int8).astype(dtype)
 
     def _roll(
-        self, carrier: ProjectionCarrier, xs: dict[int, Any], dfs: dict[Any, Any],
+        self, carrier: ProjectionCarrier, xs: dict[int, jax.Array], dfs: ProjectionTails,
         points: Sequence[TransitionPoint], weight_vals: dict[Path, PyTree],
     ) -> ProjectionCarrier:
         """One step of every group's factors (see the module docstring)."""
@@ -343,7 +367,7 @@ class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm):
         keys = jax.random.split(carrier["key"], len(groups) + 1)
         step = carrier["step"]
         s_new: dict[int, jax.Array] = {}
-        theta_new: dict[FactorKey, ParamTree] = {}
+        theta_new: dict[FactorKey, PyTree] = {}
         for gi, paths in self._group_paths.items():
             s_old = carrier["s_tilde"][gi]
             nu = self._draw_projection(keys[gi + 1], step, gi, tuple(s_old.shape), s_old.dtype)
@@ -355,9 +379,9 @@ class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm):
         return ProjectionCarrier(s_tilde=s_new, theta_tilde=theta_new, key=keys[0], step=step + 1)
 
     def _group_projection(
-        self, group: HiddenGroup, nu: jax.Array, xs: dict[int, Any], dfs: dict[Any, Any],
+        self, group: HiddenGroup, nu: jax.Array, xs: dict[int, jax.Array], dfs: ProjectionTails,
         weight_vals: dict[Path, PyTree],
-    ) -> dict[Path, ParamTree]:
+    ) -> dict[Path, PyTree]:
         """``νᵀ J_f`` for every parameter of the group's relations (parameter-shaped mantissas).
 
         Each relation projects by its primitive's ``xy_to_dw`` rule at the tail's cotangent
@@ -368,25 +392,34 @@ class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm):
         for rel in self._group_relations[group.index]:
             x = None if rel.x_var is None else xs[id(rel.x_var)]
             weights = self._relation_operands(rel, weight_vals)
-            per_key = relation_projection(rel, group, nu, x, dfs[df_key(rel, group)], weights)
+            point = dfs[df_key(rel, group)]
+            if not isinstance(point, TailPoint):
+                raise internal_error(f"the tail of {rel.primitive.name} under control flow reached a random projection")
+            per_key = relation_projection(rel, group, nu, x, point, weights)
             for k, g in per_key.items():
                 grads = self._add_operand_gradient(grads, rel, k, g, weight_vals)
         return grads
 
     def _update_etrace_data(
-        self, running_index: Any, etrace_vals_util_t_1: Any, hid2weight_jac_single_or_multi_times: Any,
-        hid2hid_jac_single_or_multi_times: Any, weight_vals: Any, input_is_multi_step: bool,
+        self, running_index: jax.Array, etrace_vals_util_t_1: ProjectionCarrier,
+        hid2weight_jac_single_or_multi_times: CallWeightJacobians,
+        hid2hid_jac_single_or_multi_times: CallHiddenJacobians, weight_vals: dict[Path, PyTree],
+        input_is_multi_step: bool,
     ) -> ProjectionCarrier:
         xs, dfs = hid2weight_jac_single_or_multi_times
         points = hid2hid_jac_single_or_multi_times
+        if not _holds_points(points):
+            raise internal_error(f"{type(self).__name__} received hidden Jacobians, though its executor sets "
+                                 f"transition_points")
         if not input_is_multi_step:
             return self._roll(etrace_vals_util_t_1, xs, dfs, points, weight_vals)
         stepper = self._make_etrace_stepper(weight_vals)
-        return jax.lax.scan(stepper, etrace_vals_util_t_1, (xs, dfs, points))[0]
+        rolled: ProjectionCarrier = jax.lax.scan(stepper, etrace_vals_util_t_1, (xs, dfs, points))[0]
+        return rolled
 
-    def _make_etrace_stepper(self, weight_vals: Any) -> Any:
+    def _make_etrace_stepper(self, weight_vals: dict[Path, PyTree]) -> ProjectionStepper:
         # Always fused into the executor's scan: a window never stacks per-step values.
-        def stepper(carry: ProjectionCarrier, jac: Any) -> tuple[ProjectionCarrier, None]:
+        def stepper(carry: ProjectionCarrier, jac: ProjectionStep) -> tuple[ProjectionCarrier, None]:
             xs, dfs, points = jac
             return self._roll(carry, xs, dfs, points, weight_vals), None
 
@@ -394,16 +427,19 @@ class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm):
 
     # --- the gradient ---------------------------------------------------------------------
 
-    def _trace_for_backward(self, old_etrace: Any, new_etrace: Any, jac: Any, single_step: bool) -> Any:
+    def _trace_for_backward(
+        self, old_etrace: ProjectionCarrier, new_etrace: ProjectionCarrier, jac: CallJacobians | None,
+        single_step: bool,
+    ) -> BoundaryTerm:
         return BoundaryTerm(old_etrace)
 
-    def _with_previous_signal(self, trace_for_bwd: Any, previous: list[Any]) -> Any:
+    def _with_previous_signal(self, trace_for_bwd: BoundaryTerm, previous: list[jax.Array]) -> BoundaryTerm:
         # Single step: the factors entering the step describe h^{t-1}; they meet the step loss's
         # ∂L/∂h^{t-1} through every path of the step (the window rule for a one-step window).
         return BoundaryTerm(*trace_for_bwd)._replace(previous=previous)
 
     def _solve_weight_gradients(
-        self, running_index: Any, etrace_h2w_at_t: Any, dl_to_hidden_groups: Sequence[Any],
+        self, running_index: jax.Array, etrace_h2w_at_t: BoundaryTerm, dl_to_hidden_groups: Sequence[jax.Array],
         weight_vals: dict[Path, PyTree], dl_to_nonetws_at_t: dict[Path, PyTree], dl_to_etws_at_t: dict[Path, PyTree],
     ) -> dict[Path, PyTree]:
         carrier, previous = BoundaryTerm(*etrace_h2w_at_t)
@@ -417,7 +453,7 @@ class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm):
                 grads[p] = self._add_scaled(p, grads.get(p), carrier["theta_tilde"][(gi, p)], scale)
         return grads
 
-    def _add_scaled(self, path: Path, tree: Any, theta: ParamTree, scale: jax.Array) -> Any:
+    def _add_scaled(self, path: Path, tree: PyTree | None, theta: PyTree, scale: jax.Array) -> PyTree:
         """``tree + scale · θ̃`` leaf by leaf (``tree`` keeps its structure and units; ``None`` is zero)."""
         if tree is None:
             tree = self._with_unit(path, jax.tree.map(jnp.zeros_like, theta))
@@ -461,13 +497,14 @@ def transition_jvp(group: HiddenGroup, point: TransitionPoint, tangent: jax.Arra
 
 
 def relation_projection(
-    rel: HiddenParamOpRelation, group: HiddenGroup, nu: jax.Array, x: Any, point: TailPoint, weights: dict[str, Any],
+    rel: HiddenParamOpRelation, group: HiddenGroup, nu: jax.Array, x: jax.Array | None, point: TailPoint,
+    weights: dict[str, jax.Array],
 ) -> dict[str, jax.Array]:
     """``νᵀ J_f`` of one relation for one group, per trainable operand: the primitive's
     ``xy_to_dw`` rule at the cotangent ``νᵀ ∂h/∂y`` of the ``y -> h`` tail evaluated at ``point``."""
     tail = rel.y_to_hidden_group_jaxprs[rel.hidden_groups.index(group)]
 
-    def to_hidden(y: Any) -> jax.Array:
+    def to_hidden(y: jax.Array) -> jax.Array:
         out: jax.Array = group.concat_hidden(eval_jaxpr(tail, point.consts, y))
         return out
 
@@ -479,9 +516,9 @@ def relation_projection(
 
 
 def projection_update(
-    s_tilde: jax.Array, theta_tilde: dict[Path, ParamTree], nu: jax.Array, proj: dict[Path, ParamTree],
+    s_tilde: jax.Array, theta_tilde: dict[Path, PyTree], nu: jax.Array, proj: dict[Path, PyTree],
     ds: jax.Array, eps: float,
-) -> tuple[jax.Array, dict[Path, ParamTree]]:
+) -> tuple[jax.Array, dict[Path, PyTree]]:
     """One group's factor update (``rho0``, ``rho1`` and the new ``s̃``, ``θ̃``).
 
     Norms are over all of the group's parameters, accumulated in at least float32; the results
@@ -510,18 +547,23 @@ def projection_update(
     return s_new, theta_new
 
 
-def _norm(tree: Any, dtype: Any) -> jax.Array:
+def _holds_points(Ds: CallHiddenJacobians) -> TypeGuard[list[TransitionPoint]]:
+    """Whether the call's per-group slots hold :class:`TransitionPoint` (not Jacobians)."""
+    return all(isinstance(D, TransitionPoint) for D in Ds)
+
+
+def _norm(tree: PyTree, dtype: jax.typing.DTypeLike) -> jax.Array:
     """The L2 norm over every leaf of ``tree``, accumulated in ``dtype``."""
     total = sum((jnp.sum(jnp.square(leaf.astype(dtype))) for leaf in jax.tree.leaves(tree)), jnp.zeros((), dtype))
     return jnp.sqrt(total)
 
 
-def _mantissas(tree: Any) -> Any:
+def _mantissas(tree: PyTree) -> PyTree:
     """``tree`` with every ``brainunit`` quantity replaced by its mantissa."""
     return jax.tree.map(u.get_mantissa, tree, is_leaf=lambda x: isinstance(x, u.Quantity))
 
 
-def _key_data(key: Any) -> np.ndarray:
+def _key_data(key: object) -> np.ndarray:
     """Raw ``uint32`` key data of a seed or key (``projection_key``)."""
     if isinstance(key, (bool, np.bool_)):
         raise TypeError(f"projection_key must be an integer seed or a PRNG key, got {key!r}.")
@@ -539,7 +581,7 @@ def _key_data(key: Any) -> np.ndarray:
     return data
 
 
-def _check_eps(eps: Any) -> float:
+def _check_eps(eps: object) -> float:
     """``projection_eps`` as a float, if it is positive and stays positive in float32."""
     if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real):
         raise TypeError(f"projection_eps must be a positive float, got {eps!r}.")
