@@ -97,7 +97,7 @@ class _WriteBackGuard:
     ATTRIBUTE = "_braintrace_write_back_guard"
 
     def __init__(self, stack: StateTraceStack) -> None:
-        self._stack = weakref.ref(stack)
+        self._stack = stack
         self._locks: tuple[threading.RLock, ...] = ()
         self._read = threading.local()
         self._read_states = stack.get_state_values
@@ -132,11 +132,8 @@ class _WriteBackGuard:
                 lock.release()
 
     def _refuse_changed(self, seen: tuple[PyTree, ...], read_values: Sequence[PyTree]) -> None:
-        stack = self._stack()
-        if stack is None or len(seen) != len(stack.states):
-            return
         changed = []
-        for st, at_call, read in zip(stack.states, seen, read_values):
+        for st, at_call, read in zip(self._stack.states, seen, read_values, strict=True):
             now = st.value
             if now is not at_call or (read is not None and now is not read):
                 changed.append(st)
