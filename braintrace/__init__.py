@@ -50,7 +50,11 @@ from braintrace._algorithm import (
     Sharding,
     SingleStepData,
     TraceRule,
+    d_rtrl_rule,
+    otpe_rule,
+    ottt_rule,
     pp_prop,
+    pp_prop_rule,
     train_synthetic_gradient,
 )
 from braintrace._audit import GradientAudit, GradientRow, LearnerComparison, check_gradients, compare_learners
@@ -205,6 +209,10 @@ __all__ = [
     "TraceRule",
     "RelationStep",
     "RelationInfo",
+    "d_rtrl_rule",
+    "pp_prop_rule",
+    "ottt_rule",
+    "otpe_rule",
 ]
 
 # deprecated v0.1 names, served lazily by __getattr__ with a one-time DeprecationWarning

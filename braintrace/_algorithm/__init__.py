@@ -36,7 +36,11 @@ from braintrace._algorithm.rules.three_factor import ThreeFactor
 from braintrace._algorithm.rules.dni import DNI
 from braintrace._algorithm.rules.synthetic_gradient import SyntheticGradient
 from braintrace._algorithm.rules.synthetic_training import train_synthetic_gradient
-from braintrace._algorithm.rules.trace_rule import RelationInfo, RelationStep, TraceRule
+from braintrace._algorithm.engine.rule_contract import RelationInfo, RelationStep, TraceRule
+from braintrace._algorithm.io_trace.relation_rule import pp_prop_rule
+from braintrace._algorithm.param_trace.relation_rule import d_rtrl_rule
+from braintrace._algorithm.rules.otpe import otpe_rule
+from braintrace._algorithm.rules.ottt import ottt_rule
 
 __all__ = [
     "ETraceAlgorithm",
@@ -75,4 +79,8 @@ __all__ = [
     "TraceRule",
     "RelationStep",
     "RelationInfo",
+    "d_rtrl_rule",
+    "pp_prop_rule",
+    "ottt_rule",
+    "otpe_rule",
 ]

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import braintrace
+from braintrace._algorithm.rules import otpe
 
 # Trace (B, I + H, H, 1): a shape nothing else in the step has, and large enough that XLA does
 # not copy it anyway (it copies loop-carried buffers of a few ten thousand elements regardless).
@@ -503,8 +504,8 @@ def test_otpe_writes_its_trace_once_and_reads_it_in_one_row_sum() -> None:
 
 def test_otpe_with_a_scaled_store_computes_a_trace_sized_temporary(monkeypatch: Any) -> None:
     """The negative control: ``λ`` applied to the stores before the estimate."""
-    estimate = braintrace.OTPE._estimate
-    monkeypatch.setattr(braintrace.OTPE, "_estimate",
-                        lambda self, rel, store, signal: estimate(self, rel, {k: 0.9 * v for k, v in store.items()}, signal))
+    estimate = otpe.store_estimate
+    monkeypatch.setattr(otpe, "store_estimate",
+                        lambda store, *args: estimate({k: 0.9 * v for k, v in store.items()}, *args))
     _, produced = _otpe_trace_sized()
     assert len(produced) == 2, produced

@@ -35,7 +35,9 @@ factors stands in for the filtered outer product); the decay trades bias for mem
 
 The class holds the hooks and the storage of the traces; the step
 (:mod:`~braintrace._algorithm.io_trace.roll`) and the gradient
-(:mod:`~braintrace._algorithm.io_trace.solve`) are functions of the learner.
+(:mod:`~braintrace._algorithm.io_trace.solve`) are functions of the learner, made of the
+per-relation functions of :mod:`~braintrace._algorithm.io_trace.relation_rule`, whose record
+:func:`~braintrace.pp_prop_rule` runs the same maths through the rule contract.
 
 Examples
 --------
@@ -81,7 +83,16 @@ from braintrace._algorithm.engine.graph_executor import (
     CallWeightJacobians,
     df_key,
 )
-from braintrace._algorithm.io_trace.roll import IOStepper, IOTrace, XRepr, step, stepper, x_tilde
+from braintrace._algorithm.io_trace.relation_rule import (
+    DecayOrRank,
+    XRepr,
+    input_representation,
+    output_trace_zeros,
+    parse_decay_pair,
+    represented_spec,
+    unfit_output_error,
+)
+from braintrace._algorithm.io_trace.roll import IOStepper, IOTrace, step, stepper, x_tilde
 from braintrace._algorithm.io_trace.solve import IOResidual, solve_weight_gradients
 from braintrace._algorithm.engine.learning_signal import SignalPair, draw_feedback, feedback_signals
 from braintrace._algorithm.engine.modulator import ModulatorSlot, modulator_signals
@@ -98,69 +109,7 @@ from braintrace._op._rule_helpers import dtype_of, shape_of
 from braintrace._op.elemwise import etp_elemwise_p
 from braintrace._typing import Path, PyTree
 
-__all__ = ["IODimVjpAlgorithm", "pp_prop", "ES_D_RTRL", "parse_decay_or_rank", "parse_decay_pair"]
-
-#: A decay (float in ``[0, 1)``) or a rank (int ``>= 1``), or a pair of them ``(x side, f side)``.
-DecayOrRank = float | int | tuple[float | int, float | int] | list[float | int]
-_DECAY_OR_RANK_MSG = 'Please provide "num_rank" (int) or "decay" (float, 0 <= decay < 1). '
-
-
-def parse_decay_or_rank(decay_or_rank: object) -> float:
-    """The decay ``α`` given a decay (float in ``[0, 1)``) or a rank (int ``r > 0``).
-
-    A rank ``r`` means ``α = (r − 1) / (r + 1)``, the decay whose filter has the same mean
-    memory as a window of ``r`` steps.
-
-    Raises
-    ------
-    ValueError
-        For any other type (``np.float32``, arrays, strings, ...) or a value out of range.
-
-    Examples
-    --------
-    >>> parse_decay_or_rank(19), parse_decay_or_rank(0.5), parse_decay_or_rank(0.0)
-    (0.9, 0.5, 0.0)
-    """
-    # np.float64 subclasses float and bool subclasses int; np.float32 and arrays are neither.
-    if isinstance(decay_or_rank, float):
-        if not 0.0 <= decay_or_rank < 1.0:
-            raise ValueError(
-                f"decay_or_rank={decay_or_rank!r}: a float is the decay and must satisfy "
-                f"0 <= decay < 1. Pass e.g. 0.9, or an int rank such as 19."
-            )
-        return float(decay_or_rank)
-    if isinstance(decay_or_rank, int):
-        if decay_or_rank <= 0:
-            raise ValueError(
-                f"decay_or_rank={decay_or_rank!r}: an int is the rank and must be > 0. Pass e.g. "
-                f"19, or a float decay such as 0.9."
-            )
-        return (decay_or_rank - 1) / (decay_or_rank + 1)
-    raise ValueError(_DECAY_OR_RANK_MSG + f"Got {decay_or_rank!r} of type {type(decay_or_rank).__name__}.")
-
-
-def parse_decay_pair(decay_or_rank: object) -> tuple[float, float]:
-    """``(α_x, α_f)`` given one decay or rank (both sides) or a pair of them (tuple or list of 2).
-
-    Raises
-    ------
-    ValueError
-        For a pair of another length, or an entry :func:`parse_decay_or_rank` refuses.
-
-    Examples
-    --------
-    >>> parse_decay_pair(0.9), parse_decay_pair((19, 0.0))
-    ((0.9, 0.9), (0.9, 0.0))
-    """
-    if isinstance(decay_or_rank, (tuple, list)):
-        if len(decay_or_rank) != 2:
-            raise ValueError(
-                f"decay_or_rank={decay_or_rank!r}: a pair is (x side, f side), two entries; got "
-                f"{len(decay_or_rank)}.")
-        return parse_decay_or_rank(decay_or_rank[0]), parse_decay_or_rank(decay_or_rank[1])
-    decay = parse_decay_or_rank(decay_or_rank)
-    return decay, decay
-
+__all__ = ["IODimVjpAlgorithm", "pp_prop", "ES_D_RTRL"]
 
 class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm[IOTrace, IOResidual]):
     """The IO-dim eligibility-trace learner: every ``io_factorized`` coordinate of
@@ -347,13 +296,8 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm[IOTrace, IOResidual]):
         self, rel: HiddenParamOpRelation, x_var: Var, xs: dict[int, jax.Array],
         reprs: dict[int, XRepr],
     ) -> None:
-        avals = {k: v.aval for k, v in rel.trainable_vars.items()}
-        rule = reg.get_pp_x_repr(rel.primitive)
-        x_spec = jax.ShapeDtypeStruct(shape_of(x_var), dtype_of(x_var))
-        if rule is None:
-            spec = x_spec
-        else:
-            spec = jax.eval_shape(lambda x: rule(x, avals), x_spec)
+        x_repr = input_representation(rel.primitive, {k: v.aval for k, v in rel.trainable_vars.items()})
+        spec = represented_spec(jax.ShapeDtypeStruct(shape_of(x_var), dtype_of(x_var)), x_repr)
         key = id(x_var)
         dtype = self._stored_dtype(spec.dtype)
         if key in xs:
@@ -366,7 +310,7 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm[IOTrace, IOResidual]):
                 )
             return
         xs[key] = jnp.zeros(spec.shape, dtype)
-        reprs[key] = (rule, avals)
+        reprs[key] = x_repr
 
     @staticmethod
     def _init_df_trace(rel: HiddenParamOpRelation, group: HiddenGroup) -> jax.Array:
@@ -377,21 +321,8 @@ class IODimVjpAlgorithm(ModulatorSlot, ETraceVjpAlgorithm[IOTrace, IOResidual]):
         fits = varshape[len(varshape) - len(y_shape):] == y_shape if elemwise else (
             y_shape == varshape or rel.adds_unit_axes(group))
         if not fits:
-            raise ValueError(
-                f"The shape of the hidden states should be the same as the output of the ETP "
-                f"operation for pp_prop: {rel.primitive.name} outputs {y_shape} but drives hidden "
-                f"group {group.index} of shape {varshape}. Make the operation produce the hidden "
-                f"shape, or train this weight with D_RTRL."
-            )
-        record = reg.get_etp_rules(rel.primitive)
-        init = None if record is None else record.init_pp
-        if init is None:
-            raise ValueError(
-                f"{rel.primitive.name} has no init_pp rule, so pp_prop cannot trace it; register one "
-                f"with register_etp_rules(init_pp=...) or use D_RTRL."
-            )
-        extra = {"group": group} if elemwise else {}
-        value = init(rel.x_var, rel.y_var, rel.trainable_vars, group.num_state, **extra)
+            raise unfit_output_error(rel.primitive.name, y_shape, f"hidden group {group.index} of shape {varshape}")
+        value = output_trace_zeros(rel.primitive, rel.x_var, rel.y_var, rel.trainable_vars, group.num_state, group)
         expected = (*varshape, group.num_state)
         if tuple(getattr(value, "shape", ())) == (*y_shape, group.num_state):
             value = jnp.reshape(value, expected)  # kept over the group's positions, like D

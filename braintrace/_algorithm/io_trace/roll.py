@@ -8,9 +8,11 @@ Per distinct input ``x`` (as the primitive's ``pp_x_repr`` represents it, ``x̃`
   executor substitutes it for ``D``), mixed over the group's states per position;
 
 and the count ``k`` of steps the traces absorbed since the last reset advances by one (it
-drives the bias correction ``1 − α_f^k``, :mod:`~braintrace._algorithm.io_trace.solve`). This
-module also names the carried state (:class:`IOTrace`) and the learner as its functions read it
-(:class:`IOTraceHost`); it imports the graph executor's keys and the trace storage helpers.
+drives the bias correction ``1 − α_f^k``, :mod:`~braintrace._algorithm.io_trace.solve`), each by
+the per-relation functions of :mod:`~braintrace._algorithm.io_trace.relation_rule` over the
+learner's storage (one input trace per input variable, one counter). This module also names the
+carried state (:class:`IOTrace`) and the learner as its functions read it (:class:`IOTraceHost`);
+it imports the graph executor's keys.
 
 Examples
 --------
@@ -25,17 +27,12 @@ from __future__ import annotations
 from typing import Callable, Mapping, Protocol, Sequence, TypedDict
 
 import jax
-import jax.numpy as jnp
 
 from braintrace._algorithm.engine.graph_executor import DfKey, df_key
-from braintrace._algorithm.carriers.trace_storage import math_dtype
+from braintrace._algorithm.io_trace.relation_rule import XRepr, advance, represent_input, roll_input, roll_output
 from braintrace._compiler import ETraceGraph
-from braintrace._op._rule_helpers import mix_states
 
-__all__ = ["IOTrace", "XRepr", "IOStepper", "IOTraceHost", "x_tilde", "step", "stepper"]
-
-# The step counter saturates here instead of wrapping around; α^k has long underflowed.
-_MAX_STEPS = 2**30
+__all__ = ["IOTrace", "IOStepper", "IOTraceHost", "x_tilde", "step", "stepper"]
 
 
 class IOTrace(TypedDict):
@@ -49,8 +46,6 @@ class IOTrace(TypedDict):
     steps: jax.Array
 
 
-#: An input's ``pp_x_repr`` rule (``None``: the input as it is) and the weight avals it reads.
-XRepr = tuple[Callable[..., jax.Array] | None, Mapping[str, object]]
 #: ``stepper(trace, (xs, dfs, Ds)) -> (trace, None)``: one step of the traces in a scan.
 IOStepper = Callable[
     [IOTrace, tuple[dict[int, jax.Array], dict[DfKey, jax.Array], Sequence[jax.Array]]], tuple[IOTrace, None]]
@@ -78,11 +73,7 @@ class IOTraceHost(Protocol):
 
 def x_tilde(xs: Mapping[int, jax.Array], reprs: Mapping[int, XRepr]) -> dict[int, jax.Array]:
     """The inputs as the x traces filter them (``pp_x_repr`` where registered)."""
-    out = {}
-    for key, x in xs.items():
-        rule, avals = reprs[key]
-        out[key] = x if rule is None else rule(x, avals)
-    return out
+    return {key: represent_input(x, reprs[key]) for key, x in xs.items()}
 
 
 def step(
@@ -103,24 +94,14 @@ def step(
             f"{sorted(etrace['xs'])}; recompile the learner."
         )
     filtered = x_tilde(xs, host._x_reprs)
-    # A stored trace is upcast to the step's precision, filtered, and rounded once on write,
-    # by astype: these factors are vectors, and on them trace_storage.rounded's split (for
-    # trace-sized updates) measured slower (leaky64 bf16/f32 1.46 against 1.05-1.08).
-    new_xs = {k: (alpha_x * v.astype(math_dtype(v, filtered[k])) + filtered[k]).astype(v.dtype)
-              for k, v in etrace["xs"].items()}
+    new_xs = {k: roll_input(v, filtered[k], alpha_x) for k, v in etrace["xs"].items()}
     new_dfs: dict[tuple[int, str], jax.Array] = {}
     for rel in host.graph.hidden_param_op_relations:
         for group in rel.hidden_groups:
             key = df_key(rel, group)
-            old = etrace["dfs"][key]
-            math = math_dtype(old, dfs[key])
-            # (1 − α) rounded like the bias correction's 1 − α^1, so they cancel at step one.
             # Ds holds the f side's R (the executor substitutes it for D).
-            gain = 1 - jnp.asarray(alpha, math)
-            new = alpha * mix_states(Ds[group.index], old.astype(math)) + gain * dfs[key]
-            new_dfs[key] = new.astype(old.dtype)
-    steps = jnp.minimum(etrace["steps"] + 1, _MAX_STEPS).astype(etrace["steps"].dtype)
-    return {"xs": new_xs, "dfs": new_dfs, "steps": steps}
+            new_dfs[key] = roll_output(etrace["dfs"][key], Ds[group.index], dfs[key], alpha)
+    return {"xs": new_xs, "dfs": new_dfs, "steps": advance(etrace["steps"])}
 
 
 def stepper(host: IOTraceHost) -> IOStepper:

@@ -60,7 +60,6 @@ Examples
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from typing import Callable, ClassVar, Sequence
 
@@ -88,7 +87,9 @@ from braintrace._algorithm.engine.graph_executor import (
 from braintrace._algorithm.engine.learning_signal import SignalPair, draw_feedback, feedback_signals
 from braintrace._algorithm.engine.modulator import ModulatorSlot, modulator_signals
 from braintrace._algorithm.param_trace.residual import slot_signals, trace_for_backward, with_previous_signal
-from braintrace._algorithm.param_trace.roll import eps_after_filters, step_all, step_relation, trace_stepper
+from braintrace._algorithm.engine.rule_contract import RelationInfo, TraceRule, relation_info, relation_step
+from braintrace._algorithm.param_trace.relation_rule import d_rtrl_rule, fast_path_of, init_rule_kwargs
+from braintrace._algorithm.param_trace.roll import eps_after_filters, step_all, trace_stepper
 from braintrace._algorithm.param_trace.solve import solve_weight_gradients
 from braintrace._algorithm.param_trace.types import (
     BackwardResidual,
@@ -112,20 +113,9 @@ from braintrace._compiler.hidden_group import HiddenGroup
 from braintrace._op import _registries as reg
 from braintrace._typing import Path, PyTree, TraceKey
 
-__all__ = ["ParamDimVjpAlgorithm", "D_RTRL", "init_rule_kwargs"]
+__all__ = ["ParamDimVjpAlgorithm", "D_RTRL"]
 
 Trace = dict[str, jax.Array]
-
-
-def init_rule_kwargs(rule: Callable[..., object], **available: object) -> dict[str, object]:
-    """The optional context (``group=``, ``eqn_params=``) an init rule declares it accepts."""
-    try:
-        params = inspect.signature(rule).parameters
-    except (TypeError, ValueError):
-        return {}
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return dict(available)
-    return {k: v for k, v in available.items() if k in params}
 
 
 class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm[Carried, BackwardResidual]):
@@ -262,6 +252,7 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm[
         self.etrace_bwg: TraceStore[TraceKey] = CarrierStore()
         self._trace_filters: CarrierStore[TraceKey, brainstate.ShortTermState] = CarrierStore()
         self._squeezed: frozenset[TraceKey] = frozenset()
+        self._relation_infos: dict[TraceKey, RelationInfo] = {}
         self._feedback_matrices: dict[int, FixedRandomFeedback] = {}
 
     def _check_config(self, config: ETraceConfig | None) -> ETraceConfig:
@@ -284,10 +275,12 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm[
     # --- trace storage --------------------------------------------------------------------
 
     def _fast_path(self, rel: HiddenParamOpRelation) -> reg.FastPathRules | None:
-        fp = reg.get_fast_path_rules(rel.primitive)
-        if self.fast_solve and fp is not None and fp.applicable(rel.eqn_params):
-            return fp
-        return None
+        return fast_path_of(rel.primitive, rel.eqn_params, self.fast_solve)
+
+    @property
+    def relation_rule(self) -> TraceRule:
+        """The record every trace of this learner rolls by (:func:`~braintrace.d_rtrl_rule`)."""
+        return d_rtrl_rule(self.fast_solve)
 
     def init_etrace_state(self, *args: PyTree, **kwargs: object) -> None:
         """Allocate a zero trace per (relation, hidden group), its filter (``κ > 0``) and the
@@ -295,6 +288,8 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm[
         traces: dict[TraceKey, Trace] = {}
         squeezed: set[TraceKey] = set()
         squeeze = jax.default_backend() == "tpu"  # see _stored
+        self._relation_infos = {trace_key(r, g): relation_info(r, g) for r in self.graph.hidden_param_op_relations
+                                for g in r.hidden_groups}
         for rel in self.graph.hidden_param_op_relations:
             init = reg.required_rules(rel.primitive).init_drtrl
             for group in rel.hidden_groups:
@@ -315,7 +310,8 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm[
                 traces[key] = value
         self._squeezed = frozenset(squeezed)
         self.etrace_bwg = CarrierStore.of_zeros({k: self._stored(k, v) for k, v in traces.items()}, EligibilityTrace)
-        self._warn_unused_trace_dtype()
+        if self.trace_dtype is not None and not any(map(self._fast_path, self.graph.hidden_param_op_relations)):
+            _warn_unused_trace_dtype(type(self).__name__, self.trace_dtype)
         self._allocate_final_shapes(*args)
         self._trace_filters = (self.etrace_bwg.zeros_like(brainstate.ShortTermState) if self.kappa > 0
                                else CarrierStore())
@@ -327,15 +323,6 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm[
                                  f"(an int seed or a PRNG key), got None; set learner.random_feedback_key = 0.")
             self._feedback_matrices = draw_feedback(self.graph, seed)
         self._rolled_relations = self._find_rolled_relations()
-
-    def _warn_unused_trace_dtype(self) -> None:
-        if self.trace_dtype is None or any(self._fast_path(r) for r in self.graph.hidden_param_op_relations):
-            return
-        warnings.warn(
-            f"{type(self).__name__}: trace_dtype={self.trace_dtype} applies to no trace: only relations on "
-            f"the fast path store their trace in it, and none is (a transform hook such as weight_fn, "
-            f"an operation without closed-form kernels, or fast_solve=False). Every trace stays in "
-            f"the parameters' dtype.", UserWarning, stacklevel=3)
 
     def _allocate_final_shapes(self, *args: PyTree) -> None:
         """Re-allocate traces that one step would broadcast to a larger shape.
@@ -463,8 +450,9 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm[
         self, rel: HiddenParamOpRelation, group: HiddenGroup, old: Trace, diag: jax.Array, x: RelationInput,
         df: jax.Array, weights: Trace,
     ) -> Trace:
-        """One step ``D ε + x ⊗ df`` of ``rel``'s trace for ``group`` (every roll goes through it)."""
-        return step_relation(rel, group, old, diag, x, df, weights, self._fast_path(rel))
+        """One step ``D ε + x ⊗ df`` of ``rel``'s trace for ``group`` by :attr:`relation_rule` (every roll)."""
+        step = relation_step(rel, group, x, df, diag, weights, self._relation_infos[trace_key(rel, group)])
+        return self.relation_rule.roll(old, step)
 
     def _step_all(
         self, etrace: Traces, xs: Inputs, dfs: Tails, Ds: Sequence[jax.Array], weight_vals: dict[Path, PyTree],
@@ -525,6 +513,14 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm[
     ) -> dict[Path, PyTree]:
         return solve_weight_gradients(self, BackwardResidual(*etrace_h2w_at_t), dl_to_hidden_groups, weight_vals,
                                       dl_to_etws_at_t, self.vjp_executor.is_single_step_vjp)
+
+
+def _warn_unused_trace_dtype(learner: str, trace_dtype: jax.typing.DTypeLike) -> None:
+    warnings.warn(
+        f"{learner}: trace_dtype={trace_dtype} applies to no trace: only relations on the fast path store "
+        f"their trace in it, and none is (a transform hook such as weight_fn, an operation without "
+        f"closed-form kernels, or fast_solve=False). Every trace stays in the parameters' dtype.",
+        UserWarning, stacklevel=3)
 
 
 def _element_ceiling(value: object, learner: str) -> int:

@@ -1,15 +1,13 @@
 """One step of the per-parameter trace: ``ε ← D ε + x ⊗ df`` for every relation and hidden group.
 
-A relation with closed-form kernels (:class:`~braintrace._op.FastPathRules`) is rolled by them,
-in the parameters' precision whatever the trace's storage dtype; any other is rolled through
-its operation's own rules, ``dt_to_t`` for the recurrent term ``D ε`` and ``instant_drtrl`` (or
-``xy_to_dw``) for the instantaneous term ``x ⊗ df``. A relation inside a descended scan folds
+Each relation is rolled by the learner's ``_step_relation``, which applies its rule record
+(:mod:`~braintrace._algorithm.param_trace.relation_rule`). A relation inside a descended scan folds
 its trace over the scan's ``L`` substeps, ``ε ← D_τ ε + x_τ ⊗ df_τ``, and a filtered trace
 (``trace_filter='kappa'``) advances its filter ``ē ← κ ē + ε`` after the roll (and, where the
 gradient reads the entering trace, is written after it: :func:`eps_after_filters`).
 
-It imports the engine's types (:mod:`~braintrace._algorithm.param_trace.types`), the trace
-storage helpers and the rule registry.
+It imports the engine's types (:mod:`~braintrace._algorithm.param_trace.types`) and the trace
+storage helpers.
 
 Examples
 --------
@@ -41,87 +39,12 @@ from braintrace._algorithm.param_trace.types import (
     Traces,
     TraceStepper,
 )
-from braintrace._algorithm.carriers.trace_storage import computed_once, math_dtype, store, upcast
+from braintrace._algorithm.carriers.trace_storage import math_dtype
 from braintrace._compiler.hid_param_op import HiddenParamOpRelation
 from braintrace._compiler.hidden_group import HiddenGroup
-from braintrace._op import _registries as reg
-from braintrace._op._rule_helpers import SPELLED_OUT_STATES
 from braintrace._typing import Path, PyTree, Trace
 
-__all__ = [
-    "step_relation", "general_recurrent", "general_instant", "fold_substeps", "step_all", "filtered_step",
-    "eps_after_filters", "trace_stepper", "substep_product",
-]
-
-
-def step_relation(
-    rel: HiddenParamOpRelation, group: HiddenGroup, old: Trace, diag: jax.Array, x: RelationInput, df: jax.Array,
-    weights: Trace, fp: reg.FastPathRules | None,
-) -> Trace:
-    """``D ε + x ⊗ df`` of ``rel``'s trace ``old`` for ``group``, by the kernels ``fp`` (``None``:
-    the operation's rules); ``diag`` and ``df`` are laid out over the group's positions."""
-    diag, df = rel.output_layout(group, diag), rel.output_layout(group, df)
-    num_state = diag.shape[-1]  # the trace's trailing width (HiddenGroup.trace_state_width)
-    if fp is not None:
-        # Upcast on read, one roll in the math dtype, one rounding on write (trace_storage).
-        math = math_dtype(*[w.dtype for w in weights.values()], df.dtype)
-        new = fp.recurrent(computed_once(diag, old), upcast(old, math), num_state)
-        inst = fp.instant(x, df, bool(rel.eqn_params.get("has_bias", False)))
-        return store({k: new[k] + inst[k] for k in old}, old)
-    recurrent = general_recurrent(rel, diag, old, num_state)
-    inst = general_instant(rel, x, df, weights)
-    return {k: (recurrent[k] + inst[k]).astype(old[k].dtype) for k in old}
-
-
-def general_recurrent(rel: HiddenParamOpRelation, diag: jax.Array, old: Trace, num_state: int) -> Trace:
-    """``new[..., a] = Σ_c dt_to_t(D[..., a, c], old[..., c])``.
-
-    Up to ``SPELLED_OUT_STATES`` states the ``S²`` terms are written out (they fuse with the
-    surrounding work); wider traces (SnAp's ``K·S``) map the rule over both axes instead,
-    so compile time does not grow with ``S²``.
-
-    One state, library rules: every library ``dt_to_t`` scales each trace entry by the
-    Jacobian at the entry's own position, ``dt_to_t(d, ε) = ε ⊙ dt_to_t(d, 1)``
-    (``tests/op/test_rule_oracles.py`` pins it per primitive), so the stored trace is
-    multiplied as it is. Its only use is then element-wise and XLA rolls it in place; the
-    slice ``ε[..., 0]`` that the rule would read costs a copy of the trace every step.
-    """
-    dt_to_t = reg.required_rules(rel.primitive).dt_to_t
-    if num_state == 1 and reg.has_library_rules(rel.primitive):
-        ones = {k: jnp.ones(v.shape[:-1], v.dtype) for k, v in old.items()}
-        factor = dt_to_t(diag[..., 0, 0], ones, **rel.eqn_params)
-        return {k: old[k] * factor[k][..., None] for k in old}
-    if num_state > SPELLED_OUT_STATES:
-        def over_c(d: jax.Array, o: Trace) -> Trace:
-            return dt_to_t(d, o, **rel.eqn_params)
-
-        def row(d_a: jax.Array) -> Trace:
-            terms = jax.vmap(over_c, in_axes=(-1, -1), out_axes=-1)(d_a, old)
-            return {k: v.sum(-1) for k, v in terms.items()}
-
-        out: Trace = jax.vmap(row, in_axes=-2, out_axes=-1)(diag)
-        return out
-    rows = []
-    for a in range(num_state):
-        terms = [
-            dt_to_t(diag[..., a, c], {k: v[..., c] for k, v in old.items()}, **rel.eqn_params)
-            for c in range(num_state)
-        ]
-        rows.append({k: sum(t[k] for t in terms) for k in old})
-    return {k: jnp.stack([r[k] for r in rows], axis=-1) for k in old}
-
-
-def general_instant(rel: HiddenParamOpRelation, x: RelationInput, df: jax.Array, weights: Trace) -> Trace:
-    """``x ⊗ df`` per state through the operation's ``instant_drtrl`` (or ``xy_to_dw``) rule."""
-    rule = reg.get_instant_drtrl_rule(rel.primitive) or reg.required_rules(rel.primitive).xy_to_dw
-
-    def one_state(d: jax.Array) -> Trace:
-        if reg.is_batched_primitive(rel.primitive):
-            return jax.vmap(lambda xb, db: rule(xb, db, weights, **rel.eqn_params))(x, d)
-        return rule(x, d, weights, **rel.eqn_params)
-
-    out: Trace = jax.vmap(one_state, in_axes=-1, out_axes=-1)(df)
-    return out
+__all__ = ["fold_substeps", "step_all", "filtered_step", "eps_after_filters", "trace_stepper", "substep_product"]
 
 
 def fold_substeps(

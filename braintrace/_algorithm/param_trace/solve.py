@@ -8,19 +8,21 @@ What a call adds to the exact one-step (single-step) or in-window (multi-step) g
 * single step, modulated: ``⟨s, ē^t⟩`` is the relation weights' whole gradient;
 * multi-step: ``⟨s, ē⟩`` at the state entering the window.
 
-A contraction ``⟨signal, trace⟩`` is the fast path's ``solve`` kernel where the relation has
-one, else the operation's ``solve_drtrl`` (or ``dt_to_t``) rule per hidden state. Each
-instantaneous term is recomputed by the rule that rolled the trace, so the two cancel exactly.
+Every contraction ``⟨signal, trace⟩`` is the rule record's
+(:func:`~braintrace._algorithm.param_trace.relation_rule.contract`). Each instantaneous term is
+recomputed by the rule that rolled the trace, so the two cancel exactly.
 
-It imports the one-step roll (for the instantaneous terms) and the engine's types.
+It imports the rule record's functions and the engine's types.
 
 Examples
 --------
->>> import jax.numpy as jnp
->>> from braintrace._algorithm.param_trace.solve import transpose_signal
->>> D = jnp.array([[[1.0, 2.0], [3.0, 4.0]]])  # one position, two states
->>> transpose_signal(jnp.array([[1.0, 0.0]]), D)  # Dᵀ g: the first row of D
-Array([[1., 2.]], dtype=float32)
+>>> import brainstate, jax.numpy as jnp, braintrace
+>>> from braintrace._algorithm.param_trace.solve import solve_instant
+>>> cell = brainstate.nn.init_all_states(braintrace.nn.ValinaRNNCell(3, 2))
+>>> (rel,) = braintrace.find_hidden_param_op_relations_from_module(cell, jnp.ones(3))
+>>> g, x, df = jnp.ones((2, 1)), jnp.ones(5), jnp.full((2, 1), 2.0)
+>>> float(solve_instant(rel, g, x, df, {'weight': jnp.ones((5, 2))}, None)['weight'][0, 0])  # x ⊗ (g df)
+2.0
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import jax.numpy as jnp
 from braintrace._algorithm.engine.graph_executor import trace_key
 from braintrace._algorithm.engine.learning_signal import SignalPair
 from braintrace._algorithm.engine.modulator import without_etp_gradients
-from braintrace._algorithm.param_trace.roll import general_instant
+from braintrace._algorithm.param_trace.relation_rule import contract, general_instant, transpose_signal
 from braintrace._algorithm.param_trace.types import (
     BackwardResidual,
     BackwardTrace,
@@ -46,18 +48,12 @@ from braintrace._compiler.hid_param_op import HiddenParamOpRelation
 from braintrace._compiler.hidden_group import HiddenGroup
 from braintrace._errors import internal_error
 from braintrace._op import _registries as reg
-from braintrace._op._rule_helpers import mix_states
 from braintrace._typing import Path, PyTree, Trace
 
 __all__ = [
     "solve_weight_gradients", "solve_traces", "solve_same_step", "solve_history_from_new", "solve_instant",
-    "solve_relation", "swapped_signals", "transpose_signal",
+    "swapped_signals",
 ]
-
-
-def transpose_signal(signal: jax.Array, diag: jax.Array) -> jax.Array:
-    """``Dᵀ g`` per position: ``g'[..., c] = Σ_a g[..., a] D[..., a, c]``."""
-    return mix_states(jnp.swapaxes(diag, -1, -2), signal)
 
 
 def solve_weight_gradients(
@@ -140,18 +136,18 @@ def solve_traces(
                     local_keys.get(index, frozenset()))
             elif group.index in read_past:
                 previous = rel.output_layout(group, read_past[group.index])
-                per_key = solve_relation(rel, previous, etrace[key], weights, fp)
+                per_key = contract(rel.primitive, rel.eqn_params, previous, etrace[key], weights, fp)
             else:
                 if Ds is not None:
                     signal = transpose_signal(signal, Ds[group.index])
-                per_key = solve_relation(rel, rel.output_layout(group, signal), etrace[key], weights, fp)
+                per_key = contract(rel.primitive, rel.eqn_params, rel.output_layout(group, signal), etrace[key], weights, fp)
             if key in through_while:
                 x, df = through_while[key]
                 zero = {k: jnp.zeros_like(v) for k, v in etrace[key].items()}
                 no_history = jnp.zeros((*df.shape, df.shape[-1]), df.dtype)
                 inst = host._step_relation(rel, group, zero, no_history, x, df, weights)
                 current = rel.output_layout(group, dl_to_hidden_groups[group.index])
-                extra = solve_relation(rel, current, inst, weights, fp)
+                extra = contract(rel.primitive, rel.eqn_params, current, inst, weights, fp)
                 per_key = {k: per_key[k] + extra[k] for k in per_key}
             for k, g in per_key.items():
                 grads = host._add_operand_gradient(grads, rel, k, g, weight_vals)
@@ -174,7 +170,7 @@ def solve_history_from_new(
     """
     if jax.default_backend() == "cpu":
         new = jax.lax.optimization_barrier(new)
-    total = solve_relation(rel, signal, new, weights, fp)
+    total = contract(rel.primitive, rel.eqn_params, signal, new, weights, fp)
     if not set(total) - covered:
         return total
     current = solve_instant(rel, signal, x, df, weights, fp)
@@ -190,8 +186,8 @@ def solve_instant(
     has_bias = bool(rel.eqn_params.get("has_bias", False))
     if fp is not None and fp.solve_instant is not None:
         return fp.solve_instant(signal, x, df, has_bias, fold_batch=reg.is_batched_primitive(rel.primitive))
-    inst = fp.instant(x, df, has_bias) if fp is not None else general_instant(rel, x, df, weights)
-    return solve_relation(rel, signal, inst, weights, fp)
+    inst = fp.instant(x, df, has_bias) if fp is not None else general_instant(rel.primitive, rel.eqn_params, x, df, weights)
+    return contract(rel.primitive, rel.eqn_params, signal, inst, weights, fp)
 
 
 def solve_same_step(
@@ -215,29 +211,3 @@ def solve_same_step(
                 if k not in covered:
                     grads = host._add_operand_gradient(grads, rel, k, v, weight_vals)
     return grads
-
-
-def solve_relation(
-    rel: HiddenParamOpRelation, signal: jax.Array, trace: Trace, weights: Trace, fp: reg.FastPathRules | None,
-) -> Trace:
-    """``⟨signal, trace⟩`` of one relation, by the fast path ``fp``'s ``solve`` kernel or else the
-    primitive's ``solve_drtrl`` (or ``dt_to_t``) rule per hidden state (summed over a batch axis)."""
-    batched = reg.is_batched_primitive(rel.primitive)
-    if fp is not None:
-        return fp.solve(signal, trace, fold_batch=batched)
-    solve_rule = reg.get_solve_drtrl_rule(rel.primitive)
-    dt_to_t = reg.required_rules(rel.primitive).dt_to_t
-
-    def solve(g: jax.Array, tr: Trace) -> Trace:
-        parts = []
-        for a in range(g.shape[-1]):
-            sl = {k: v[..., a] for k, v in tr.items()}
-            if solve_rule is not None:
-                parts.append(solve_rule(g[..., a], sl, weights, **rel.eqn_params))
-            else:
-                parts.append(dt_to_t(g[..., a], sl, **rel.eqn_params))
-        return {k: sum((p[k] for p in parts[1:]), parts[0][k]) for k in tr}
-
-    if batched:
-        return {k: v.sum(axis=0) for k, v in jax.vmap(solve)(signal, trace).items()}
-    return solve(signal, trace)

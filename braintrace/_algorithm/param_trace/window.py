@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from braintrace._algorithm.engine.graph_executor import df_key, trace_key
-from braintrace._algorithm.param_trace.roll import filtered_step, general_instant, general_recurrent, trace_stepper
+from braintrace._algorithm.param_trace.relation_rule import general_instant, general_recurrent
+from braintrace._algorithm.param_trace.roll import filtered_step, trace_stepper
 from braintrace._algorithm.param_trace.types import (
     Carried,
     FilteredTraces,
@@ -156,12 +157,12 @@ def general_chunk(
     num_state = df_seq.shape[-1]
     # A trace stored in a lower precision (``trace_dtype``) is rolled in the math dtype.
     work = upcast(old, math_dtype(*[w.dtype for w in weights.values()], df_seq.dtype))
-    recurrent = general_recurrent(rel, m_full, work, num_state)
+    recurrent = general_recurrent(rel.primitive, rel.eqn_params, m_full, work, num_state)
     carried = mix_states(p_seq, df_seq)
     x_axis = None if x_seq is None else 0
 
     def terms(x_part: RelationInput, df_part: jax.Array) -> Trace:
-        per_step = jax.vmap(lambda x, d: general_instant(rel, x, d, weights), in_axes=(x_axis, 0))
+        per_step = jax.vmap(lambda x, d: general_instant(rel.primitive, rel.eqn_params, x, d, weights), in_axes=(x_axis, 0))
         return {k: v.sum(axis=0) for k, v in per_step(x_part, df_part).items()}
 
     steps = df_seq.shape[0]

@@ -18,6 +18,13 @@ Exactness: equal to backpropagation through time on ``h ← λ h + matmul(x, W) 
 the same ``λ`` (there ``D ≡ λ`` and ``df ≡ 1``). Elsewhere the history ignores ``df`` (an
 input scaling, a ``tanh'``) and the true ``D``.
 
+The per-relation math is one record, :func:`ottt_rule` (a :class:`~braintrace.TraceRule` over a
+:class:`PresynapticCarrier`), made of this module's building blocks (``roll_input_trace``,
+``roll_bias_trace``, ``trace_history``, ``outer_sum``, ``bias_estimate``, ``through_hook``). The
+engine keeps its shared storage (one trace per input variable, one scalar bias trace) and rolls
+and solves with the same blocks. The blocks of :class:`DenseLeakRule`'s scope (argument checks,
+hook pull-back, the outer product) serve OTPE too.
+
 Examples
 --------
 >>> import brainstate, jax.numpy as jnp, braintrace
@@ -37,7 +44,7 @@ Examples
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, NamedTuple, Sequence, cast
 
 import brainstate
 import jax
@@ -46,6 +53,7 @@ import jax.numpy as jnp
 from braintrace._algorithm.engine.base import ETraceVjpAlgorithm, Residual, TraceData
 from braintrace._algorithm.carriers.carrier_store import CarrierStore
 from braintrace._algorithm.engine.input_data import has_multistep_data
+from braintrace._algorithm.engine.rule_contract import RelationInfo, RelationStep, TraceRule, step_info
 from braintrace._algorithm.rules.snn_helpers import PresynapticTrace
 from braintrace._compiler import ControlFlowPolicy
 from braintrace._compiler.hid_param_op import HiddenParamOpRelation
@@ -56,9 +64,9 @@ from braintrace._op import _registries as reg
 from braintrace._op._rule_helpers import dtype_of, shape_of
 from braintrace._op.dense import etp_mm_p, etp_mv_p
 from braintrace._algorithm.engine.graph_executor import CallHiddenJacobians, CallJacobians, CallWeightJacobians
-from braintrace._typing import Path, PyTree
+from braintrace._typing import Path, PyTree, WeightFn
 
-__all__ = ["OTTT", "DenseLeakRule"]
+__all__ = ["OTTT", "DenseLeakRule", "PresynapticCarrier", "ottt_rule"]
 
 _DENSE = (etp_mm_p, etp_mv_p)
 
@@ -90,13 +98,8 @@ class DenseLeakRule(ETraceVjpAlgorithm[TraceData, Residual]):
         control_flow: ControlFlowPolicy | None = None,
     ) -> None:
         cls = type(self).__name__
-        if mode not in self._modes:
-            raise ValueError(f"{cls}: mode must be one of {list(self._modes)}, got {mode!r}.")
-        if isinstance(leak, bool) or not isinstance(leak, (int, float)) or not 0.0 < float(leak) < 1.0:
-            raise ValueError(
-                f"{cls}: leak must be a number with 0 < leak < 1 (the decay of the hidden state, "
-                f"e.g. 0.9 for h <- 0.9 h + ...), got {leak!r}."
-            )
+        check_mode(mode, self._modes, cls)
+        leak = checked_leak(leak, cls)
         if vjp_method != "single-step":
             raise ValueError(
                 f"{cls}: only vjp_method='single-step' is supported, got {vjp_method!r}; use D_RTRL "
@@ -104,7 +107,7 @@ class DenseLeakRule(ETraceVjpAlgorithm[TraceData, Residual]):
             )
         super().__init__(model, name=name, vjp_method=vjp_method, control_flow=control_flow)
         self.mode = mode
-        self.leak = float(leak)
+        self.leak = leak
 
     def _check_relations(self) -> None:
         """Dense primitives, one-state groups whose shape is the op's output (at compilation)."""
@@ -152,12 +155,59 @@ class DenseLeakRule(ETraceVjpAlgorithm[TraceData, Residual]):
         for key, g in effective.items():
             if key not in rel.trainable_paths:
                 continue
-            hook = rel.eqn_params.get("weight_fn" if key == "weight" else "bias_fn")
-            if hook is not None:
-                _, vjp = jax.vjp(hook, weights[key])
-                g = vjp(g.astype(weights[key].dtype))[0]
+            g = through_hook(key, g, weights, rel.eqn_params)
             grads = self._add_operand_gradient(grads, rel, key, g, weight_vals)
         return grads
+
+
+# --- the building blocks of the dense fixed-leak rules (their records and engines) ----------
+
+#: The dense primitives the fixed-leak rules handle, by name.
+DENSE_PRIMITIVES = tuple(p.name for p in _DENSE)
+
+
+def check_mode(mode: str, modes: Sequence[str], caller: str) -> None:
+    """Refuse a ``mode`` outside ``modes``, naming ``caller``."""
+    if mode not in modes:
+        raise ValueError(f"{caller}: mode must be one of {list(modes)}, got {mode!r}.")
+
+
+def checked_leak(leak: float, caller: str) -> float:
+    """``leak`` as a float, refused unless it is a number with ``0 < leak < 1``."""
+    if isinstance(leak, bool) or not isinstance(leak, (int, float)) or not 0.0 < float(leak) < 1.0:
+        raise ValueError(
+            f"{caller}: leak must be a number with 0 < leak < 1 (the decay of the hidden state, "
+            f"e.g. 0.9 for h <- 0.9 h + ...), got {leak!r}."
+        )
+    return float(leak)
+
+
+def check_dense_one_state(info: RelationInfo, caller: str) -> None:
+    """Refuse a relation outside the fixed-leak rules' scope: not a dense matmul, or driving a
+    group of more than one state (a record's ``init``)."""
+    if info.primitive not in DENSE_PRIMITIVES:
+        raise NotImplementedError(
+            f"{caller} supports dense matmul relations ({' / '.join(DENSE_PRIMITIVES)}) only, got a "
+            f"{info.primitive} relation. Use braintrace.D_RTRL, which handles every primitive."
+        )
+    if info.num_state != 1:
+        raise ValueError(
+            f"{caller} requires hidden groups with one state per unit, but a {info.primitive} relation "
+            f"drives a group of num_state == {info.num_state}. Use braintrace.D_RTRL for multi-state "
+            f"neurons."
+        )
+
+
+def through_hook(key: str, g: jax.Array, weights: Mapping[str, jax.Array], params: Mapping[str, object]) -> jax.Array:
+    """A gradient with respect to the effective operand ``weight_fn(W)`` / ``bias_fn(b)`` pulled back
+    to the raw operand ``weights[key]`` (``g`` itself without a hook)."""
+    # braintrace.matmul checked that a hook is callable (braintrace._op._operands.check_hook).
+    hook = cast("WeightFn | None", params.get("weight_fn" if key == "weight" else "bias_fn"))
+    if hook is None:
+        return g
+    _, vjp = jax.vjp(hook, weights[key])
+    pulled: jax.Array = vjp(g.astype(weights[key].dtype))[0]
+    return pulled
 
 
 def outer_sum(x: jax.Array, signal: jax.Array, batched: bool) -> jax.Array:
@@ -165,6 +215,34 @@ def outer_sum(x: jax.Array, signal: jax.Array, batched: bool) -> jax.Array:
     if batched:
         return jnp.einsum("bi,bo->io", x, signal)
     return jnp.outer(x, signal)
+
+
+def roll_input_trace(old: jax.Array, x: jax.Array, leak: float, mode: str) -> jax.Array:
+    """OTTT's presynaptic trace of an input after this step: ``λ â + x`` (mode ``'A'``) or ``x``."""
+    return (leak * old + x if mode == "A" else x).astype(old.dtype)
+
+
+def roll_bias_trace(old: jax.Array, leak: float, mode: str) -> jax.Array:
+    """OTTT's bias companion after this step (the trace of a constant input 1): ``λ ĉ + 1`` or ``1``."""
+    return (leak * old + 1.0 if mode == "A" else jnp.ones_like(old)).astype(old.dtype)
+
+
+def trace_history(entering: jax.Array, leak: float, dtype: jax.typing.DTypeLike) -> jax.Array:
+    """The part of the new trace that the step's input did not add: ``λ â^{t-1}`` (or ``λ ĉ^{t-1}``)."""
+    return leak * entering.astype(dtype)
+
+
+def bias_estimate(count: jax.Array, signal: jax.Array, batched: bool) -> jax.Array:
+    """OTTT's bias gradient read off its companion: ``Σ_b ĉ[b] L[b, o]`` (batched) or ``ĉ L[o]``.
+
+    ``count`` is one companion per sample (``signal.shape[:-1]``) or a scalar shared by every
+    sample, where the sum over the batch falls on the signal alone.
+    """
+    if not batched:
+        return count * signal
+    if count.ndim == 0:
+        return count * signal.sum(axis=0)
+    return jnp.einsum("b,bo->o", count, signal)
 
 
 class OTTT(DenseLeakRule[PresynapticTraces, PresynapticResidual]):
@@ -285,14 +363,9 @@ class OTTT(DenseLeakRule[PresynapticTraces, PresynapticResidual]):
         input_is_multi_step: bool,
     ) -> PresynapticTraces:
         xs, _ = hid2weight_jac_single_or_multi_times
-        lam = self.leak
-        new = {}
-        for key, old in etrace_vals_util_t_1.items():
-            if key == -1:
-                new[key] = (lam * old + 1.0 if self.mode == "A" else jnp.ones_like(old)).astype(old.dtype)
-            else:
-                new[key] = (lam * old + xs[key] if self.mode == "A" else xs[key]).astype(old.dtype)
-        return new
+        return {key: roll_bias_trace(old, self.leak, self.mode) if key == -1
+                else roll_input_trace(old, xs[key], self.leak, self.mode)
+                for key, old in etrace_vals_util_t_1.items()}
 
     def _same_step_in_history(self, rel: HiddenParamOpRelation) -> bool:
         # â^t ⊗ L holds x^t ⊗ L, which is the same-step term x^t ⊗ (df ⊙ L) only where df ≡ 1;
@@ -337,7 +410,7 @@ class OTTT(DenseLeakRule[PresynapticTraces, PresynapticResidual]):
         def estimate(name: str, key: int, i: int, dtype: jax.typing.DTypeLike) -> jax.Array:
             if name in covered.get(i, ()):
                 return new[key].astype(dtype)
-            return lam * entering[key].astype(dtype)
+            return trace_history(entering[key], lam, dtype)
 
         for i, rel in enumerate(self.graph.hidden_param_op_relations):
             signal = self._relation_signal(rel, dl_to_hidden_groups)
@@ -346,10 +419,118 @@ class OTTT(DenseLeakRule[PresynapticTraces, PresynapticResidual]):
             if "weight" in rel.trainable_paths:
                 effective["weight"] = outer_sum(estimate("weight", id(rel.x_var), i, signal.dtype), signal, batched)
             if "bias" in rel.trainable_paths:
-                summed = signal.sum(axis=0) if batched else signal
-                effective["bias"] = estimate("bias", -1, i, signal.dtype) * summed
+                effective["bias"] = bias_estimate(estimate("bias", -1, i, signal.dtype), signal, batched)
             grads = self._add_grads(rel, effective, weight_vals, grads)
         return grads
 
 
 OTTT.__module__ = "braintrace"
+
+
+# --- the record -----------------------------------------------------------------------------
+
+
+class PresynapticCarrier(NamedTuple):
+    """OTTT's carrier for one dense relation (see :func:`ottt_rule`)."""
+
+    #: ``â``, the presynaptic trace of the relation's input: ``(batch, in)`` or ``(in,)``.
+    x: jax.Array
+    #: ``ĉ``, the bias companion (the trace of a constant input 1), one per sample: ``(batch,)`` or
+    #: ``()``; ``None`` where the relation has no trainable bias.
+    bias: jax.Array | None
+
+
+def leads_with_batch(x: jax.Array) -> bool:
+    """Whether a dense relation's input (or a trace shaped like it) leads with a batch axis:
+    ``etp_mm`` takes ``(batch, in)``, ``etp_mv`` takes ``(in,)``."""
+    return x.ndim == 2
+
+
+def ottt_rule(leak: float, mode: str = "A") -> TraceRule:
+    """OTTT as a :class:`~braintrace.TraceRule`: a presynaptic trace per dense relation.
+
+    Per relation ``y = x @ W (+ b)``, the carrier (:class:`PresynapticCarrier`) holds the
+    presynaptic trace of the input, ``â^t = λ â^{t-1} + x^t`` (mode ``'A'``; ``â^t = x^t`` in mode
+    ``'O'``), and the bias companion ``ĉ^t = λ ĉ^{t-1} + 1`` (``1``). OTTT's estimate at step
+    ``t`` is ``â^t ⊗ L`` (``ĉ^t L`` for the bias), with ``L = Σ_a ∂L/∂h[..., a]``; ``D`` and ``df``
+    are not read. The learner adds ``solve`` to the exact one-step gradient, which holds the
+    same-step term ``x^t ⊗ (df ⊙ L)``, so ``solve`` is the rest of the estimate, its history:
+    ``λ â^{t-1} ⊗ L`` and ``λ ĉ^{t-1} L`` (nothing in mode ``'O'``). The engine
+    :class:`~braintrace.OTTT` rolls and solves with the same functions; where it leaves a weight
+    out of the one-step VJP, it reads that weight's whole estimate off the new trace instead.
+
+    Exact (equal to backpropagation through time) on a fixed-leak ``h ← λ h + matmul(x, W) (+ b)``
+    with the same ``λ``, hidden groups of one state, dense relations: there ``D ≡ λ`` and
+    ``df ≡ 1``. Elsewhere the history ignores ``df`` (an input scaling, a ``tanh'``) and the true
+    ``D``. Single-step calls only (as every :class:`~braintrace.TraceRule`).
+
+    Parameters
+    ----------
+    leak : float
+        ``λ``, ``0 < λ < 1``: the leak of the hidden state the rule assumes.
+    mode : {'A', 'O'}
+        ``'A'``: accumulated presynaptic trace. ``'O'``: the current input only (no history: the
+        one-step gradient).
+
+    Returns
+    -------
+    TraceRule
+        Its ``init`` refuses a relation that is not a dense matmul (``NotImplementedError``) or
+        drives a group of more than one state (``ValueError``), and its ``solve`` reads the
+        relation's ``weight_fn`` / ``bias_fn`` off ``step.info``.
+
+    Raises
+    ------
+    ValueError
+        For a ``mode`` outside ``{'A', 'O'}`` or a ``leak`` outside ``(0, 1)``.
+
+    Examples
+    --------
+    >>> import brainstate, jax.numpy as jnp, braintrace
+    >>> class Leaky(brainstate.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.w = brainstate.ParamState(jnp.ones((3, 2)))
+    ...         self.h = brainstate.HiddenState(jnp.zeros(2))
+    ...     def update(self, x):
+    ...         self.h.value = 0.9 * self.h.value + braintrace.matmul(x, self.w.value)
+    ...         return self.h.value
+    >>> learner = braintrace.compile(Leaky(), braintrace.ottt_rule(0.9), jnp.ones(3))
+    >>> grad = brainstate.transform.grad(lambda x: learner(x).sum(), learner.param_states)
+    >>> [round(float(grad(jnp.ones(3))[('w',)][0, 0]), 4) for _ in range(2)]  # x, then x + λ·x
+    [1.0, 1.9]
+    """
+    caller = "ottt_rule"
+    check_mode(mode, OTTT._modes, caller)
+    lam = checked_leak(leak, caller)
+
+    def init(info: RelationInfo) -> PresynapticCarrier:
+        check_dense_one_state(info, caller)
+        if info.x is None:
+            raise internal_error("a dense relation without an input")
+        bias = jnp.zeros(info.x.shape[:-1], info.y.dtype) if "bias" in info.weights else None
+        return PresynapticCarrier(jnp.zeros(info.x.shape, info.x.dtype), bias)
+
+    def roll(carrier: PresynapticCarrier, step: RelationStep) -> PresynapticCarrier:
+        if step.x is None:
+            raise internal_error("a dense relation's step without an input")
+        bias = None if carrier.bias is None else roll_bias_trace(carrier.bias, lam, mode)
+        return PresynapticCarrier(roll_input_trace(carrier.x, step.x, lam, mode), bias)
+
+    def solve(entering: PresynapticCarrier, signal: jax.Array, step: RelationStep) -> dict[str, jax.Array]:
+        if mode == "O":
+            return {}
+        params = step_info(step, caller).params
+        L = signal.sum(axis=-1)
+        batched = leads_with_batch(entering.x)
+        history = {}
+        if "weight" in step.weights:
+            history["weight"] = outer_sum(trace_history(entering.x, lam, L.dtype), L, batched)
+        if entering.bias is not None:
+            history["bias"] = bias_estimate(trace_history(entering.bias, lam, L.dtype), L, batched)
+        return {k: through_hook(k, g, step.weights, params) for k, g in history.items()}
+
+    return TraceRule(init, roll, solve)
+
+
+ottt_rule.__module__ = "braintrace"

@@ -50,8 +50,7 @@ trace ``ε[b, i, o] = ∂h[b, o]/∂W[i, o]`` rolls as ``d ε + x ⊗ df`` and a
 
 from __future__ import annotations
 
-from types import MappingProxyType
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import brainstate
 import jax
@@ -60,107 +59,20 @@ import jax.numpy as jnp
 from braintrace._algorithm.engine.base import EligibilityTrace, ETraceVjpAlgorithm
 from braintrace._algorithm.carriers.carrier_store import CarrierStore, TraceStore
 from braintrace._algorithm.engine.graph_executor import df_key, trace_key
+from braintrace._algorithm.engine.rule_contract import (
+    Carrier,
+    RelationInfo,
+    RelationStep,
+    TraceRule,
+    relation_info,
+    relation_step,
+)
 from braintrace._compiler import ControlFlowPolicy
 from braintrace._compiler.hid_param_op import HiddenParamOpRelation
 from braintrace._compiler.hidden_group import HiddenGroup
-from braintrace._op._rule_helpers import dtype_of, shape_of
 from braintrace._typing import Path, PyTree, TraceKey
 
 __all__ = ["RelationInfo", "RelationStep", "TraceRule", "RuleLearner"]
-
-
-class RelationInfo(NamedTuple):
-    """What a rule knows of one relation and a hidden group it drives, to allocate its carrier.
-
-    Examples
-    --------
-    >>> import jax, jax.numpy as jnp, braintrace
-    >>> info = braintrace.RelationInfo(
-    ...     x=jax.ShapeDtypeStruct((4, 3), jnp.float32), y=jax.ShapeDtypeStruct((4, 2), jnp.float32),
-    ...     weights={'weight': jax.ShapeDtypeStruct((3, 2), jnp.float32)}, num_state=1, primitive='etp_mm',
-    ...     params={})
-    >>> (*info.x.shape, info.y.shape[-1])  # a per-sample trace of the weight
-    (4, 3, 2)
-    """
-
-    #: The operation's input (``None``: it has none, such as ``element_wise``).
-    x: jax.ShapeDtypeStruct | None
-    #: The operation's output.
-    y: jax.ShapeDtypeStruct
-    #: The trainable operands, by key (``'weight'``, ``'bias'``, ...).
-    weights: dict[str, jax.ShapeDtypeStruct]
-    #: The hidden group's states per position (``S``).
-    num_state: int
-    #: The operation's primitive name (``'etp_mm'``, ``'etp_conv'``, ...).
-    primitive: str
-    #: The equation's static parameters (``has_bias``, a transform hook ``weight_fn`` ...), which
-    #: a rule that does not handle one of them should refuse.
-    params: Mapping[str, Any]
-
-
-class RelationStep(NamedTuple):
-    """What one step hands a rule for one relation and a hidden group it drives.
-
-    Examples
-    --------
-    >>> import jax.numpy as jnp, braintrace
-    >>> step = braintrace.RelationStep(x=jnp.ones((4, 3)), df=jnp.ones((4, 2, 1)),
-    ...                                diag=jnp.full((4, 2, 1, 1), 0.5), weights={'weight': jnp.ones((3, 2))})
-    >>> float(step.diag[0, 0, 0, 0]), step.df[..., 0].shape  # D and df of one state per unit
-    (0.5, (4, 2))
-    """
-
-    #: The operation's input this step (``None``: it has none).
-    x: jax.Array | None
-    #: ``∂h/∂y`` over ``y``'s positions: ``(*y.shape, S)``.
-    df: jax.Array
-    #: The group's hidden Jacobian ``D = ∂h^t/∂h^{t-1}`` over ``y``'s positions: ``(*y.shape, S, S)``.
-    diag: jax.Array
-    #: The trainable operands' current values, by key.
-    weights: dict[str, jax.Array]
-
-
-Carrier = PyTree
-
-
-class TraceRule(NamedTuple):
-    """A learning rule as pure functions of one relation's carrier (see the module docstring).
-
-    Parameters
-    ----------
-    init : callable
-        ``init(info: RelationInfo) -> carrier``, a pytree of zero arrays.
-    roll : callable
-        ``roll(carrier, step: RelationStep) -> carrier``, of the same structure, shapes and dtypes.
-    solve : callable
-        ``solve(residual, signal, step: RelationStep) -> dict``: per trainable operand key, what
-        the rule adds to the step's exact one-step gradient (shaped like the operand, or with
-        leading axes more, summed); ``signal`` is ``∂L/∂h^t`` over ``y``'s positions,
-        ``(*y.shape, S)``. Keys left out add nothing.
-    residual : callable, optional
-        ``residual(entering, new, step) -> residual``, what ``solve`` receives (default: the
-        carrier entering the step).
-
-    Examples
-    --------
-    A rule that keeps no carrier history: the one-step gradient alone (truncated BPTT of one step).
-
-    >>> import jax.numpy as jnp, braintrace
-    >>> one_step = braintrace.TraceRule(init=lambda info: jnp.zeros(()), roll=lambda c, step: c,
-    ...                                 solve=lambda c, g, step: {})
-    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), one_step, jnp.ones(3))
-    >>> type(learner).__name__, learner(jnp.ones(3)).shape
-    ('RuleLearner', (4,))
-    """
-
-    init: Callable[[RelationInfo], Carrier]
-    roll: Callable[[Carrier, RelationStep], Carrier]
-    solve: Callable[[Carrier, jax.Array, RelationStep], dict[str, jax.Array]]
-    residual: Callable[[Carrier, Carrier, RelationStep], Carrier] | None = None
-
-
-def _struct(var: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape_of(var), dtype_of(var))
 
 
 class RuleLearner(ETraceVjpAlgorithm):
@@ -201,17 +113,12 @@ class RuleLearner(ETraceVjpAlgorithm):
         self.rule = rule
         self.carriers: TraceStore[TraceKey] = CarrierStore()
         self._rolled_steps: dict[TraceKey, RelationStep] = {}
+        self._infos: dict[TraceKey, RelationInfo] = {}
 
     # --- the carriers: allocated, stored, reset and read here, for every rule ----------------
 
     def _pairs(self) -> list[tuple[HiddenParamOpRelation, HiddenGroup]]:
         return [(rel, group) for rel in self.graph.hidden_param_op_relations for group in rel.hidden_groups]
-
-    def _info(self, rel: HiddenParamOpRelation, group: HiddenGroup) -> RelationInfo:
-        x = None if rel.x_var is None else _struct(rel.x_var)
-        weights = {k: _struct(v) for k, v in rel.trainable_vars.items()}
-        return RelationInfo(x, _struct(rel.y_var), weights, group.num_state, rel.primitive.name,
-                            MappingProxyType(dict(rel.eqn_params)))
 
     def init_etrace_state(self, *args: Any, **kwargs: Any) -> None:
         """Allocate every carrier with the rule's ``init``, at the shape one step rolls it to.
@@ -220,8 +127,9 @@ class RuleLearner(ETraceVjpAlgorithm):
         batched hidden group) starts at that shape, so that a scan can carry it.
         """
         carriers = {}
+        self._infos = {trace_key(rel, group): relation_info(rel, group) for rel, group in self._pairs()}
         for rel, group in self._pairs():
-            carrier = self.rule.init(self._info(rel, group))
+            carrier = self.rule.init(self._infos[trace_key(rel, group)])
             leaves = jax.tree.leaves(carrier)
             if not leaves or not all(isinstance(v, jax.Array) for v in leaves):
                 raise TypeError(
@@ -291,9 +199,9 @@ class RuleLearner(ETraceVjpAlgorithm):
         out = {}
         for rel, group in self._pairs():
             x = None if rel.x_var is None else xs[id(rel.x_var)]
-            df = rel.output_layout(group, dfs[df_key(rel, group)])
-            diag = rel.output_layout(group, Ds[group.index])
-            out[trace_key(rel, group)] = RelationStep(x, df, diag, self._relation_operands(rel, weight_vals))
+            out[trace_key(rel, group)] = relation_step(
+                rel, group, x, dfs[df_key(rel, group)], Ds[group.index], self._relation_operands(rel, weight_vals),
+                self._infos[trace_key(rel, group)])
         return out
 
     def _update_etrace_data(
@@ -334,7 +242,3 @@ class RuleLearner(ETraceVjpAlgorithm):
             for operand, g in added.items():
                 grads = self._add_operand_gradient(grads, rel, operand, g, weight_vals)
         return grads
-
-
-for _public in (RelationInfo, RelationStep, TraceRule):
-    _public.__module__ = "braintrace"
