@@ -68,7 +68,7 @@ def test_reset_without_a_batch_size_zeros_every_carrier_at_its_shape() -> None:
 def test_reset_with_a_batch_size_resizes_the_keys_the_predicate_selects_only() -> None:
     store = _store()
     store.reset(batch_size=5, leads_with_batch=lambda key: key in ("batched", "scalar"))
-    assert _shapes(store) == {"batched": [(5, O), (5, I, O)], "shared": [(I,)], "scalar": [(5,)]}
+    assert _shapes(store) == {"batched": [(5, O), (5, I, O)], "shared": [(I,)], "scalar": [()]}  # no batch axis
     assert not any(np.any(np.asarray(leaf)) for leaf in jax.tree.leaves(store.read()))
     store.reset(batch_size=7)  # no predicate: no key leads with the batch axis
     assert _shapes(store)["batched"] == [(5, O), (5, I, O)]

@@ -7,8 +7,8 @@ Pinned (float64, element-wise at every step to 1e-10 unless noted):
   it (a ``tanh`` layer, a vanilla recurrent cell), with a ``weight_fn``, batched and not, both
   modes; in float32 to 1e-5;
 * in the exact regime both equal BPTT; a record with another leak (the negative control) does not;
-* the carriers are the presynaptic trace and the per-sample bias companion, and a reset keeps
-  them at the compiled batch size;
+* the carriers are the presynaptic trace and the scalar bias companion (as the engine keeps
+  it), and a reset with a batch size resizes the trace and keeps the companion a scalar;
 * a relation outside the scope (not dense, a group of two states) is refused at init.
 """
 
@@ -95,11 +95,16 @@ def test_the_carriers_and_a_reset() -> None:
     (carrier,) = learner.get_etrace_of(("w",)).values()
     assert isinstance(carrier, PresynapticCarrier) and carrier.bias is not None
     np.testing.assert_allclose(carrier.x, 0.5 * xs[0] + xs[1], rtol=1e-6)
-    np.testing.assert_allclose(carrier.bias, [1.5] * B)
+    np.testing.assert_allclose(carrier.bias, 1.5)
     learner.reset()
     (carrier,) = learner.get_etrace_of(("w",)).values()
-    assert carrier.x.shape == (B, N_IN) and carrier.bias.shape == (B,) and not np.any(carrier.x)
+    assert carrier.x.shape == (B, N_IN) and carrier.bias.shape == () and not np.any(carrier.x)
     assert learner(xs[0]).shape == (B, N_HID)  # the reset traces are the compiled ones
+    learner.reset_state(batch_size=B + 1)
+    (carrier,) = learner.get_etrace_of(("w",)).values()
+    assert carrier.x.shape == (B + 1, N_IN) and carrier.bias.shape == ()
+    learner.reset_state(batch_size=B)  # back at the compiled size, the learner runs again
+    assert learner(xs[0]).shape == (B, N_HID)
 
 
 def test_a_relation_outside_the_scope_is_refused_at_init() -> None:

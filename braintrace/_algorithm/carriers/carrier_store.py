@@ -162,7 +162,8 @@ class CarrierStore(dict[K, S]):
         """Zero every carrier in place, keeping its shapes and dtypes.
 
         With ``batch_size``, every array of the keys ``leads_with_batch`` selects gets that
-        leading size (a scalar becomes ``(batch_size,)``); the others keep their shape.
+        leading size, but a scalar, which has no batch axis (a step count); the others keep
+        their shape.
 
         Raises
         ------
@@ -188,7 +189,7 @@ class CarrierStore(dict[K, S]):
             size = batch_size if batch_size is not None and leads_with_batch(key) else None
 
             def zeros(v: jax.Array, size: int | None = size) -> jax.Array:
-                return fresh_zeros(v.shape if size is None else (size, *v.shape[1:]), v.dtype)
+                return fresh_zeros(v.shape if size is None or not v.ndim else (size, *v.shape[1:]), v.dtype)
 
             st.value = jax.tree.map(zeros, st.value)
 

@@ -45,6 +45,7 @@ from braintrace._algorithm.engine.rule_contract import (
     info_primitive,
     step_info,
 )
+from braintrace._algorithm.param_trace.types import RelationInput
 from braintrace._compatible_imports import Primitive
 from braintrace._op import _registries as reg
 from braintrace._op._rule_helpers import SPELLED_OUT_STATES, mix_states
@@ -54,9 +55,6 @@ __all__ = [
     "d_rtrl_rule", "init_rule_kwargs", "fast_path_of", "roll_relation", "general_recurrent", "general_instant", "contract",
     "transpose_signal",
 ]
-
-#: The operation's input at a step (``None``: it has none, such as ``element_wise``).
-RelationInput = jax.Array | None
 
 
 def init_rule_kwargs(rule: Callable[..., object], **available: object) -> dict[str, object]:

@@ -233,16 +233,9 @@ def trace_history(entering: jax.Array, leak: float, dtype: jax.typing.DTypeLike)
 
 
 def bias_estimate(count: jax.Array, signal: jax.Array, batched: bool) -> jax.Array:
-    """OTTT's bias gradient read off its companion: ``Σ_b ĉ[b] L[b, o]`` (batched) or ``ĉ L[o]``.
-
-    ``count`` is one companion per sample (``signal.shape[:-1]``) or a scalar shared by every
-    sample, where the sum over the batch falls on the signal alone.
-    """
-    if not batched:
-        return count * signal
-    if count.ndim == 0:
-        return count * signal.sum(axis=0)
-    return jnp.einsum("b,bo->o", count, signal)
+    """OTTT's bias gradient read off its companion ``ĉ`` (a scalar, the same for every sample):
+    ``ĉ Σ_b L[b, o]`` (batched) or ``ĉ L[o]``."""
+    return count * (signal.sum(axis=0) if batched else signal)
 
 
 class OTTT(DenseLeakRule[PresynapticTraces, PresynapticResidual]):
@@ -435,8 +428,8 @@ class PresynapticCarrier(NamedTuple):
 
     #: ``â``, the presynaptic trace of the relation's input: ``(batch, in)`` or ``(in,)``.
     x: jax.Array
-    #: ``ĉ``, the bias companion (the trace of a constant input 1), one per sample: ``(batch,)`` or
-    #: ``()``; ``None`` where the relation has no trainable bias.
+    #: ``ĉ``, the bias companion (the trace of a constant input 1), a scalar shared by every
+    #: sample; ``None`` where the relation has no trainable bias.
     bias: jax.Array | None
 
 
@@ -508,7 +501,7 @@ def ottt_rule(leak: float, mode: str = "A") -> TraceRule:
         check_dense_one_state(info, caller)
         if info.x is None:
             raise internal_error("a dense relation without an input")
-        bias = jnp.zeros(info.x.shape[:-1], info.y.dtype) if "bias" in info.weights else None
+        bias = jnp.zeros((), info.y.dtype) if "bias" in info.weights else None
         return PresynapticCarrier(jnp.zeros(info.x.shape, info.x.dtype), bias)
 
     def roll(carrier: PresynapticCarrier, step: RelationStep) -> PresynapticCarrier:

@@ -1,8 +1,9 @@
-"""The public rule contract: a trace rule as a few pure functions over one carrier per relation.
+"""The learner of a rule of the contract: :class:`RuleLearner` runs any :class:`TraceRule`.
 
-A learning rule in the spirit of optax's ``GradientTransformation``: :class:`TraceRule` holds
-pure functions, and :class:`RuleLearner` (what ``braintrace.compile(model, rule, x0)`` builds)
-runs them for every relation of the compiled graph and a hidden group it drives. The learner
+A learning rule in the spirit of optax's ``GradientTransformation``: :class:`TraceRule`
+(:mod:`~braintrace._algorithm.engine.rule_contract`) holds pure functions, and
+:class:`RuleLearner` (what ``braintrace.compile(model, rule, x0)`` builds) runs them for every
+relation of the compiled graph and a hidden group it drives. The learner
 owns everything else, once for every rule: it allocates, stores, resets, checkpoints and
 exposes (``get_etrace_of``, ``named_etraces``) the carriers, runs the model step inside its
 custom VJP, and adds what ``solve`` returns to the exact one-step gradient autodiff computes.
