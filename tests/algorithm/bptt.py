@@ -169,6 +169,21 @@ def single_step_grads(learner: Any, xs: Any, loss: StepLoss = target_loss, jit: 
     return single_step_run(learner, xs, loss, jit)[0]
 
 
+def per_step_grads(learner: Any, xs: Any, loss: StepLoss = target_loss) -> Grads:
+    """Per parameter path, the gradients of every step stacked ``(T, ...)``: one call and one
+    ``grad`` of that step's ``loss`` per step, in one jitted scan."""
+    params = learner.param_states
+
+    def run() -> Any:
+        def body(carry: None, inp: tuple[Any, jax.Array]) -> tuple[None, Any]:
+            x, t = inp
+            return carry, brainstate.transform.grad(lambda: loss(t, learner(x)), params)()
+
+        return brainstate.transform.scan(body, None, (xs, jnp.arange(num_steps(xs))))[1]
+
+    return _to_numpy(_run(run, True))
+
+
 def window_grads(
     learner: Any, xs: Any, windows: Sequence[int], loss: StepLoss = target_loss, jit: bool = True
 ) -> Grads:

@@ -1,4 +1,4 @@
-"""Test models and a per-step driver for the dense fixed-leak rules (OTTT, OTPE) and their records.
+"""Test models and a step-by-step comparison for the dense fixed-leak rules (OTTT, OTPE) and their records.
 
 * :class:`LeakyLinear` — ``h = λ h + matmul(x, W, b)`` (optionally ``W -> tanh(W)`` inside the op):
   OTTT's and OTPE's exact regime;
@@ -7,7 +7,6 @@
 * :class:`TwoState` — one hidden group of two states (outside both rules' scope);
 * :class:`ElementWiseLeak` — a trainable element-wise leak (a relation that is not dense);
 * :func:`vanilla_cell` — a vanilla recurrent cell (dense, outside the fixed-leak regime);
-* :func:`per_step_grads` — the gradient of every step of a learner run one step per call;
 * :func:`assert_same_steps` — two such runs equal element-wise, step by step.
 """
 
@@ -22,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import braintrace
-from tests.algorithm.bptt import normal, target_loss
+from tests.algorithm.bptt import normal
 
 #: The leak of the models, which the rules assume.
 LAM = 0.9
@@ -108,23 +107,6 @@ def compile_(model: brainstate.nn.Module, algorithm: Any, x0: jax.Array, batch: 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return braintrace.compile(model, algorithm, x0, batch_size=batch, **options)
-
-
-def per_step_grads(learner: Any, xs: jax.Array) -> dict[tuple[Any, ...], np.ndarray]:
-    """Per parameter path, the gradients of every step stacked ``(T, ...)``: one call and one
-    ``grad`` of that step's :func:`~tests.algorithm.bptt.target_loss` per step, in one scan."""
-    params = learner.param_states
-
-    def run() -> Any:
-        def body(carry: None, inp: tuple[jax.Array, jax.Array]) -> tuple[None, Any]:
-            x, t = inp
-            return carry, brainstate.transform.grad(lambda: target_loss(t, learner(x)), params)()
-
-        return brainstate.transform.scan(body, None, (xs, jnp.arange(xs.shape[0])))[1]
-
-    grads = brainstate.transform.jit(run)()
-    return {(*tuple(p), *(str(k) for k in keys)): np.asarray(leaf)
-            for p, g in grads.items() for keys, leaf in jax.tree_util.tree_flatten_with_path(g)[0]}
 
 
 def assert_same_steps(want: dict[tuple[Any, ...], np.ndarray], got: dict[tuple[Any, ...], np.ndarray],

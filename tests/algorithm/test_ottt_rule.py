@@ -21,7 +21,7 @@ import pytest
 
 import braintrace
 from braintrace._algorithm.rules.ottt import PresynapticCarrier, ottt_rule
-from tests.algorithm.bptt import bptt_grads, max_rel_err, single_step_grads, x64
+from tests.algorithm.bptt import bptt_grads, max_rel_err, per_step_grads, single_step_grads, x64
 from tests.algorithm.dense_leak_models import (
     LAM,
     N_HID,
@@ -33,7 +33,6 @@ from tests.algorithm.dense_leak_models import (
     assert_same_steps,
     compile_,
     inputs,
-    per_step_grads,
     vanilla_cell,
 )
 

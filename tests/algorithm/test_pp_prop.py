@@ -174,19 +174,22 @@ def test_trace_shapes_and_keys() -> None:
         assert st.value.shape == (2, 4, 1)
 
 
+class Broadcast(brainstate.nn.Module):
+    """A matmul output ``(4,)`` broadcast into a hidden state ``(2, 4)``: not the hidden shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = brainstate.ParamState(jnp.ones((3, 4)))
+
+    def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros((2, 4)))
+
+    def update(self, x: Any) -> Any:
+        self.h.value = 0.5 * self.h.value + braintrace.matmul(x, self.w.value)  # (4,) -> (2, 4)
+        return self.h.value
+
+
 def test_hidden_shape_mismatch_is_refused() -> None:
-    class Broadcast(brainstate.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = brainstate.ParamState(jnp.ones((3, 4)))
-
-        def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
-            self.h = brainstate.HiddenState(jnp.zeros((2, 4)))
-
-        def update(self, x: Any) -> Any:
-            self.h.value = 0.5 * self.h.value + braintrace.matmul(x, self.w.value)  # (4,) -> (2, 4)
-            return self.h.value
-
     with pytest.raises(ValueError, match=r"outputs \(4,\) but drives hidden group 0 of shape \(2, 4\)"):
         compile_pp(Broadcast(), jnp.ones(3), None)
 

@@ -16,16 +16,15 @@ import warnings
 from typing import Any
 
 import brainstate
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import braintrace
 from braintrace._algorithm.io_trace.relation_rule import PPCarrier, pp_prop_rule
-from tests.algorithm.bptt import normal, target_loss, x64
+from tests.algorithm.bptt import normal, per_step_grads, x64
 from tests.algorithm.test_local_relations import Leaky as LocalLeaky
-from tests.algorithm.test_pp_prop import ConvLeaky, Emb, Leaky, TwoState, inputs
+from tests.algorithm.test_pp_prop import Broadcast, ConvLeaky, Emb, Leaky, TwoState, inputs
 
 __all__ = ["x64"]  # the fixture is used by name
 
@@ -45,21 +44,6 @@ def compile_both(make: Any, x0: Any, batch_size: int | None, decay: Any = 0.9, f
         engine = braintrace.compile(make(), braintrace.pp_prop, x0, batch_size=batch_size, decay_or_rank=decay,
                                     fast_solve=fast_solve)
     return by_record, engine
-
-
-def per_step_grads(learner: Any, xs: Any) -> dict[Any, Any]:
-    """``{path: gradients stacked over the steps}``: one call and one ``grad`` per step, under one jit."""
-    params = learner.param_states
-    n = jax.tree.leaves(xs)[0].shape[0]
-
-    def body(carry: None, inputs: Any) -> tuple[None, Any]:
-        x_t, t = inputs
-        return None, brainstate.transform.grad(lambda: target_loss(t, learner(x_t)), params)()
-
-    stacked = brainstate.transform.jit(lambda: brainstate.transform.scan(body, None, (xs, jnp.arange(n)))[1])()
-    flat = {p: jax.tree_util.tree_flatten_with_path(g)[0] for p, g in stacked.items()}
-    leaves = ((p + tuple(map(str, k)), v) for p, kv in flat.items() for k, v in kv)
-    return {path: np.asarray(leaf) for path, leaf in leaves}
 
 
 def assert_same_grads(got: dict[Any, Any], ref: dict[Any, Any]) -> None:
@@ -175,18 +159,6 @@ def test_refusals() -> None:
     with pytest.raises(TypeError, match="fast_solve must be a bool"):
         pp_prop_rule(0.9, fast_solve=1)  # type: ignore[arg-type]
     assert pp_prop_rule(19) is pp_prop_rule(0.9) and pp_prop_rule(0.9) is not pp_prop_rule(0.9, False)
-
-    class Broadcast(brainstate.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = brainstate.ParamState(jnp.ones((3, 4)))
-
-        def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
-            self.h = brainstate.HiddenState(jnp.zeros((2, 4)))
-
-        def update(self, x: Any) -> Any:
-            self.h.value = 0.5 * self.h.value + braintrace.matmul(x, self.w.value)  # (4,) -> (2, 4)
-            return self.h.value
 
     with pytest.raises(ValueError, match=r"outputs \(4,\) but drives a hidden group of shape \(2, 4\)"):
         braintrace.compile(Broadcast(), pp_prop_rule(0.9), jnp.ones(3))

@@ -94,7 +94,7 @@ def test_dt_to_t_propagates_the_trace_through_a_hidden_jacobian(case: OpCase) ->
 def test_library_dt_to_t_scales_each_trace_entry(case: OpCase) -> None:
     """``dt_to_t(hd, ε) = ε ⊙ dt_to_t(hd, 1)``: the D-RTRL engine rolls a one-state trace of a
     library primitive as that product, on the stored trace (see
-    ``braintrace._algorithm.param_trace.roll.general_recurrent``)."""
+    ``braintrace._algorithm.param_trace.relation_rule.general_recurrent``)."""
     if not reg.has_library_rules(case.prim):
         pytest.skip("user rules may roll the trace in any linear way")
     assert case.trace_of is not None

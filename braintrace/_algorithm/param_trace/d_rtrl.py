@@ -24,7 +24,9 @@ Between sequences, reset the model's states in place (``brainstate.nn.reset_all_
 which calls each module's ``reset_state``) and the traces with :meth:`reset_state`; re-running
 ``init_all_states`` after compiling replaces the state objects the learner was compiled with.
 
-The class holds the hooks of the engine and the storage of its traces; the roll
+The class holds the hooks of the engine and the storage of its traces. Each relation's maths is
+its rule record (:mod:`~braintrace._algorithm.param_trace.relation_rule`, ``learner.relation_rule``),
+by which every trace is rolled; the roll of all traces
 (:mod:`~braintrace._algorithm.param_trace.roll`), the multi-step window
 (:mod:`~braintrace._algorithm.param_trace.window`), what the backward pass receives
 (:mod:`~braintrace._algorithm.param_trace.residual`) and the gradient read off it
@@ -61,7 +63,7 @@ Examples
 from __future__ import annotations
 
 import warnings
-from typing import Callable, ClassVar, Sequence
+from typing import ClassVar, Sequence
 
 import brainstate
 import jax
