@@ -32,18 +32,19 @@ True
 from __future__ import annotations
 
 from types import MappingProxyType, SimpleNamespace
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 
+from braintrace._algorithm.engine.graph_executor import trace_key
 from braintrace._compatible_imports import Primitive, ShapedArray, Var
 from braintrace._compiler.hid_param_op import HiddenParamOpRelation
 from braintrace._compiler.hidden_group import HiddenGroup
 from braintrace._op._rule_helpers import dtype_of, shape_of
-from braintrace._typing import PyTree
+from braintrace._typing import PyTree, TraceKey
 
 __all__ = [
-    "RelationInfo", "RelationStep", "TraceRule", "Carrier", "relation_info", "relation_step", "step_info",
+    "RelationInfo", "RelationStep", "TraceRule", "Carrier", "relation_info", "relation_infos", "relation_step", "step_info",
     "info_primitive", "abstract_var",
 ]
 
@@ -150,6 +151,11 @@ def relation_info(rel: HiddenParamOpRelation, group: HiddenGroup) -> RelationInf
     weights = {k: _struct(v) for k, v in rel.trainable_vars.items()}
     return RelationInfo(x, _struct(rel.y_var), weights, group.num_state, rel.primitive.name,
                         MappingProxyType(dict(rel.eqn_params)), rel.primitive)
+
+
+def relation_infos(relations: Sequence[HiddenParamOpRelation]) -> dict[TraceKey, RelationInfo]:
+    """:func:`relation_info` of every (relation, hidden group it drives), by trace key."""
+    return {trace_key(rel, group): relation_info(rel, group) for rel in relations for group in rel.hidden_groups}
 
 
 def relation_step(

@@ -280,8 +280,7 @@ class PPCarrier(NamedTuple):
     x: jax.Array | None
     #: ``ε_f``, ``(*y.shape, S)`` (an element-wise weight's: over the group's positions).
     df: jax.Array
-    #: ``k``, the steps absorbed since the last reset: int32, ``(len(ε_f), 1, ..., 1)`` (one per
-    #: entry of ``ε_f``'s leading axis, which a batch reset resizes with it).
+    #: ``k``, the steps absorbed since the last reset: an int32 scalar, as the learner keeps it.
     steps: jax.Array
 
 
@@ -362,7 +361,7 @@ def _pp_prop_rule(decay_x: float, decay_f: float, fast_solve: bool) -> TraceRule
         if info.x is not None:
             spec = represented_spec(info.x, input_representation(etp, info.weights))
             x_trace = jnp.zeros(spec.shape, spec.dtype)
-        return PPCarrier(x_trace, df, jnp.zeros(_counter_shape(df), jnp.int32))
+        return PPCarrier(x_trace, df, jnp.zeros((), jnp.int32))
 
     def roll(carrier: PPCarrier, step: RelationStep) -> PPCarrier:
         info = step_info(step, "pp_prop_rule")
@@ -371,10 +370,7 @@ def _pp_prop_rule(decay_x: float, decay_f: float, fast_solve: bool) -> TraceRule
         if carrier.x is not None and step.x is not None:
             x = roll_input(carrier.x, represent_input(step.x, _representation(info)), decay_x)
         df = roll_output(carrier.df, step.diag, step.df, decay_f)
-        steps = advance(carrier.steps)
-        if steps.shape != _counter_shape(df):  # an element-wise weight's trace gains the group's batch axes
-            steps = jnp.broadcast_to(steps.reshape(-1)[0], _counter_shape(df))
-        return PPCarrier(x, df, steps)
+        return PPCarrier(x, df, advance(carrier.steps))
 
     def residual(entering: PPCarrier, new: PPCarrier, step: RelationStep) -> PPCarrier:
         return new
@@ -389,10 +385,6 @@ def _pp_prop_rule(decay_x: float, decay_f: float, fast_solve: bool) -> TraceRule
         return without_same_step(estimate, same_step)
 
     return TraceRule(init, roll, solve, residual)
-
-
-def _counter_shape(df: jax.Array) -> tuple[int, ...]:
-    return (df.shape[0], *(1,) * (df.ndim - 1))
 
 
 def _representation(info: RelationInfo) -> XRepr:

@@ -89,7 +89,7 @@ from braintrace._algorithm.engine.graph_executor import (
 from braintrace._algorithm.engine.learning_signal import SignalPair, draw_feedback, feedback_signals
 from braintrace._algorithm.engine.modulator import ModulatorSlot, modulator_signals
 from braintrace._algorithm.param_trace.residual import slot_signals, trace_for_backward, with_previous_signal
-from braintrace._algorithm.engine.rule_contract import RelationInfo, TraceRule, relation_info, relation_step
+from braintrace._algorithm.engine.rule_contract import RelationInfo, TraceRule, relation_infos, relation_step
 from braintrace._algorithm.param_trace.relation_rule import d_rtrl_rule, fast_path_of, init_rule_kwargs
 from braintrace._algorithm.param_trace.roll import eps_after_filters, step_all, trace_stepper
 from braintrace._algorithm.param_trace.solve import solve_weight_gradients
@@ -290,8 +290,7 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm[
         traces: dict[TraceKey, Trace] = {}
         squeezed: set[TraceKey] = set()
         squeeze = jax.default_backend() == "tpu"  # see _stored
-        self._relation_infos = {trace_key(r, g): relation_info(r, g) for r in self.graph.hidden_param_op_relations
-                                for g in r.hidden_groups}
+        self._relation_infos = relation_infos(self.graph.hidden_param_op_relations)
         for rel in self.graph.hidden_param_op_relations:
             init = reg.required_rules(rel.primitive).init_drtrl
             for group in rel.hidden_groups:

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 
 from braintrace._algorithm.carriers.carrier_store import CarrierStore
 from braintrace._algorithm.engine.rule_contract import RelationInfo, RelationStep, TraceRule, step_info
-from braintrace._algorithm.rules.ottt import (
+from braintrace._algorithm.rules.dense_leak import (
     DenseLeakRule,
     check_dense_one_state,
     check_mode,

@@ -65,7 +65,7 @@ from braintrace._algorithm.engine.rule_contract import (
     RelationInfo,
     RelationStep,
     TraceRule,
-    relation_info,
+    relation_infos,
     relation_step,
 )
 from braintrace._compiler import ControlFlowPolicy
@@ -128,7 +128,7 @@ class RuleLearner(ETraceVjpAlgorithm):
         batched hidden group) starts at that shape, so that a scan can carry it.
         """
         carriers = {}
-        self._infos = {trace_key(rel, group): relation_info(rel, group) for rel, group in self._pairs()}
+        self._infos = relation_infos(self.graph.hidden_param_op_relations)
         for rel, group in self._pairs():
             carrier = self.rule.init(self._infos[trace_key(rel, group)])
             leaves = jax.tree.leaves(carrier)
