@@ -124,7 +124,7 @@ device-wheels:
 # drivers, checkpoints and the audit. Runs on whatever platform JAX finds, the CPU included, with
 # .venv's Python where there is one; on an accelerator machine with JAX only, as
 # `scripts/on_device.sh make test-device` (benchmarks/README.md).
-DEVICE_TESTS := tests/device tests/algorithm/test_sequence_drivers.py tests/algorithm/test_etrace_train.py \
+DEVICE_TESTS := tests/device tests/algorithm/test_memoryless_groups.py tests/algorithm/test_sequence_drivers.py tests/algorithm/test_etrace_train.py \
 	tests/test_checkpoint.py tests/test_audit.py
 test-device:
 	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m pytest -q -p no:cacheprovider --durations=15 -m "not exhaustive and not long" $(DEVICE_TESTS)

@@ -13,7 +13,7 @@ import pytest
 
 import braintrace
 from benchmarks import ostl_recurrent
-from benchmarks.__main__ import BF16_OF, BY_HAND, METHODS, OTTT_METHODS, SETTINGS, main, run
+from benchmarks.__main__ import BF16_OF, BY_HAND, METHODS, OTTT_METHODS, SETTINGS, main, run, temporary_bytes
 from benchmarks.hand_written import leaky_d_rtrl_grads, leaky_d_rtrl_step
 from benchmarks.models import GRU, LeakyRNN
 
@@ -34,6 +34,16 @@ def test_learner_benchmark_reports_every_method() -> None:
     imports = results["import_seconds"]
     assert imports["brainstate"] > 0 and imports["braintrace_over_brainstate"] > 0
 
+
+def _stats(temp: int, peak: int) -> object:
+    return type("Stats", (), {"temp_size_in_bytes": temp, "peak_memory_in_bytes": peak, "argument_size_in_bytes": 10,
+                              "output_size_in_bytes": 30, "alias_size_in_bytes": 5})()
+
+
+def test_temporary_memory_is_read_off_the_peak_where_the_backend_reports_no_temporaries() -> None:
+    assert temporary_bytes(_stats(temp=7, peak=1000)) == 7  # the backend reports temporaries (CPU)
+    assert temporary_bytes(_stats(temp=0, peak=1000)) == 1000 - 10 - 30 + 5  # a TPU: the peak less the rest
+    assert temporary_bytes(_stats(temp=0, peak=0)) == 0
 
 
 def test_learner_benchmark_reports_ottt_on_the_fixed_leak_lif() -> None:

@@ -48,13 +48,13 @@ from braintrace._compatible_imports import Atom, Jaxpr, Var, is_var
 from braintrace._compiler.graph import ETraceGraph
 from braintrace._compiler.hid_param_op import HiddenParamOpRelation, PathClassification
 from braintrace._compiler.hidden_group import HiddenGroup
-from braintrace._compiler.jaxpr_graph import build_producer_map
+from braintrace._compiler.jaxpr_graph import build_producer_map, differentiable_reach
 from braintrace._compiler.module_info import Path
 from braintrace._compiler.position_dependence import AxisPatterns, Dependence, group_adjacency, read_tail
 from braintrace._compiler.snap_pattern import SnapPattern
 
 __all__ = [
-    "GroupFacts", "RelationFacts", "PlainWeightFacts", "relation_facts", "plain_weight_facts", "differentiable_reach",
+    "GroupFacts", "RelationFacts", "PlainWeightFacts", "relation_facts", "plain_weight_facts",
     "moves_positions", "traced_varshape",
 ]
 
@@ -145,38 +145,6 @@ def moves_positions(patterns: Iterable[np.ndarray]) -> bool:
     (False, True)
     """
     return any(bool(np.any(a & ~np.eye(len(a), dtype=bool))) for a in patterns)
-
-
-def _carries_gradient(var: Atom) -> bool:
-    dtype = getattr(getattr(var, "aval", None), "dtype", None)
-    return is_var(var) and dtype is not None and bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))
-
-
-def differentiable_reach(
-    jaxpr: Jaxpr, seeds: Iterable[Atom], blocked: Collection[int] = (), stop: Collection[Var] = ()
-) -> set[Var]:
-    """The variables of ``jaxpr`` a gradient can reach from ``seeds`` (the seeds included).
-
-    Skips ``stop_gradient``, the equations whose ``id`` is in ``blocked`` and outputs of integer
-    or boolean dtype; the variables in ``stop`` are reached but not followed further. An equation
-    with a body counts as reading every input into every output.
-
-    Examples
-    --------
-    >>> import jax, jax.numpy as jnp
-    >>> from braintrace._compiler.exactness_facts import differentiable_reach
-    >>> jaxpr = jax.make_jaxpr(lambda a, b: (jnp.sin(a), jax.lax.stop_gradient(a) + b))(1.0, 2.0).jaxpr
-    >>> reached = differentiable_reach(jaxpr, [jaxpr.invars[0]])
-    >>> [v in reached for v in jaxpr.outvars]
-    [True, False]
-    """
-    reached = {v for v in seeds if is_var(v)}
-    for eqn in jaxpr.eqns:
-        if id(eqn) in blocked or eqn.primitive.name == "stop_gradient":
-            continue
-        if any(is_var(a) and a in reached and a not in stop for a in eqn.invars):
-            reached.update(v for v in eqn.outvars if _carries_gradient(v))
-    return reached
 
 
 #: ``new value variable -> paths`` of the states the step writes with it.

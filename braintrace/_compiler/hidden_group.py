@@ -29,7 +29,7 @@ from jax.typing import DTypeLike
 
 from braintrace._compatible_imports import CUSTOM_VJP_PRIMITIVES, Jaxpr, Var, eval_jaxpr, split_jaxpr_invars
 from braintrace._compiler.descended_scan import GroupDescent
-from braintrace._compiler.jaxpr_graph import contains_eqn
+from braintrace._compiler.jaxpr_graph import contains_eqn, differentiable_reach
 from braintrace._compiler.mixing_jacobian import BlockDiagonalPlan, block_diagonal_plan, structured_block_diagonal
 from braintrace._compiler.position_dependence import group_adjacency
 from braintrace._compiler.snap_pattern import SnapPattern, widened_jacobian
@@ -343,6 +343,32 @@ class HiddenGroup(NamedTuple):
                 _AXES.pop(next(iter(_AXES)))
             _AXES[key] = cached
         return cached[1]
+
+    def reads_its_past(self) -> bool:
+        """Whether a member's new value reads a member's previous value within the transition.
+
+        ``False`` where the group's past reaches its new state only through the relations'
+        outputs, as in a plain ``h = tanh([x, h] W)`` cell: :meth:`diagonal_jacobian`,
+        :meth:`history_jacobian` and :meth:`snap_jacobian` are then identically zero, and a
+        trace of the group holds no history (``ε^t = x ⊗ df``). Read off the transition's
+        equations, conservatively (an equation with a body reads every input into every
+        output); a group inside a descended scan counts as reading its past.
+
+        Examples
+        --------
+        >>> import brainstate, jax.numpy as jnp, braintrace
+        >>> cell = brainstate.nn.init_all_states(braintrace.nn.ValinaRNNCell(3, 4))
+        >>> braintrace.compile_etrace_graph(cell, jnp.ones(3)).hidden_groups[0].reads_its_past()
+        False
+        >>> cell = brainstate.nn.init_all_states(braintrace.nn.GRUCell(3, 4))
+        >>> braintrace.compile_etrace_graph(cell, jnp.ones(3)).hidden_groups[0].reads_its_past()
+        True
+        """
+        if self.descent is not None:
+            return True
+        _, hidden_invars = split_jaxpr_invars(self.transition_jaxpr, len(self.hidden_invars))
+        reached = differentiable_reach(self.transition_jaxpr, hidden_invars)
+        return any(isinstance(v, Var) and v in reached for v in self.transition_jaxpr.outvars)
 
     def reads_new_members(self) -> bool:
         """Whether a member's update reads another member's *new* value within the step."""

@@ -18,8 +18,9 @@ Examples
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Collection, Iterable
 
+import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from braintrace._compatible_imports import (
@@ -34,6 +35,7 @@ from braintrace._compatible_imports import (
     Var,
     closed_jaxpr_constvars,
     is_jit,
+    is_var,
     jit_body,
     map_closed_subjaxprs,
     subjaxprs,
@@ -49,6 +51,7 @@ __all__ = [
     "build_consumer_map",
     "forward_closure",
     "backward_closure",
+    "differentiable_reach",
     "inline_jit_calls",
     "fresh_var",
     "new_jaxpr",
@@ -120,6 +123,38 @@ def backward_closure(targets: Iterable[Var], producers: dict[Var, JaxprEqn]) -> 
         if eqn is not None:
             queue.extend(a for a in eqn.invars if isinstance(a, Var) and not isinstance(a, Literal))
     return list(seen)
+
+
+def _carries_gradient(var: Atom) -> bool:
+    dtype = getattr(getattr(var, "aval", None), "dtype", None)
+    return is_var(var) and dtype is not None and bool(jnp.issubdtype(dtype, jnp.inexact))
+
+
+def differentiable_reach(
+    jaxpr: Jaxpr, seeds: Iterable[Atom], blocked: Collection[int] = (), stop: Collection[Var] = ()
+) -> set[Var]:
+    """The variables of ``jaxpr`` a gradient can reach from ``seeds`` (the seeds included).
+
+    Skips ``stop_gradient``, the equations whose ``id`` is in ``blocked`` and outputs of integer
+    or boolean dtype; the variables in ``stop`` are reached but not followed further. An equation
+    with a body counts as reading every input into every output.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp
+    >>> from braintrace._compiler.jaxpr_graph import differentiable_reach
+    >>> jaxpr = jax.make_jaxpr(lambda a, b: (jnp.sin(a), jax.lax.stop_gradient(a) + b))(1.0, 2.0).jaxpr
+    >>> reached = differentiable_reach(jaxpr, [jaxpr.invars[0]])
+    >>> [v in reached for v in jaxpr.outvars]
+    [True, False]
+    """
+    reached = {v for v in seeds if is_var(v)}
+    for eqn in jaxpr.eqns:
+        if id(eqn) in blocked or eqn.primitive.name == "stop_gradient":
+            continue
+        if any(is_var(a) and a in reached and a not in stop for a in eqn.invars):
+            reached.update(v for v in eqn.outvars if _carries_gradient(v))
+    return reached
 
 
 def fresh_var(like: Var) -> Var:

@@ -228,7 +228,8 @@ def step_memory(row_loop: bool = False) -> float:
     batch, hidden = 32, 64
     key = jax.random.PRNGKey(0)
     xs, ys = jax.random.normal(key, (2, batch, N_IN)), jax.random.normal(key, (2, batch, hidden))
-    learner = braintrace.compile(braintrace.nn.ValinaRNNCell(N_IN, hidden), "d_rtrl", jnp.ones((batch, N_IN)),
+    # A GRU's group reads its past, so its traces' history is contracted (a vanilla cell's has none).
+    learner = braintrace.compile(braintrace.nn.GRUCell(N_IN, hidden), "d_rtrl", jnp.ones((batch, N_IN)),
                                  batch_size=batch, sharding=mesh_for("data", jax.devices()))
 
     def step_fn(x: Any, y: Any) -> Any:

@@ -79,6 +79,10 @@ class RelationInfo(NamedTuple):
     #: The primitive itself, whose registered eligibility-trace rules (``dt_to_t``, ``xy_to_dw``,
     #: ...) a rule generic over operations reads (``None``: not given).
     etp: Primitive | None = None
+    #: Whether the group's new state reads its previous one other than through the relations
+    #: (``False``: the step's ``diag`` is identically zero, and a trace of the relation holds no
+    #: history, ``ε^t = x ⊗ df``; see :meth:`~braintrace.HiddenGroup.reads_its_past`).
+    has_history: bool = True
 
 
 class RelationStep(NamedTuple):
@@ -150,7 +154,7 @@ def relation_info(rel: HiddenParamOpRelation, group: HiddenGroup) -> RelationInf
     x = None if rel.x_var is None else _struct(rel.x_var)
     weights = {k: _struct(v) for k, v in rel.trainable_vars.items()}
     return RelationInfo(x, _struct(rel.y_var), weights, group.num_state, rel.primitive.name,
-                        MappingProxyType(dict(rel.eqn_params)), rel.primitive)
+                        MappingProxyType(dict(rel.eqn_params)), rel.primitive, group.reads_its_past())
 
 
 def relation_infos(relations: Sequence[HiddenParamOpRelation]) -> dict[TraceKey, RelationInfo]:

@@ -484,8 +484,11 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm[
 
     def _same_step_in_history(self, rel: HiddenParamOpRelation) -> bool:
         # The history is read off the new trace (ε^t − x ⊗ df) only for plainly rolled traces
-        # whose groups contract the signal with D itself.
-        return self._rolls_plainly() and all(g.descent is None and not g.reads_new_members() for g in rel.hidden_groups)
+        # whose groups contract the signal with D itself. A group without history (D ≡ 0) has
+        # none to read: the one-step VJP (a product with x) gives the same-step term, and the
+        # trace is not read at all.
+        return self._rolls_plainly() and all(
+            g.descent is None and not g.reads_new_members() and g.reads_its_past() for g in rel.hidden_groups)
 
     def _rolls_plainly(self) -> bool:
         """Whether new traces are the plain roll ``D ε + x ⊗ df`` of the entering ones.

@@ -80,7 +80,7 @@ def trace_for_backward(
         # ē^t − x ⊗ df = κ ē^{t-1} + D ε^{t-1}: where the history is read off a new trace it is
         # read off the new filter, which holds both terms; the entering filter is then read by
         # its update alone (in place) and only the other keys keep the term κ ⟨g, ē^{t-1}⟩.
-        history = history_trace(host, old_eps, new_filter, jac)
+        history = history_trace(host, old_eps, new_filter, jac, reads_filter=True)
         return BackwardResidual(history, old_filter={k: v for k, v in old_filter.items() if k not in history.instant})
     history = history_trace(host, old_eps, new_eps, jac)
     if not host.replaces_signal:
@@ -108,7 +108,8 @@ def replaced_signal_residual(
     for key, (index, group, instant) in plain_rolls(host, jac, history.through_while).items():
         if key not in same_step and index not in local_keys and group.descent is None:
             same_step[key] = instant
-            swapped[key] = old_eps[key]
+            if group.reads_its_past():  # else q − Dᵀ (g − s) ≡ 0 meets no trace
+                swapped[key] = old_eps[key]
     # The learning trace is ē^t, or ε^t without a filter (then read off ε^{t-1} where swapped).
     learning = new_filter if new_filter is not None else {k: v for k, v in new_eps.items() if k not in swapped}
     rest = history._replace(traces={k: v for k, v in history.traces.items() if k not in same_step}, instant={})
@@ -118,18 +119,30 @@ def replaced_signal_residual(
                             swapped_learn=new_filter is None)
 
 
-def history_trace(host: ParamTraceHost, old_etrace: Traces, new_etrace: Traces, jac: StepJacobians) -> BackwardTrace:
+def history_trace(
+    host: ParamTraceHost, old_etrace: Traces, new_etrace: Traces, jac: StepJacobians, reads_filter: bool = False,
+) -> BackwardTrace:
     """Single step: what the history term reads, the new trace (less ``x ⊗ df``) of each key rolled
-    plainly with its group's ``D``, the entering trace and the history Jacobians elsewhere."""
+    plainly with its group's ``D``, the entering trace and the history Jacobians elsewhere.
+
+    A key whose group has no history (``D ≡ 0``, :meth:`~braintrace.HiddenGroup.reads_its_past`)
+    and whose weights are in the one-step VJP has no history term: it reads nothing, unless
+    ``new_etrace`` is the new filter (``reads_filter``), whose history ``κ ē^{t-1}`` remains.
+    """
     (_, dfs), Ds = jac
     history = history_jacobians(host.graph.hidden_groups, Ds, dfs)
     crossing = through_while(host.graph.hidden_param_op_relations, jac[0])
     read_past = host._groups_read_past_update()
+    local_keys = host._local_relation_weights().keys
     traces, instant = dict(old_etrace), {}
-    for key, (_, group, term) in plain_rolls(host, jac, crossing).items():
-        if history[group.index] is Ds[group.index] and group.index not in read_past:
-            traces[key] = new_etrace[key]
-            instant[key] = term
+    for key, (index, group, term) in plain_rolls(host, jac, crossing).items():
+        if history[group.index] is not Ds[group.index] or group.index in read_past:
+            continue
+        if not (reads_filter or group.reads_its_past() or index in local_keys):
+            del traces[key]
+            continue
+        traces[key] = new_etrace[key]
+        instant[key] = term
     return BackwardTrace(traces, history, crossing, instant)
 
 
