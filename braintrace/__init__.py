@@ -41,6 +41,9 @@ from braintrace._algorithm import (
     ETraceGraphExecutor,
     ETraceVjpAlgorithm,
     ETraceVjpGraphExecutor,
+    GroupInfo,
+    GroupRule,
+    GroupStep,
     IODimVjpAlgorithm,
     MultiStepData,
     ParamDimVjpAlgorithm,
@@ -56,6 +59,7 @@ from braintrace._algorithm import (
     pp_prop,
     pp_prop_rule,
     train_synthetic_gradient,
+    uoro_rule,
 )
 from braintrace._audit import GradientAudit, GradientRow, LearnerComparison, check_gradients, compare_learners
 from braintrace._compile import compile
@@ -213,6 +217,10 @@ __all__ = [
     "pp_prop_rule",
     "ottt_rule",
     "otpe_rule",
+    "GroupRule",
+    "GroupStep",
+    "GroupInfo",
+    "uoro_rule",
 ]
 
 # deprecated v0.1 names, served lazily by __getattr__ with a one-time DeprecationWarning

@@ -48,6 +48,8 @@ from braintrace._algorithm import (
     pp_prop,
 )
 from braintrace._algorithm.engine.batch_size import checked_batch_size
+from braintrace._algorithm.engine.rule_contract import GroupRule
+from braintrace._algorithm.rules.group_rule import GroupRuleLearner
 from braintrace._algorithm.rules.trace_rule import RuleLearner, TraceRule
 from braintrace._algorithm.engine.sharding import Sharding, check_batch_size, plan_sharding
 from braintrace._errors import CompilationError
@@ -121,7 +123,7 @@ def _resolve(algorithm: object) -> type[ETraceAlgorithm]:
         )
     raise TypeError(
         f"compile: algorithm must be an ETraceAlgorithm subclass, its name, a braintrace.ETraceConfig or "
-        f"a braintrace.TraceRule, got {type(algorithm).__name__}."
+        f"a braintrace.TraceRule or GroupRule, got {type(algorithm).__name__}."
     )
 
 
@@ -199,7 +201,7 @@ def _seeded(seed: int | None) -> Iterator[None]:
 
 def compile(
     model: brainstate.nn.Module,
-    algorithm: Algorithm | TraceRule,
+    algorithm: Algorithm | TraceRule | GroupRule,
     *example_inputs: PyTree,
     batch_size: int | None = None,
     seed: int | None = None,
@@ -214,14 +216,16 @@ def compile(
     ----------
     model : brainstate.nn.Module
         The model; ``init_state(batch_size=...)`` is called on it (and its children).
-    algorithm : ETraceAlgorithm subclass, str, ETraceConfig or TraceRule
+    algorithm : ETraceAlgorithm subclass, str, ETraceConfig, TraceRule or GroupRule
         The learning rule, its case-insensitive name (see :data:`~braintrace._compile.ALGORITHM_NAMES`),
         or its coordinate: a :class:`~braintrace.ETraceConfig` runs on the engine of its
         ``trace_factorization`` (``ParamDimVjpAlgorithm``, ``IODimVjpAlgorithm``,
         ``RandomProjectionVjpAlgorithm``), which receives it as ``config``. ``'bptt'``
         (:class:`~braintrace.BPTT`) is backpropagation through time behind the same interface.
         A :class:`~braintrace.TraceRule` (a rule written as pure functions) runs on
-        :class:`~braintrace._algorithm.rules.trace_rule.RuleLearner`.
+        :class:`~braintrace._algorithm.rules.trace_rule.RuleLearner`, a
+        :class:`~braintrace.GroupRule` (one carrier per hidden group) on
+        :class:`~braintrace._algorithm.rules.group_rule.GroupRuleLearner`.
     *example_inputs
         Inputs of one step (with the batch on axis 0 when batched): arrays, or
         ``jax.ShapeDtypeStruct`` shapes.
@@ -287,6 +291,9 @@ def compile(
     elif isinstance(algorithm, TraceRule):
         options = {**options, "rule": algorithm}
         cls = RuleLearner
+    elif isinstance(algorithm, GroupRule):
+        options = {**options, "rule": algorithm}
+        cls = GroupRuleLearner
     else:
         cls = _resolve(algorithm)
     if not example_inputs:

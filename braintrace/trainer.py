@@ -70,6 +70,7 @@ from braintrace._algorithm import ETraceAlgorithm, ETraceConfig
 from braintrace._algorithm.drive.finite import WHAT, Status, advance, all_finite
 from braintrace._algorithm.drive.layout import checked_time_axis
 from braintrace._compile import Learner, compile as compile_learner
+from braintrace._algorithm.engine.rule_contract import GroupRule
 from braintrace._algorithm.rules.trace_rule import TraceRule
 from braintrace._errors import NonFiniteWarning, non_finite_advice
 from braintrace._typing import Path, PyTree
@@ -85,7 +86,7 @@ LossFn = Callable[[PyTree, PyTree], jax.Array]
 MetricFn = Callable[[PyTree, PyTree], jax.Array]
 #: What :class:`OnlineModule` trains with: a learner to compile (as :func:`braintrace.compile`
 #: takes it) or a compiled one.
-LearnerSpec = Union[str, type[ETraceAlgorithm], ETraceConfig, TraceRule, Learner]
+LearnerSpec = Union[str, type[ETraceAlgorithm], ETraceConfig, TraceRule, GroupRule, Learner]
 #: A batch of a ``DataLoader``: ``(inputs, targets)``, batch-major or time-major (``time_axis``).
 Batch = Union[tuple[PyTree, PyTree], list[PyTree]]
 #: A state and the value it held when saved.

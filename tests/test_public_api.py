@@ -40,13 +40,13 @@ EXPECTED_ALL = [
     "ETraceConfig",
     "Sharding",
     "TraceRule", "RelationStep", "RelationInfo",
-    "d_rtrl_rule", "pp_prop_rule", "ottt_rule", "otpe_rule",
+    "d_rtrl_rule", "pp_prop_rule", "ottt_rule", "otpe_rule", "GroupRule", "GroupStep", "GroupInfo", "uoro_rule",
 ]
 
 
 def test_all_is_exactly_upstreams() -> None:
     assert braintrace.__all__ == EXPECTED_ALL
-    assert len(EXPECTED_ALL) == 91
+    assert len(EXPECTED_ALL) == 95
     for name in EXPECTED_ALL:
         assert hasattr(braintrace, name), name
 

@@ -9,7 +9,7 @@ One sub-package per concern, importing downward only:
   (:mod:`.carriers.carrier_store`), reduced-precision storage, the roll in the backward pass;
 * :mod:`.param_trace` — per-parameter traces: D_RTRL's engine and the rules on it;
 * :mod:`.io_trace` — factored input/output traces: pp_prop's engine;
-* :mod:`.rules` — the other learning rules and the public :class:`~braintrace.TraceRule` contract;
+* :mod:`.rules` — the other learning rules and the learners of the public :class:`~braintrace.TraceRule` and :class:`~braintrace.GroupRule` contracts;
 * :mod:`.drive` — the sequence drivers, as functions of a learner.
 """
 
@@ -36,11 +36,12 @@ from braintrace._algorithm.rules.three_factor import ThreeFactor
 from braintrace._algorithm.rules.dni import DNI
 from braintrace._algorithm.rules.synthetic_gradient import SyntheticGradient
 from braintrace._algorithm.rules.synthetic_training import train_synthetic_gradient
-from braintrace._algorithm.engine.rule_contract import RelationInfo, RelationStep, TraceRule
+from braintrace._algorithm.engine.rule_contract import GroupInfo, GroupRule, GroupStep, RelationInfo, RelationStep, TraceRule
 from braintrace._algorithm.io_trace.relation_rule import pp_prop_rule
 from braintrace._algorithm.param_trace.relation_rule import d_rtrl_rule
 from braintrace._algorithm.rules.otpe import otpe_rule
 from braintrace._algorithm.rules.ottt import ottt_rule
+from braintrace._algorithm.rules.projection_rule import uoro_rule
 
 __all__ = [
     "ETraceAlgorithm",
@@ -83,4 +84,8 @@ __all__ = [
     "pp_prop_rule",
     "ottt_rule",
     "otpe_rule",
+    "GroupRule",
+    "GroupStep",
+    "GroupInfo",
+    "uoro_rule",
 ]

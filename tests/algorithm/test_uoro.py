@@ -31,7 +31,7 @@ import pytest
 import braintrace
 from braintrace._algorithm.rules import random_projection
 from braintrace._algorithm.engine.graph_executor import TransitionPoint
-from braintrace._algorithm.rules.random_projection import transition_jvp
+from braintrace._algorithm.rules.projection_rule import transition_jvp
 from tests.algorithm.bptt import bptt_grads, max_rel_err, normal, single_step_grads, x64
 from tests.algorithm.test_d_rtrl import ROW, Leaky, Row, identity
 from tests.compiler import control_flow_models as cf

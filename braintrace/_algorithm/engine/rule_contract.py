@@ -17,8 +17,16 @@ sharding, the model step and its custom VJP). Per (relation, hidden group):
 learners are records of it too, which their engines roll and solve with
 (``braintrace.d_rtrl_rule``, ``pp_prop_rule``, ``ottt_rule``, ``otpe_rule``); an engine adds
 what one relation's carrier cannot hold (storage shared between relations, multi-step windows,
-closed-form kernels). Random projection (UORO) is the exception: its factor ``s̃`` and its
-normalisers span every relation of a hidden group, so it is a rule per group, not per relation.
+closed-form kernels).
+
+A rule whose carrier spans the relations of a hidden group is a :class:`GroupRule` instead,
+with one carrier per group: ``init(info: GroupInfo)``, ``roll(carrier, step: GroupStep)`` and
+``solve(entering, signal, step) -> (per relation: {operand: gradient})``, where a
+:class:`GroupStep` holds the group's whole transition as a linear map both ways, each relation's
+tail pull-back, and a key the learner splits every step. Random projection (UORO,
+``braintrace.uoro_rule``), whose hidden factor ``s̃`` and normalisers are shared by every
+parameter a group learns, is its record;
+:class:`~braintrace._algorithm.rules.group_rule.GroupRuleLearner` runs it.
 
 Examples
 --------
@@ -44,8 +52,8 @@ from braintrace._op._rule_helpers import dtype_of, shape_of
 from braintrace._typing import PyTree, TraceKey
 
 __all__ = [
-    "RelationInfo", "RelationStep", "TraceRule", "Carrier", "relation_info", "relation_infos", "relation_step", "step_info",
-    "info_primitive", "abstract_var",
+    "RelationInfo", "RelationStep", "TraceRule", "GroupInfo", "GroupStep", "GroupRule", "Carrier", "relation_info",
+    "relation_infos", "relation_step", "step_info", "info_primitive", "abstract_var",
 ]
 
 
@@ -147,6 +155,100 @@ class TraceRule(NamedTuple):
     roll: Callable[[Carrier, RelationStep], Carrier]
     solve: Callable[[Carrier, jax.Array, RelationStep], dict[str, jax.Array]]
     residual: Callable[[Carrier, Carrier, RelationStep], Carrier] | None = None
+
+
+class GroupInfo(NamedTuple):
+    """What a group rule knows of one hidden group and the relations that drive it, to allocate its carrier.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, braintrace
+    >>> info = braintrace.GroupInfo(hidden=jax.ShapeDtypeStruct((4, 1), jnp.float32), relations=(), group_index=0)
+    >>> info.hidden.shape  # four units of one state each
+    (4, 1)
+    """
+
+    #: The group's state, its members stacked on a trailing axis: ``(*varshape, S)``, a batch
+    #: axis leading where the group has one.
+    hidden: jax.ShapeDtypeStruct
+    #: The relations that drive the group, in the graph's order.
+    relations: tuple[RelationInfo, ...]
+    #: The group's index in the compiled graph.
+    group_index: int
+
+
+class GroupStep(NamedTuple):
+    """What one step hands a group rule for one hidden group.
+
+    Per relation (in the order of :attr:`GroupInfo.relations`) its input, its operands and the
+    pull-back of its ``y -> h`` tail; the group's whole transition ``D = ∂h^t/∂h^{t-1}`` (every
+    path within the step, through recurrent weights too) as a linear map both ways, matrix-free;
+    and a key of the learner's, split afresh every step.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, braintrace
+    >>> info = braintrace.GroupInfo(jax.ShapeDtypeStruct((2, 1), jnp.float32), (), 0)
+    >>> step = braintrace.GroupStep(xs=(), weights=(), tail_vjps=(), transition_jvp=lambda t: 0.5 * t,
+    ...                             transition_vjp=lambda g: 0.5 * g, key=jax.random.key(0), info=info)
+    >>> step.transition_jvp(jnp.ones((2, 1)))[:, 0]  # D t of a group that halves its state
+    Array([0.5, 0.5], dtype=float32)
+    """
+
+    #: Per relation, the operation's input this step (``None``: it has none).
+    xs: tuple[jax.Array | None, ...]
+    #: Per relation, the trainable operands' current values, by key.
+    weights: tuple[dict[str, jax.Array], ...]
+    #: Per relation, ``v ↦ vᵀ ∂h^t/∂y``: a cotangent on the group's state ``(*varshape, S)``
+    #: pulled back to the relation's output ``y`` (one VJP of the tail, at this step's values).
+    tail_vjps: tuple[Callable[[jax.Array], jax.Array], ...]
+    #: ``t ↦ D t`` for a tangent ``t`` shaped like the group's state (one JVP of the transition).
+    transition_jvp: Callable[[jax.Array], jax.Array]
+    #: ``g ↦ Dᵀ g`` for a cotangent ``g`` shaped like the group's state (one VJP).
+    transition_vjp: Callable[[jax.Array], jax.Array]
+    #: This step's PRNG key for the group (the learner splits its own key every step).
+    key: jax.Array
+    #: The group (static).
+    info: GroupInfo
+
+
+class GroupRule(NamedTuple):
+    """A learning rule as pure functions of one carrier per hidden group.
+
+    For rules whose carrier spans the relations of a group, such as random projection (UORO),
+    whose hidden factor ``s̃`` and normalisers are shared by every parameter the group learns
+    (``braintrace.uoro_rule``). ``braintrace.compile(model, rule, x0)`` runs it on
+    :class:`~braintrace._algorithm.rules.group_rule.GroupRuleLearner`, which stores, resets,
+    checkpoints and exposes the carriers and owns the key.
+
+    Parameters
+    ----------
+    init : callable
+        ``init(info: GroupInfo) -> carrier``, a pytree of zero arrays.
+    roll : callable
+        ``roll(carrier, step: GroupStep) -> carrier``, of the same structure, shapes and dtypes.
+    solve : callable
+        ``solve(entering, signal, step: GroupStep) -> tuple``: per relation (in the order of
+        :attr:`GroupInfo.relations`), ``{operand key: gradient}``, what the rule adds to the
+        step's exact one-step gradient; ``entering`` is the carrier entering the step and
+        ``signal`` is ``∂L/∂h^t`` over the group's state ``(*varshape, S)``. Keys left out add
+        nothing.
+
+    Examples
+    --------
+    A rule that keeps no history: the one-step gradient alone.
+
+    >>> import jax.numpy as jnp, braintrace
+    >>> one_step = braintrace.GroupRule(init=lambda info: jnp.zeros(()), roll=lambda c, step: c,
+    ...                                 solve=lambda c, g, step: tuple({} for _ in step.xs))
+    >>> learner = braintrace.compile(braintrace.nn.ValinaRNNCell(3, 4), one_step, jnp.ones(3))
+    >>> type(learner).__name__, learner(jnp.ones(3)).shape
+    ('GroupRuleLearner', (4,))
+    """
+
+    init: Callable[[GroupInfo], Carrier]
+    roll: Callable[[Carrier, GroupStep], Carrier]
+    solve: Callable[[Carrier, jax.Array, GroupStep], tuple[dict[str, jax.Array], ...]]
 
 
 def relation_info(rel: HiddenParamOpRelation, group: HiddenGroup) -> RelationInfo:

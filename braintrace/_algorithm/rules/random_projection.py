@@ -32,6 +32,11 @@ the state entering the call (the hidden state the trace describes) to the call's
 gradient (the window's backpropagation for ``vjp_method='multi-step'``, the one-step gradient
 for ``'single-step'``).
 
+The per-group maths (the draw, the projection, the transition both ways, the factors' update)
+are the functions of :mod:`~braintrace._algorithm.rules.projection_rule`, whose record
+``braintrace.uoro_rule`` runs them on one carrier per group; the engine keeps one factor per
+parameter, windows of steps and the signal at ``h^{t-1}`` through every path of the step.
+
 The transition is applied matrix-free: ``D · s̃`` is one JVP of the group's transition at the
 step's values (:func:`transition_jvp`), so the dense ``(P·S)²`` Jacobian is never built. The
 carrier holds ``|θ| + P·S`` numbers per group (``P`` including any batch); a step forms no
@@ -53,14 +58,12 @@ Examples
 
 from __future__ import annotations
 
-import numbers
 from typing import Callable, Mapping, NamedTuple, Sequence, TypedDict, TypeGuard
 
 import brainstate
 import brainunit as u
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from braintrace._algorithm.engine.base import EligibilityTrace, ETraceVjpAlgorithm
 from braintrace._algorithm.carriers.carrier_store import CarrierStore, TraceStore
@@ -74,16 +77,22 @@ from braintrace._algorithm.engine.graph_executor import (
     TransitionPoint,
     df_key,
 )
-from braintrace._compatible_imports import eval_jaxpr
+from braintrace._algorithm.rules.projection_rule import (
+    checked_eps,
+    key_data,
+    projection_update,
+    rademacher_draw,
+    relation_projection,
+    transition_jvp,
+)
 from braintrace._compiler import ControlFlowPolicy
 from braintrace._compiler.hid_param_op import HiddenParamOpRelation
 from braintrace._compiler.hidden_group import HiddenGroup
 from braintrace._compiler.jaxpr_graph import contains_eqn
 from braintrace._errors import internal_error
-from braintrace._op import _registries as reg
 from braintrace._typing import Path, PyTree
 
-__all__ = ["RandomProjectionVjpAlgorithm", "ProjectionCarrier", "transition_jvp", "projection_update"]
+__all__ = ["RandomProjectionVjpAlgorithm", "ProjectionCarrier"]
 
 #: ``(hidden group index, parameter path)``: the key of one parameter factor ``θ̃``.
 FactorKey = tuple[int, Path]
@@ -209,14 +218,14 @@ class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm[ProjectionCarrier, Boundar
         projection_eps: float = 1e-12,
         random_feedback_key: int | jax.Array | None = None,
     ) -> None:
-        key_data = _key_data(projection_key)
-        eps = _check_eps(projection_eps)
+        data = key_data(projection_key, "projection_key")
+        eps = checked_eps(projection_eps, "projection_eps")
         super().__init__(model, name=name, vjp_method=vjp_method, control_flow=control_flow, config=config)
         self.vjp_executor.transition_points = True
         self.vjp_executor.include_weight_to_weight = True
         self.projection_key = projection_key
         self.projection_eps = eps
-        self._key_data = key_data
+        self._key_data = data
         self.fast_solve = bool(fast_solve)
         self.random_feedback_key = random_feedback_key
         self.s_tilde: TraceStore[int] = CarrierStore()
@@ -356,7 +365,7 @@ class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm[ProjectionCarrier, Boundar
         A pure function of its arguments (``key`` is the group's subkey of the step); override
         it to inject draws, e.g. from a table indexed by ``step``.
         """
-        return jax.random.rademacher(key, shape, dtype=jnp.int8).astype(dtype)
+        return rademacher_draw(key, shape, dtype)
 
     def _roll(
         self, carrier: ProjectionCarrier, xs: dict[int, jax.Array], dfs: ProjectionTails,
@@ -465,136 +474,11 @@ class RandomProjectionVjpAlgorithm(ETraceVjpAlgorithm[ProjectionCarrier, Boundar
 RandomProjectionVjpAlgorithm.__module__ = "braintrace"
 
 
-# --- the pieces of one step, as functions ------------------------------------------------------
-
-
-def transition_jvp(group: HiddenGroup, point: TransitionPoint, tangent: jax.Array) -> jax.Array:
-    """``D_full · tangent``: the group's whole hidden Jacobian at ``point`` applied to ``tangent``.
-
-    One forward-mode pass through the transition, ``(*varshape, S) -> (*varshape, S)``; equal to
-    ``tensordot(group.full_jacobian(point.hidden, point.inputs), tangent, tangent.ndim)`` without
-    building the ``(P·S)²`` matrix.
-
-    Examples
-    --------
-    >>> import brainstate, jax.numpy as jnp, braintrace
-    >>> from braintrace._algorithm.engine.graph_executor import TransitionPoint
-    >>> from braintrace._algorithm.rules.random_projection import transition_jvp
-    >>> cell = brainstate.nn.init_all_states(braintrace.nn.ValinaRNNCell(3, 2))
-    >>> graph = braintrace.compile_etrace_graph(cell, jnp.ones(3), include_recurrent_mixing=True)
-    >>> group = graph.hidden_groups[0]
-    >>> point = TransitionPoint([jnp.zeros(2)], [jnp.zeros(v.aval.shape) for v in group.transition_jaxpr_constvars])
-    >>> transition_jvp(group, point, jnp.ones((2, 1))).shape
-    (2, 1)
-    """
-
-    def fn(stacked: jax.Array) -> jax.Array:
-        return group.concat_hidden(group.transition(group.split_hidden(stacked), point.inputs))
-
-    hidden = group.concat_hidden(point.hidden)
-    out: jax.Array = jax.jvp(fn, (hidden,), (tangent.astype(hidden.dtype),))[1]
-    return out
-
-
-def relation_projection(
-    rel: HiddenParamOpRelation, group: HiddenGroup, nu: jax.Array, x: jax.Array | None, point: TailPoint,
-    weights: dict[str, jax.Array],
-) -> dict[str, jax.Array]:
-    """``νᵀ J_f`` of one relation for one group, per trainable operand: the primitive's
-    ``xy_to_dw`` rule at the cotangent ``νᵀ ∂h/∂y`` of the ``y -> h`` tail evaluated at ``point``."""
-    tail = rel.y_to_hidden_group_jaxprs[rel.hidden_groups.index(group)]
-
-    def to_hidden(y: jax.Array) -> jax.Array:
-        out: jax.Array = group.concat_hidden(eval_jaxpr(tail, point.consts, y))
-        return out
-
-    hidden, pullback = jax.vjp(to_hidden, point.y)
-    (dy,) = pullback(nu.astype(hidden.dtype))
-    rule = reg.required_rules(rel.primitive).xy_to_dw
-    projected: dict[str, jax.Array] = rule(x, dy, weights, **rel.eqn_params)
-    return projected
-
-
-def projection_update(
-    s_tilde: jax.Array, theta_tilde: dict[Path, PyTree], nu: jax.Array, proj: dict[Path, PyTree],
-    ds: jax.Array, eps: float,
-) -> tuple[jax.Array, dict[Path, PyTree]]:
-    """One group's factor update (``rho0``, ``rho1`` and the new ``s̃``, ``θ̃``).
-
-    Norms are over all of the group's parameters, accumulated in at least float32; the results
-    are cast back to the factors' dtypes.
-
-    Examples
-    --------
-    >>> import jax.numpy as jnp
-    >>> from braintrace._algorithm.rules.random_projection import projection_update
-    >>> s, theta = projection_update(jnp.zeros(2), {('w',): jnp.zeros(2)}, jnp.array([1., -1.]),
-    ...                              {('w',): jnp.array([3., 4.])}, jnp.zeros(2), 1e-12)
-    >>> rho1 = (5 / 2 ** 0.5) ** 0.5  # ‖proj‖ = 5, ‖ν‖ = √2; rho0 = 1 (both factors start at zero)
-    >>> [round(float(v), 4) for v in s], round(rho1, 4)  # rho1 · ν
-    ([1.8803, -1.8803], 1.8803)
-    >>> [round(float(v), 4) for v in theta[('w',)]]  # proj / rho1
-    [1.5955, 2.1273]
-    """
-    leaves = [s_tilde, *jax.tree.leaves(theta_tilde)]
-    acc = jnp.result_type(jnp.float32, *[leaf.dtype for leaf in leaves])
-    eps_acc = jnp.asarray(eps, acc)
-    rho0 = jnp.sqrt((_norm(theta_tilde, acc) + eps_acc) / (_norm(ds, acc) + eps_acc))
-    rho1 = jnp.sqrt((_norm(proj, acc) + eps_acc) / (_norm(nu, acc) + eps_acc))
-    s_new = (rho0 * ds.astype(acc) + rho1 * nu.astype(acc)).astype(s_tilde.dtype)
-    theta_new = jax.tree.map(
-        lambda t, q: (t.astype(acc) / rho0 + q.astype(acc) / rho1).astype(t.dtype), theta_tilde, proj)
-    return s_new, theta_new
-
-
 def _holds_points(Ds: CallHiddenJacobians) -> TypeGuard[list[TransitionPoint]]:
     """Whether the call's per-group slots hold :class:`TransitionPoint` (not Jacobians)."""
     return all(isinstance(D, TransitionPoint) for D in Ds)
 
 
-def _norm(tree: PyTree, dtype: jax.typing.DTypeLike) -> jax.Array:
-    """The L2 norm over every leaf of ``tree``, accumulated in ``dtype``."""
-    total = sum((jnp.sum(jnp.square(leaf.astype(dtype))) for leaf in jax.tree.leaves(tree)), jnp.zeros((), dtype))
-    return jnp.sqrt(total)
-
-
 def _mantissas(tree: PyTree) -> PyTree:
     """``tree`` with every ``brainunit`` quantity replaced by its mantissa."""
     return jax.tree.map(u.get_mantissa, tree, is_leaf=lambda x: isinstance(x, u.Quantity))
-
-
-def _key_data(key: object) -> np.ndarray:
-    """Raw ``uint32`` key data of a seed or key (``projection_key``)."""
-    if isinstance(key, (bool, np.bool_)):
-        raise TypeError(f"projection_key must be an integer seed or a PRNG key, got {key!r}.")
-    if isinstance(key, numbers.Integral):
-        return np.asarray(jax.random.key_data(jax.random.key(int(key))))
-    arr = key
-    if isinstance(arr, jax.Array) and jnp.issubdtype(arr.dtype, jax.dtypes.prng_key):
-        arr = jax.random.key_data(arr)
-    data = np.asarray(arr)
-    if data.dtype != np.uint32 or data.ndim != 1:
-        raise TypeError(
-            f"projection_key must be an integer seed or a PRNG key (jax.random.key or PRNGKey), "
-            f"got {type(key).__name__} with dtype {data.dtype} and shape {data.shape}."
-        )
-    return data
-
-
-def _check_eps(eps: object) -> float:
-    """``projection_eps`` as a float, if it is positive and stays positive in float32."""
-    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real):
-        raise TypeError(f"projection_eps must be a positive float, got {eps!r}.")
-    value = float(eps)
-    if not (np.isfinite(value) and value > 0):
-        raise ValueError(
-            f"projection_eps must be a positive, finite float, got {eps!r}: at the first step both "
-            f"factors are zero and each normaliser is (0 + eps) / (0 + eps), so eps must keep it "
-            f"finite and positive (eps = 0 gives NaN). Use a small positive value such as the default 1e-12."
-        )
-    if np.float32(value) == 0:
-        raise ValueError(
-            f"projection_eps={eps!r} underflows to 0 in float32, where the normalisers are computed; "
-            f"use at least {float(np.finfo(np.float32).smallest_subnormal):g} (default 1e-12)."
-        )
-    return value
