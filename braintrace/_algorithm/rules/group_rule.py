@@ -43,6 +43,7 @@ from braintrace._algorithm.engine.base import EligibilityTrace, ETraceVjpAlgorit
 from braintrace._algorithm.engine.graph_executor import TailPoint, TransitionPoint, df_key
 from braintrace._algorithm.engine.rule_contract import Carrier, GroupInfo, GroupRule, GroupStep, relation_info
 from braintrace._algorithm.rules.projection_rule import key_data, tail_pullback, transition_jvp, transition_vjp
+from braintrace._algorithm.rules.trace_rule import add_solved, carriers_of_weight, check_rule
 from braintrace._compiler import ControlFlowPolicy
 from braintrace._compiler.hid_param_op import HiddenParamOpRelation
 from braintrace._compiler.hidden_group import HiddenGroup
@@ -106,17 +107,7 @@ class GroupRuleLearner(ETraceVjpAlgorithm[GroupCarriers, tuple[Any, ...]]):
         control_flow: ControlFlowPolicy | None = None,
         key: int | jax.Array = 0,
     ) -> None:
-        if not isinstance(rule, GroupRule):
-            raise TypeError(f"GroupRuleLearner: rule must be a braintrace.GroupRule(init, roll, solve), got "
-                            f"{type(rule).__name__}.")
-        for field in ("init", "roll", "solve"):
-            if not callable(getattr(rule, field)):
-                raise TypeError(f"GroupRuleLearner: the rule's {field} must be callable, got {getattr(rule, field)!r}.")
-        if vjp_method != "single-step":
-            raise ValueError(
-                f"GroupRuleLearner: a GroupRule runs single-step calls, got vjp_method={vjp_method!r}; drive the "
-                f"learner one step per call (learner.etrace_grad without chunk_size), or use UORO for "
-                f"multi-step windows.")
+        check_rule(rule, GroupRule, "GroupRuleLearner", vjp_method, windows="UORO")
         data = key_data(key, "key")
         super().__init__(model, name=name, vjp_method=vjp_method, control_flow=control_flow)
         executor = self.vjp_executor
@@ -199,15 +190,10 @@ class GroupRuleLearner(ETraceVjpAlgorithm[GroupCarriers, tuple[Any, ...]]):
             If no relation learns ``weight``.
         """
         path = weight if isinstance(weight, tuple) else self.state_id_to_path.get(id(weight))
-        found = self.carriers.select(gi for gi, rels in self._relations.items()
-                                     if any(path in rel.trainable_paths.values() for rel in rels))
-        if not found:
-            shown = f"a {type(weight).__name__} that is not a state of this model" if path is None else path
-            raise ValueError(
-                f"get_etrace_of: there is no carrier of the given weight ({shown}). Only the weights of "
-                f"compiled relations (ETP operations that drive hidden states) have one; learner.report "
-                f"lists them.")
-        return found
+        return carriers_of_weight(
+            self.carriers,
+            (gi for gi, rels in self._relations.items() if any(path in rel.trainable_paths.values() for rel in rels)),
+            weight, path)
 
     def _relation_etrace(self, rel: HiddenParamOpRelation, group: HiddenGroup) -> Carrier:
         return self.carriers[group.index].value
@@ -269,13 +255,7 @@ class GroupRuleLearner(ETraceVjpAlgorithm[GroupCarriers, tuple[Any, ...]]):
                     f"({len(rels)}: {[rel.primitive.name for rel in rels]}), got {type(added).__name__} "
                     f"of length {len(added) if isinstance(added, tuple) else '-'}.")
             for rel, per_operand in zip(rels, added):
-                unknown = sorted(set(per_operand) - set(rel.trainable_paths))
-                if unknown:
-                    raise ValueError(
-                        f"GroupRule.solve returned gradients for {unknown}, which are not trainable operands of "
-                        f"{rel.primitive.name} (its operands: {sorted(rel.trainable_paths)}).")
-                for operand, g in per_operand.items():
-                    grads = self._add_operand_gradient(grads, rel, operand, g, weight_vals)
+                grads = add_solved(self, grads, rel, per_operand, weight_vals, "GroupRule.solve")
         return grads
 
 

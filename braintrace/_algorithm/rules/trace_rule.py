@@ -51,7 +51,7 @@ trace ``ε[b, i, o] = ∂h[b, o]/∂W[i, o]`` rolls as ``d ε + x ⊗ df`` and a
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Hashable, Iterable, Sequence, TypeVar
 
 import brainstate
 import jax
@@ -73,7 +73,9 @@ from braintrace._compiler.hid_param_op import HiddenParamOpRelation
 from braintrace._compiler.hidden_group import HiddenGroup
 from braintrace._typing import Path, PyTree, TraceKey
 
-__all__ = ["RelationInfo", "RelationStep", "TraceRule", "RuleLearner"]
+__all__ = ["RelationInfo", "RelationStep", "TraceRule", "RuleLearner", "check_rule", "carriers_of_weight", "add_solved"]
+
+K = TypeVar("K", bound=Hashable)
 
 
 class RuleLearner(ETraceVjpAlgorithm):
@@ -97,19 +99,9 @@ class RuleLearner(ETraceVjpAlgorithm):
         vjp_method: str = "single-step",
         control_flow: ControlFlowPolicy | None = None,
     ) -> None:
-        if not isinstance(rule, TraceRule):
-            raise TypeError(f"RuleLearner: rule must be a braintrace.TraceRule(init, roll, solve), got "
-                            f"{type(rule).__name__}.")
-        for field in ("init", "roll", "solve"):
-            if not callable(getattr(rule, field)):
-                raise TypeError(f"RuleLearner: the rule's {field} must be callable, got {getattr(rule, field)!r}.")
+        check_rule(rule, TraceRule, "RuleLearner", vjp_method, windows="D_RTRL")
         if rule.residual is not None and not callable(rule.residual):
             raise TypeError(f"RuleLearner: the rule's residual must be callable or None, got {rule.residual!r}.")
-        if vjp_method != "single-step":
-            raise ValueError(
-                f"RuleLearner: a TraceRule runs single-step calls, got vjp_method={vjp_method!r}; drive the "
-                f"learner one step per call (learner.etrace_grad without chunk_size), or use D_RTRL for "
-                f"multi-step windows.")
         super().__init__(model, name=name, vjp_method=vjp_method, control_flow=control_flow)
         self.rule = rule
         self.carriers: TraceStore[TraceKey] = CarrierStore()
@@ -180,15 +172,9 @@ class RuleLearner(ETraceVjpAlgorithm):
             If no relation learns ``weight``.
         """
         path = weight if isinstance(weight, tuple) else self.state_id_to_path.get(id(weight))
-        found = self.carriers.select(
-            trace_key(rel, g) for rel, g in self._pairs() if path in rel.trainable_paths.values())
-        if not found:
-            shown = f"a {type(weight).__name__} that is not a state of this model" if path is None else path
-            raise ValueError(
-                f"get_etrace_of: there is no carrier of the given weight ({shown}). Only the weights of "
-                f"compiled relations (ETP operations that drive hidden states) have one; learner.report "
-                f"lists them.")
-        return found
+        return carriers_of_weight(
+            self.carriers, (trace_key(rel, g) for rel, g in self._pairs() if path in rel.trainable_paths.values()),
+            weight, path)
 
     def _relation_etrace(self, rel: HiddenParamOpRelation, group: HiddenGroup) -> Carrier:
         return self.carriers[trace_key(rel, group)].value
@@ -235,11 +221,69 @@ class RuleLearner(ETraceVjpAlgorithm):
             key = trace_key(rel, group)
             signal = rel.output_layout(group, dl_to_hidden_groups[group.index])
             added = self.rule.solve(residual[key], signal, steps[key])
-            unknown = sorted(set(added) - set(rel.trainable_paths))
-            if unknown:
-                raise ValueError(
-                    f"TraceRule.solve returned gradients for {unknown}, which are not trainable operands of "
-                    f"{rel.primitive.name} (its operands: {sorted(rel.trainable_paths)}).")
-            for operand, g in added.items():
-                grads = self._add_operand_gradient(grads, rel, operand, g, weight_vals)
+            grads = add_solved(self, grads, rel, added, weight_vals, "TraceRule.solve")
         return grads
+
+
+def check_rule(rule: object, kind: type, learner: str, vjp_method: str, windows: str) -> None:
+    """Refuse a ``rule`` that is not a ``kind`` of callable ``init``, ``roll`` and ``solve``, and
+    calls other than single steps (``windows`` names the learner to use for those).
+
+    Raises
+    ------
+    TypeError
+        For another type, or a function that is not callable.
+    ValueError
+        For a ``vjp_method`` other than ``'single-step'``.
+    """
+    if not isinstance(rule, kind):
+        raise TypeError(f"{learner}: rule must be a braintrace.{kind.__name__}(init, roll, solve), got "
+                        f"{type(rule).__name__}.")
+    for field in ("init", "roll", "solve"):
+        if not callable(getattr(rule, field)):
+            raise TypeError(f"{learner}: the rule's {field} must be callable, got {getattr(rule, field)!r}.")
+    if vjp_method != "single-step":
+        raise ValueError(
+            f"{learner}: a {kind.__name__} runs single-step calls, got vjp_method={vjp_method!r}; drive the "
+            f"learner one step per call (learner.etrace_grad without chunk_size), or use {windows} for "
+            f"multi-step windows.")
+
+
+def carriers_of_weight(store: TraceStore[K], keys: Iterable[K], weight: object, path: Path | None) -> dict[K, Carrier]:
+    """The carriers of ``store`` at ``keys``, those of ``weight`` (its ``path``, ``None`` where it is
+    not a state of the model).
+
+    Raises
+    ------
+    ValueError
+        If there are none.
+    """
+    found = store.select(keys)
+    if not found:
+        shown = f"a {type(weight).__name__} that is not a state of this model" if path is None else path
+        raise ValueError(
+            f"get_etrace_of: there is no carrier of the given weight ({shown}). Only the weights of "
+            f"compiled relations (ETP operations that drive hidden states) have one; learner.report "
+            f"lists them.")
+    return found
+
+
+def add_solved(
+    learner: ETraceVjpAlgorithm, grads: dict[Path, PyTree], rel: HiddenParamOpRelation, added: dict[str, Any],
+    weight_vals: dict[Path, PyTree], solve: str,
+) -> dict[Path, PyTree]:
+    """``grads`` plus what a rule's ``solve`` returned for ``rel``'s operands.
+
+    Raises
+    ------
+    ValueError
+        For a key that is not a trainable operand of ``rel``.
+    """
+    unknown = sorted(set(added) - set(rel.trainable_paths))
+    if unknown:
+        raise ValueError(
+            f"{solve} returned gradients for {unknown}, which are not trainable operands of "
+            f"{rel.primitive.name} (its operands: {sorted(rel.trainable_paths)}).")
+    for operand, g in added.items():
+        grads = learner._add_operand_gradient(grads, rel, operand, g, weight_vals)
+    return grads
