@@ -7,7 +7,7 @@ groups (one key split between them every step), a GRU (a gate that reaches ``h``
 another weight), batched and unbatched. Negative controls: another ``eps`` or another key, and
 a weight tied between two relations of a group, which the engine credits with one factor (the
 record keeps one per relation operand, as its module says). Then the learner's contract: its
-refusals, its carriers, reset and the key.
+refusals, its carriers, reset, checkpoints and the key.
 """
 
 from __future__ import annotations
@@ -151,3 +151,17 @@ def test_bad_eps_is_refused_by_the_record() -> None:
 def test_get_etrace_of_an_unknown_weight_names_the_fix() -> None:
     with pytest.raises(ValueError, match="no carrier of the given weight"):
         _record(TanhRNN(), 0).get_etrace_of(("nope",))
+
+
+def test_a_checkpoint_restores_the_carriers_and_the_key(tmp_path: Any) -> None:
+    learner = _record(_gru(), 3, batch_size=2)
+    learner(normal(33, (2, 3)))
+    path = str(tmp_path / "group_rule")
+    braintrace.save_checkpoint(path, learner)
+    saved = [np.asarray(v) for v in jax.tree.leaves((learner.carriers.read(), learner.rule_key.value))]
+    learner(normal(34, (2, 3)))
+    moved = [np.asarray(v) for v in jax.tree.leaves((learner.carriers.read(), learner.rule_key.value))]
+    assert not all(np.array_equal(a, b) for a, b in zip(saved, moved))
+    braintrace.load_checkpoint(path, learner)
+    restored = [np.asarray(v) for v in jax.tree.leaves((learner.carriers.read(), learner.rule_key.value))]
+    assert all(np.array_equal(a, b) for a, b in zip(saved, restored))
