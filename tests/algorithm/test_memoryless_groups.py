@@ -5,9 +5,9 @@ The per-parameter learners then write the trace without reading the one that ent
 (XLA does not fold ``0 · ε``, and would read it every step), and add no history term to the
 one-step gradient. The gradient is the sum of the exact one-step gradients (truncated BPTT),
 checked in float64, and that of the same learner told that every group reads its past, checked
-in float32 (on every platform). A trace that entered as NaN shows that it is not read (not on a
-TPU, where the roll still reads it: ``roll_relation``); where the group reads its past (the
-negative control) the NaN goes through.
+in float64 and in float32 (on every platform). A trace that entered as NaN shows that it is not
+read (not on a TPU, where the roll still reads it: ``roll_relation``); where the group reads its
+past (the negative control) the NaN goes through.
 """
 
 from __future__ import annotations
@@ -117,12 +117,18 @@ def test_without_history_the_entering_trace_is_not_read(algorithm: Any, fast_sol
      (braintrace.EProp, {"feedback": "random", "random_feedback_key": 0}), (braintrace.OSTLRecurrent, {}),
      (braintrace.D_RTRL, {"vjp_method": "multi-step"})],
 )
-def test_skipping_the_history_changes_no_gradient(monkeypatch: pytest.MonkeyPatch, algorithm: Any, options: Any) -> None:
-    """Against the same learner told that every group reads its past (the full roll and history):
-    float32, the sums in another order."""
+@pytest.mark.parametrize(("precision", "tolerance"), [("float32", 1e-5), ("float64", EXACT)])
+def test_skipping_the_history_changes_no_gradient(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, algorithm: Any, options: Any, precision: str,
+    tolerance: float,
+) -> None:
+    """Against the same learner told that every group reads its past (the full roll and history),
+    the sums in another order: float32 on every platform, float64 where there is float64."""
+    if precision == "float64":
+        request.getfixturevalue("x64")
     xs = normal(11, (T, B, I))
     got = single_step_grads(_compile(Plain(), algorithm, **options), xs)
     monkeypatch.setattr(braintrace.HiddenGroup, "reads_its_past", lambda self: True)
     want = single_step_grads(_compile(Plain(), algorithm, **options), xs)
     assert set(got) == set(want) and all(np.any(want[p] != 0) for p in want)
-    assert max_rel_err(want, got) < 1e-5
+    assert max_rel_err(want, got) < tolerance

@@ -115,7 +115,6 @@ class GroupRuleLearner(ETraceVjpAlgorithm[GroupCarriers, tuple[Any, ...]]):
         executor.include_weight_to_weight = True
         executor.transition_points = True
         self.rule = rule
-        self.key = key
         self._key_data = data
         self.carriers: TraceStore[int] = CarrierStore()
         self.rule_key = brainstate.ShortTermState(jnp.asarray(data))
@@ -163,7 +162,7 @@ class GroupRuleLearner(ETraceVjpAlgorithm[GroupCarriers, tuple[Any, ...]]):
         return GroupInfo(jax.ShapeDtypeStruct(shape, hidden.dtype), infos, index)
 
     def reset_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
-        """Zero every carrier and the step counter; re-derive the key from the seed.
+        """Zero every carrier and ``running_index``; re-derive the key from the seed.
 
         With ``batch_size``, on a learner compiled with a batch, each carrier is re-allocated at
         what the rule's ``init`` gives for a group state of that leading size.
