@@ -100,18 +100,23 @@ def replaced_signal_residual(
     ``⟨Dᵀ g, ε^{t-1}⟩``) the two cancel to ``−⟨g, x ⊗ df⟩``. Elsewhere (``swapped``) the
     history's signal ``q`` (``∂L/∂h^{t-1}`` of a group read past its update) meets
     ``ε^{t-1}`` as ``q − Dᵀ g`` in one contraction, and an unfiltered ``⟨s, ε^t⟩`` joins it
-    as ``+ Dᵀ s`` and ``+ ⟨s, x ⊗ df⟩``. The other keys keep the three terms.
+    as ``+ Dᵀ s`` and ``+ ⟨s, x ⊗ df⟩``; where the group has no history (``D ≡ 0``) and the
+    signal is unfiltered, ``ε^t = x ⊗ df`` and the whole term is ``⟨s − g, x ⊗ df⟩``, which reads
+    no trace (the key is left out of the learning trace). The other keys keep the three terms.
     """
     same_step = dict(history.instant)
-    swapped = {}
+    swapped, unread = {}, set()
     local_keys = host._local_relation_weights().keys
     for key, (index, group, instant) in plain_rolls(host, jac, history.through_while).items():
         if key not in same_step and index not in local_keys and group.descent is None:
             same_step[key] = instant
-            if group.reads_its_past():  # else q − Dᵀ (g − s) ≡ 0 meets no trace
+            if group.reads_its_past():
                 swapped[key] = old_eps[key]
+            elif new_filter is None:  # ε^t = x ⊗ df: the whole term is ⟨s − g, x ⊗ df⟩
+                unread.add(key)
     # The learning trace is ē^t, or ε^t without a filter (then read off ε^{t-1} where swapped).
-    learning = new_filter if new_filter is not None else {k: v for k, v in new_eps.items() if k not in swapped}
+    learning = new_filter if new_filter is not None else {
+        k: v for k, v in new_eps.items() if k not in swapped and k not in unread}
     rest = history._replace(traces={k: v for k, v in history.traces.items() if k not in same_step}, instant={})
     return BackwardResidual(rest, learning_trace=learning,
                             new_trace={k: v for k, v in new_eps.items() if k not in same_step},

@@ -81,9 +81,14 @@ def solve_weight_gradients(
         minus_g = [-x for x in g]
         grads = solve_traces(host, BackwardTrace(residual.learning_trace, None), s, weight_vals, grads)
         grads = solve_traces(host, BackwardTrace(residual.new_trace, None), minus_g, weight_vals, grads)
+        # Keys without history left out of the learning trace: ⟨s − g, x ⊗ df⟩ (replaced_signal_residual).
         swapped = residual.swapped
-        simple = {k: v for k, v in residual.same_step.items() if k not in swapped}
+        unread = {k for k in residual.same_step if k not in swapped and k not in residual.learning_trace}
+        simple = {k: v for k, v in residual.same_step.items() if k not in swapped and k not in unread}
         grads = solve_same_step(host, simple, minus_g, weight_vals, grads)
+        if unread:
+            s_minus_g = [si - gi for si, gi in zip(s, g)]
+            grads = solve_same_step(host, {k: residual.same_step[k] for k in unread}, s_minus_g, weight_vals, grads)
         if swapped and residual.roll_jacobians is not None:
             learned = s if residual.swapped_learn else None
             entering = swapped_signals(host.graph.hidden_groups, residual.trace, residual.roll_jacobians, g, learned)

@@ -162,7 +162,9 @@ class BackwardResidual(NamedTuple):
         Single step, filtered, symmetric signal: ``ē^{t-1}`` of the keys whose history is read
         off the entering trace (the term ``κ ⟨g, ē^{t-1}⟩``; the others read it off ``ē^t``).
     learning_trace : dict or None
-        Single step, replaced signal: ``ē^t`` (``ε^t`` unfiltered), met by the learning signal.
+        Single step, replaced signal: ``ē^t`` (``ε^t`` unfiltered), met by the learning signal;
+        unfiltered, without the ``same_step`` keys whose group has no history (``ε^t = x ⊗ df``),
+        whose ``⟨s, ε^t⟩ − ⟨g, x ⊗ df⟩`` is ``⟨s − g, x ⊗ df⟩``: no trace of theirs is read.
     new_trace : dict or None
         Single step, replaced signal: ``ε^t`` of the keys not in ``same_step``, met by ``−g``
         (removing the autodiff's same-step term).
