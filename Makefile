@@ -59,7 +59,7 @@ SMOKE_TESTS := tests/test_supported_versions.py tests/test_jax_compat.py tests/t
 	tests/op/test_primitive.py tests/op/test_dense.py tests/op/test_sparse.py \
 	tests/compiler/test_jaxpr_graph.py tests/compiler/test_relations.py \
 	tests/algorithm/test_config.py tests/algorithm/test_api_0_2_5.py tests/algorithm/test_dni.py \
-	tests/algorithm/test_reset.py tests/algorithm/test_etrace_train.py \
+	tests/algorithm/test_reset.py tests/algorithm/test_etrace_train.py tests/algorithm/test_instant_traces.py \
 	tests/test_checkpoint.py tests/nn/test_online_learning.py tests/nn/test_exports.py
 
 $(OLDEST)/.base:
@@ -124,7 +124,7 @@ device-wheels:
 # drivers, checkpoints and the audit. Runs on whatever platform JAX finds, the CPU included, with
 # .venv's Python where there is one; on an accelerator machine with JAX only, as
 # `scripts/on_device.sh make test-device` (benchmarks/README.md).
-DEVICE_TESTS := tests/device tests/algorithm/test_memoryless_groups.py tests/algorithm/test_sequence_drivers.py tests/algorithm/test_etrace_train.py \
+DEVICE_TESTS := tests/device tests/algorithm/test_memoryless_groups.py tests/algorithm/test_instant_traces.py tests/algorithm/test_sequence_drivers.py tests/algorithm/test_etrace_train.py \
 	tests/test_checkpoint.py tests/test_audit.py
 test-device:
 	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m pytest -q -p no:cacheprovider --durations=15 -m "not exhaustive and not long" $(DEVICE_TESTS)

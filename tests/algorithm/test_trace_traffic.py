@@ -125,6 +125,23 @@ def _trace_sized(body: str) -> list[str]:
     return found
 
 
+class _Vanilla(_LIF):
+    """``h ← tanh(matmul([x, h], W))``: no history (``D ≡ 0``), the same trace shape as :class:`_LIF`."""
+
+    def update(self, x: jax.Array) -> jax.Array:
+        self.v.value = jnp.tanh(braintrace.matmul(jnp.concatenate([x, self.v.value], -1), self.w.value))
+        return self.v.value
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "options"), [(braintrace.D_RTRL, {}), (braintrace.EProp, {"feedback": "random", "random_feedback_key": 0})])
+def test_a_driver_carries_no_trace_without_history_through_its_loop(algorithm: Any, options: Any) -> None:
+    """The drivers write such a trace once, after their loop (``carriers/instant_traces.py``)."""
+    assert not _trace_loop_bodies(_driver_hlo(_Vanilla(), algorithm, **options))
+    # The negative control: in the user's own loop every call writes the trace.
+    assert _trace_loop_bodies(_compiled_hlo(_Vanilla(), algorithm, **options))
+
+
 def test_single_step_writes_the_trace_once_and_copies_nothing() -> None:
     produced = _trace_sized(_loop_body_hlo(_LIF()))
     assert len(produced) == 1, produced

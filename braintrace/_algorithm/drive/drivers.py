@@ -201,7 +201,8 @@ def etrace_grad(
     guarded = guarded_states(learner, "etrace_grad", check_finite, sequences, mask)
     run = learner._seq_run_type("etrace_grad", checked_step_fn(learner, "etrace_grad", step_fn), weights,
                                 drive.window, has_aux, learner, guarded)
-    grads, losses, aux, status = run_program(run, drive.sequences, mask, jnp.arange(drive.length))
+    grads, losses, aux, status = run_loop(learner, guarded is not None, run, drive.sequences, mask,
+                                          jnp.arange(drive.length))
     if status is not None:
         raise_if_bad("etrace_grad", status)
     denom = jnp.maximum(jnp.sum(mask), 1.0)
@@ -296,8 +297,8 @@ def etrace_evolve(
 
     guarded = guarded_states(learner, "etrace_evolve", check_finite, sequences)
     if guarded is None:
-        outs = run_program(lambda calls: brainstate.transform.for_loop(body, *calls),
-                           windows(drive.sequences, drive.window))
+        outs = run_loop(learner, False, lambda calls: brainstate.transform.for_loop(body, *calls),
+                        windows(drive.sequences, drive.window))
         return _declared(learner, drive, outs)
 
     def checked(status: Status, inputs: tuple[tuple[PyTree, ...], jax.Array]) -> tuple[Status, PyTree]:
@@ -339,6 +340,18 @@ def run_program(loop: Callable[..., Result], *args: PyTree) -> Result:
     if any(isinstance(leaf, Tracer) for leaf in jax.tree.leaves(args)):
         return loop(*args)
     return brainstate.transform.jit(loop)(*args)
+
+
+def run_loop(learner: SequenceHost, checked: bool, loop: Callable[..., Result], *args: PyTree) -> Result:
+    """:func:`run_program` of a driver's ``loop`` over ``learner``'s calls, whose traces without
+    history are written once, when the loop ends (unless ``checked``: the run checks every
+    step's values; ``braintrace._algorithm.carriers.instant_traces``)."""
+
+    def written_once(*loop_args: PyTree) -> Result:
+        with learner._seq_deferring_instant(checked):
+            return loop(*loop_args)
+
+    return run_program(written_once, *args)
 
 
 def _declared(learner: SequenceHost, drive: Drive, outputs: PyTree) -> PyTree:

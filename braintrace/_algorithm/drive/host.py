@@ -120,3 +120,8 @@ class SequenceHost(Protocol):
 
     def _seq_write_rolled(self, rolled: Sequence[RolledTrace]) -> None:
         """Write the traces rolled in the backward pass (``rolled``: the sink's cotangent)."""
+
+    def _seq_deferring_instant(self, checked: bool) -> AbstractContextManager[None]:
+        """Around a driver's whole loop: the traces without history that the loop's calls keep
+        as their factors are written once when it ends (``checked``: the run checks every step's
+        values, and every call writes its traces)."""

@@ -169,6 +169,10 @@ class SequenceDriverMixin:
     def _seq_write_rolled(self, rolled: Sequence[RolledTrace]) -> None:
         """Write the traces rolled in the backward pass (``rolled``: the sink's cotangent)."""
 
+    def _seq_deferring_instant(self, checked: bool) -> contextlib.AbstractContextManager[None]:
+        """Around a driver's whole loop (default: every call writes its traces)."""
+        return contextlib.nullcontext()
+
     # --- the drivers: functions of the learner (braintrace._algorithm.drive), as its methods ---
 
     etrace_grad = drivers.etrace_grad

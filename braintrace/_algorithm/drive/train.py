@@ -26,7 +26,7 @@ from braintrace._algorithm.drive.checks import (
     guarded_states,
     validate,
 )
-from braintrace._algorithm.drive.drivers import divided, run_program
+from braintrace._algorithm.drive.drivers import divided, run_loop
 from braintrace._algorithm.drive.host import SequenceHost, StepFn
 from braintrace._algorithm.drive.finite import Status, StateGuard, advance, all_finite, raise_if_bad
 from braintrace._algorithm.drive.train_optimizer import train_optimizer
@@ -212,7 +212,8 @@ def etrace_train(
             parts.append(part)
         return status, parts
 
-    status, parts = run_program(train, drive.sequences, mask, jnp.arange(drive.length))
+    status, parts = run_loop(learner, guarded is not None, train, drive.sequences, mask,
+                             jnp.arange(drive.length))
     keep_optimizer()  # the updates before a non-finite step were applied: their state goes on
     if status is not None:
         raise_if_bad("etrace_train", status)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from typing import Any, Callable, Generic, Self, Sequence, TypeVar, cast
+from typing import Any, Callable, Generic, Mapping, Self, Sequence, TypeVar, cast
 
 import brainstate
 import brainunit as u
@@ -645,6 +645,7 @@ class ETraceVjpAlgorithm(ETraceAlgorithm, Generic[TraceData, Residual]):
         else:
             jac = _jacobians(jac)
             new_etrace = self._update_etrace_data(running_index, etrace_vals, jac[0], jac[1], weight_vals, multi)
+            new_etrace = self._defer_instant_traces(etrace_vals, new_etrace, jac)
         hid, oth = ex.split_hidden_other(new_vals)
         return out, hid, oth, new_etrace
 
@@ -681,6 +682,7 @@ class ETraceVjpAlgorithm(ETraceAlgorithm, Generic[TraceData, Residual]):
             if roll_sink is not None:  # the driver takes the rolled traces from the backward pass
                 trace_for_bwd, new_etrace = self._roll_in_backward(etrace_vals, new_etrace, trace_for_bwd, jac)
             self._entering_reads = _entering_leaves_read(etrace_vals, new_etrace, trace_for_bwd)
+            new_etrace = self._defer_instant_traces(etrace_vals, new_etrace, jac, trace_for_bwd)
         else:
             stepper = self._make_etrace_stepper(weight_vals) if multi else None
 
@@ -792,6 +794,12 @@ class ETraceVjpAlgorithm(ETraceAlgorithm, Generic[TraceData, Residual]):
     def _assign_etrace_data(self, etrace_vals: TraceData) -> None:
         raise NotImplementedError
 
+    def _defer_instant_traces(self, entering: TraceData, new: TraceData, jac: CallJacobians,
+                              residual: object = None) -> TraceData:
+        """Single step, in a driver's loop: ``new`` with the traces written once after it kept as their
+        factors (``carriers/instant_traces.py``; none by default); ``residual`` must read none of them."""
+        return new
+
     def _update_etrace_data(
         self, running_index: jax.Array, etrace_vals_util_t_1: TraceData,
         hid2weight_jac_single_or_multi_times: CallWeightJacobians,
@@ -884,15 +892,10 @@ class ETraceVjpAlgorithm(ETraceAlgorithm, Generic[TraceData, Residual]):
     def _get_update_aux(self, args: tuple[PyTree, ...], **options: object) -> PyTree:
         """What the call passes to the rule beside the model's inputs (read before tracing).
 
-        A learner that takes keyword options validates them here; by default there are none.
+        A learner that takes keyword options validates them here; by default there are none
+        (:func:`_refuse_options`).
         """
-        if options:
-            names = ", ".join(f"{k}=" for k in sorted(options))
-            hint = (" modulator= is read by learning_signal='modulatory' (braintrace.ThreeFactor)."
-                    if "modulator" in options else "")
-            raise TypeError(
-                f"{type(self).__name__}.update() got keyword option(s) {names} it does not take: model "
-                f"inputs are passed positionally (learner(x)), and this learner has no keyword options.{hint}")
+        _refuse_options(type(self).__name__, options)
         return None
 
 
@@ -904,6 +907,26 @@ def _rolled(final: TraceData | None) -> TraceData:
     if final is None:
         raise internal_error("the executor returned no rolled trace for a call with a stepper")
     return final
+
+
+def _refuse_options(learner: str, options: Mapping[str, object]) -> None:
+    """Refuse keyword options given to the call of a learner that takes none.
+
+    Examples
+    --------
+    >>> _refuse_options('D_RTRL', {})
+    >>> _refuse_options('D_RTRL', {'modulator': 1.0})
+    Traceback (most recent call last):
+    ...
+    TypeError: D_RTRL.update() got keyword option(s) modulator= it does not take: model inputs are passed positionally (learner(x)), and this learner has no keyword options. modulator= is read by learning_signal='modulatory' (braintrace.ThreeFactor).
+    """
+    if options:
+        names = ", ".join(f"{k}=" for k in sorted(options))
+        hint = (" modulator= is read by learning_signal='modulatory' (braintrace.ThreeFactor)."
+                if "modulator" in options else "")
+        raise TypeError(
+            f"{learner}.update() got keyword option(s) {names} it does not take: model inputs are passed "
+            f"positionally (learner(x)), and this learner has no keyword options.{hint}")
 
 
 def _jacobians(jac: CallJacobians | None) -> CallJacobians:

@@ -72,6 +72,7 @@ import numpy as np
 
 from braintrace._algorithm.carriers.backward_roll import BackwardRollMixin
 from braintrace._algorithm.carriers.carrier_store import CarrierStore, TraceStore
+from braintrace._algorithm.carriers.instant_traces import InstantFactors, InstantTraceMixin, factors_of
 from braintrace._algorithm.engine.base import EligibilityTrace, ETraceVjpAlgorithm
 from braintrace._algorithm.engine.config import (
     ETraceConfig,
@@ -120,7 +121,7 @@ __all__ = ["ParamDimVjpAlgorithm", "D_RTRL"]
 Trace = dict[str, jax.Array]
 
 
-class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm[Carried, BackwardResidual]):
+class ParamDimVjpAlgorithm(BackwardRollMixin, InstantTraceMixin, ModulatorSlot, ETraceVjpAlgorithm[Carried, BackwardResidual]):
     """The per-parameter trace engine: every ``per_param`` coordinate of :class:`~braintrace.ETraceConfig`.
 
     The trace has the dimension of the parameters (see the module docstring). The coordinate
@@ -313,6 +314,7 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm[
         self.etrace_bwg = CarrierStore.of_zeros({k: self._stored(k, v) for k, v in traces.items()}, EligibilityTrace)
         if self.trace_dtype is not None and not any(map(self._fast_path, self.graph.hidden_param_op_relations)):
             _warn_unused_trace_dtype(type(self).__name__, self.trace_dtype)
+        self._instant_relations = self._find_instant_relations() if args else {}
         self._allocate_final_shapes(*args)
         self._trace_filters = (self.etrace_bwg.zeros_like(brainstate.ShortTermState) if self.kappa > 0
                                else CarrierStore())
@@ -326,7 +328,7 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm[
         self._rolled_relations = self._find_rolled_relations()
 
     def _allocate_final_shapes(self, *args: PyTree) -> None:
-        """Re-allocate traces that one step would broadcast to a larger shape.
+        """Re-allocate traces one step would broadcast to a larger shape; allocate the factor states (``instant_traces``).
 
         An operation that sees no batch axis (``matmul`` of an unbatched input) driving a
         batched hidden group gets one trace per sample once the group's per-sample Jacobian
@@ -334,13 +336,16 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm[
         keeps and a scan can carry it.
         """
         if not args:
-            return
+            return self._allocate_instant_factors({})
 
-        def roll(jac: CallJacobians, weight_vals: dict[Path, PyTree]) -> dict[TraceKey, Trace]:
+        def roll(jac: CallJacobians, weight_vals: dict[Path, PyTree]) -> tuple[Traces, dict[TraceKey, InstantFactors]]:
             (xs, dfs), Ds = step_jacobians(jac[0], jac[1], type(self).__name__)
-            return self._step_all(self._trace_views(), xs, dfs, Ds, weight_vals)
+            traces = self._step_all(self._trace_views(), xs, dfs, Ds, weight_vals)
+            return traces, factors_of(self._instant_relations, jac, type(self).__name__)
 
-        self.etrace_bwg.reallocate(self._shapes_after_one_step(roll, *args), self._view, self._stored)
+        traces, factors = self._shapes_after_one_step(roll, *args)
+        self.etrace_bwg.reallocate(traces, self._view, self._stored)
+        self._allocate_instant_factors(factors)
 
     def _seq_after_gradient(self, grads: dict[Path, PyTree]) -> None:
         """Single step: the new traces are written after the gradient reads the entering ones
@@ -355,8 +360,7 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm[
     # --- stored traces and their rule view ------------------------------------------------
 
     def _view(self, key: TraceKey, stored: Trace) -> Trace:
-        """The trace of ``key`` as the rules and :meth:`get_etrace_of` see it: with its trailing
-        state axis (of one entry, for a key stored without it; see :meth:`_stored`)."""
+        """The trace of ``key`` as the rules and :meth:`get_etrace_of` see it: with the state axis :meth:`_stored` drops."""
         if key not in self._squeezed:
             return dict(stored)
         return {k: v[..., None] for k, v in stored.items()}
@@ -364,15 +368,14 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm[
     def _stored(self, key: TraceKey, view: Trace) -> Trace:
         """The trace of ``key`` as :attr:`etrace_bwg` holds it.
 
-        On a TPU, the trace of a group of one state is stored without its trailing state axis, as
-        the state itself is. There an array whose last axis has one entry is laid out in tiles
-        padded 128-fold along that axis wherever XLA picks its default layout, and XLA does so for
-        some buffers a time loop carries: with the axis, a GRU-256 D_RTRL training step (batch 32,
-        T = 100, a TPU v5e) moved 1.1 GiB per time step for 17 MiB of traces and ran 240× BPTT's
-        time; without it, 2.3×. Elsewhere every trace keeps the axis: on CPU, XLA computes a new
-        trace twice, once per shape, where the gradient reads it reshaped
-        (``tests/algorithm/test_trace_traffic.py``). The rules, :meth:`get_etrace_of` and
-        checkpoints see the axis on every platform.
+        On a TPU the trace of a group of one state is stored without its trailing state axis, as
+        the state is: XLA pads an array whose last axis has one entry 128-fold along it where it
+        picks the default layout, as for some buffers a time loop carries (with the axis, a
+        GRU-256 D_RTRL training step on a v5e, batch 32, T = 100, moved 1.1 GiB per time step for
+        17 MiB of traces and ran 240× BPTT's time; without it, 2.3×). Elsewhere every trace keeps
+        it: on CPU XLA computes a new trace twice, once per shape, where the gradient reads it
+        reshaped (``tests/algorithm/test_trace_traffic.py``). Rules, :meth:`get_etrace_of` and
+        checkpoints see the axis everywhere.
         """
         if key not in self._squeezed:
             return dict(view)
@@ -397,7 +400,7 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm[
 
     def _assign_etrace_data(self, etrace_vals: Carried) -> None:
         eps, filt = split_filtered(etrace_vals, bool(self._trace_filters))
-        self.etrace_bwg.assign(eps, self._stored)
+        self.etrace_bwg.assign(self._assign_instant(eps), self._stored)
         if filt is not None:
             self._trace_filters.assign(filt, self._stored)
 
@@ -415,6 +418,7 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, ModulatorSlot, ETraceVjpAlgorithm[
         }
         self.etrace_bwg.reset(batch_size, batched.__contains__)
         self._trace_filters.reset(batch_size, batched.__contains__)  # a filter has its trace's shapes
+        self._reset_instant(batch_size)
         self.running_index.value = jnp.zeros_like(self.running_index.value)
 
     def get_etrace_of(self, weight: brainstate.ParamState | Path) -> dict[TraceKey, Trace]:

@@ -90,7 +90,8 @@ def roll_relation(
     trace every step); the values are those of the full roll wherever the trace is finite. Not on a
     TPU: XLA keeps a trace the time loop carries in on-chip memory, updated in place, while its
     update reads it, and moved a trace that was only written to off the chip every step (a
-    vanilla-256 D_RTRL training step on a v5e: 1.6 ms with the read, 2.6 ms without).
+    vanilla-256 D_RTRL training step on a v5e: 1.6 ms with the read, 2.6 ms without). The
+    drivers' loops carry no such trace at all (:mod:`~braintrace._algorithm.carriers.instant_traces`).
     """
     num_state = diag.shape[-1]  # the trace's trailing width (HiddenGroup.trace_state_width)
     skip_history = not has_history and jax.default_backend() != "tpu"
