@@ -46,7 +46,9 @@ from braintrace._algorithm.param_trace.residual import through_while
 from braintrace._algorithm.param_trace.types import (
     Carried,
     FilteredTraces,
+    Inputs,
     ParamTraceHost,
+    Tails,
     Traces,
     split_filtered,
     step_jacobians,
@@ -81,6 +83,9 @@ class _Unlisted:
 
     def __init__(self, store: CarrierStore[TraceKey, brainstate.ShortTermState]) -> None:
         self.store = store
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({list(self.store)})"
 
 
 class _InstantHost(ParamTraceHost, Protocol):
@@ -193,7 +198,7 @@ class InstantTraceMixin:
         filtered = bool(self._trace_filters)
         (traces, filters), (before, _) = split_filtered(new, filtered), split_filtered(entering, filtered)
         out: dict[TraceKey, Trace | InstantFactors] = dict(traces)
-        for key, kept in factors_of(self._instant_relations, jac, type(self).__name__).items():
+        for key, kept in factors_of(self._instant_relations, xs, dfs).items():
             like = self._instant_factors.store[key].value
             if key in crossing or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(kept, like)):
                 continue
@@ -224,9 +229,6 @@ class InstantTraceMixin:
         self._instant_factors.store.reset(batch_size, lambda key: True)
 
 
-def factors_of(
-    relations: Mapping[TraceKey, InstantRelation], jac: CallJacobians, learner: str,
-) -> dict[TraceKey, InstantFactors]:
-    """The factors ``(x, df)`` of each key of ``relations`` in one step's Jacobians ``jac``."""
-    (xs, dfs), _ = step_jacobians(jac[0], jac[1], learner)
+def factors_of(relations: Mapping[TraceKey, InstantRelation], xs: Inputs, dfs: Tails) -> dict[TraceKey, InstantFactors]:
+    """The factors ``(x, df)`` of each key of ``relations`` among one step's inputs ``xs`` and tails ``dfs``."""
     return {key: InstantFactors(xs[id(rel.x_var)], dfs[df_key(rel, group)]) for key, (rel, group) in relations.items()}

@@ -341,7 +341,7 @@ class ParamDimVjpAlgorithm(BackwardRollMixin, InstantTraceMixin, ModulatorSlot, 
         def roll(jac: CallJacobians, weight_vals: dict[Path, PyTree]) -> tuple[Traces, dict[TraceKey, InstantFactors]]:
             (xs, dfs), Ds = step_jacobians(jac[0], jac[1], type(self).__name__)
             traces = self._step_all(self._trace_views(), xs, dfs, Ds, weight_vals)
-            return traces, factors_of(self._instant_relations, jac, type(self).__name__)
+            return traces, factors_of(self._instant_relations, xs, dfs)
 
         traces, factors = self._shapes_after_one_step(roll, *args)
         self.etrace_bwg.reallocate(traces, self._view, self._stored)
