@@ -7,7 +7,8 @@ one-step gradient. The gradient is the sum of the exact one-step gradients (trun
 checked in float64, and that of the same learner told that every group reads its past, checked
 in float64 and in float32 (on every platform). A trace that entered as NaN shows that it is not
 read (not on a TPU, where the roll still reads it: ``roll_relation``); where the group reads its
-past (the negative control) the NaN goes through.
+past (the negative control) the NaN goes through. A multi-step window ends such a trace at its
+last step's roll: its gradients and traces equal the closed form's over the whole window.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 
 import braintrace
 from braintrace._algorithm.engine.rule_contract import relation_infos
-from tests.algorithm.bptt import bptt_grads, max_rel_err, normal, single_step_grads, x64  # noqa: F401  (a fixture)
+from tests.algorithm.bptt import bptt_grads, max_rel_err, normal, single_step_grads, window_grads, x64  # noqa: F401
 from tests.algorithm.test_trace_rule import Leaky
 
 T, B, I, H = 5, 3, 4, 6
@@ -132,3 +133,26 @@ def test_skipping_the_history_changes_no_gradient(
     want = single_step_grads(_compile(Plain(), algorithm, **options), xs)
     assert set(got) == set(want) and all(np.any(want[p] != 0) for p in want)
     assert max_rel_err(want, got) < tolerance
+
+
+@pytest.mark.parametrize(("precision", "tolerance"), [("float32", 1e-5), ("float64", EXACT)])
+def test_a_window_without_history_ends_at_its_last_steps_trace(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, precision: str, tolerance: float,
+) -> None:
+    """Multi-step windows (``window.chunk_roll``): the trace after each window, read by the next
+    window's gradient, is the last step's roll; against the closed form over the whole window."""
+    if precision == "float64":
+        request.getfixturevalue("x64")
+    xs = normal(11, (2 * T, B, I))
+
+    def run() -> tuple[Any, list[Any]]:
+        learner = _compile(Plain(), braintrace.D_RTRL, vjp_method="multi-step")
+        grads = window_grads(learner, xs, [T, T])
+        return grads, [np.asarray(leaf) for leaf in jax.tree.leaves(learner.etrace_bwg.read())]
+
+    got, got_traces = run()
+    monkeypatch.setattr(braintrace.HiddenGroup, "reads_its_past", lambda self: True)
+    want, want_traces = run()
+    assert set(got) == set(want) and all(np.any(want[p] != 0) for p in want)
+    assert max_rel_err(want, got) < tolerance
+    assert all(np.allclose(a, b, rtol=tolerance, atol=tolerance) for a, b in zip(got_traces, want_traces))

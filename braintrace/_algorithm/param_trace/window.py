@@ -117,13 +117,23 @@ def chunk_roll(
     host: ParamTraceHost, etrace: Traces, xs: Inputs, dfs: Tails, Ds: Sequence[jax.Array],
     relations: list[HiddenParamOpRelation], weight_vals: dict[Path, PyTree],
 ) -> Traces:
-    """The traces of ``relations`` at the end of the window, each in closed form."""
+    """The traces of ``relations`` at the end of the window, each in closed form.
+
+    A group without history (``D ≡ 0``, :meth:`~braintrace.HiddenGroup.reads_its_past`) has
+    ``M = 0`` and ``P_s = 0`` but for the last step: its trace is the last step's roll alone.
+    """
     suffix: dict[int, tuple[jax.Array, jax.Array]] = {}
     out = {}
     for rel in relations:
         fp = host._fast_path(rel)
         x_seq = None if rel.x_var is None else xs[id(rel.x_var)]
         for group in rel.hidden_groups:
+            if not group.reads_its_past() and group.descent is None:
+                key = trace_key(rel, group)
+                out[key] = host._step_relation(
+                    rel, group, etrace[key], Ds[group.index][-1], None if x_seq is None else x_seq[-1],
+                    dfs[df_key(rel, group)][-1], host._relation_operands(rel, weight_vals))
+                continue
             if group.index not in suffix:
                 suffix[group.index] = suffix_products(Ds[group.index])
             p_seq, m_full = suffix[group.index]
