@@ -31,8 +31,6 @@ from tests.algorithm.test_memoryless_groups import Plain
 from tests.algorithm.test_trace_rule import Leaky
 
 T, B, I, H = 5, 3, 4, 6
-#: Float32 on every platform (the two programs may fuse their sums differently), float64 where there is float64.
-PRECISIONS = pytest.mark.parametrize("tolerance", [pytest.param(1e-5, id="float32"), pytest.param(1e-12, id="float64")])
 
 
 class PlainThenLeaky(brainstate.nn.Module):
@@ -88,12 +86,14 @@ def _close(a: Any, b: Any, tolerance: float = 1e-12) -> bool:
     return len(la) == len(lb) and all(np.allclose(x, y, rtol=tolerance, atol=tolerance) for x, y in zip(la, lb))
 
 
-@pytest.fixture
-def tolerance_precision(request: pytest.FixtureRequest, tolerance: float) -> float:
-    """The test's ``tolerance``, under ``jax_enable_x64`` for the float64 one."""
-    if tolerance < 1e-6:
-        request.getfixturevalue("x64")
-    return tolerance
+@pytest.fixture(params=["float32", "float64"])
+def tolerance(request: pytest.FixtureRequest) -> float:
+    """Float32 at 1e-5 on every platform (the two programs may fuse their sums differently);
+    float64 (where there is float64) at 1e-12."""
+    if request.param == "float32":
+        return 1e-5
+    request.getfixturevalue("x64")
+    return 1e-12
 
 
 LEARNERS = [
@@ -105,13 +105,12 @@ LEARNERS = [
 ]
 
 
-@PRECISIONS
 @pytest.mark.parametrize(("algorithm", "options"), LEARNERS)
 @pytest.mark.parametrize("model", [Plain, PlainThenLeaky])
 def test_etrace_grad_equals_the_same_calls_in_a_loop_of_ones_own(
-    tolerance_precision: float, model: type, algorithm: Any, options: Any,
+    tolerance: float, model: type, algorithm: Any, options: Any,
 ) -> None:
-    tol = tolerance_precision
+    tol = tolerance
     xs, ys = normal(5, (T, B, I)), normal(6, (T, B, H))
     driven, own = _compile(model(), algorithm, **options), _compile(model(), algorithm, **options)
     assert len(driven._instant_relations) == 1 and len(driven.etrace_bwg) == (1 if model is Plain else 2)
@@ -173,8 +172,7 @@ def test_a_failed_loop_leaves_the_learner_as_it_was_and_the_next_writes_once() -
     assert learner._deferred_instant and _close(_states(learner), _states(own))
 
 
-@PRECISIONS
-def test_a_compiled_driver_writes_the_trace_once_at_every_run(tolerance_precision: float) -> None:
+def test_a_compiled_driver_writes_the_trace_once_at_every_run(tolerance: float) -> None:
     """A program compiled once (``jit`` around ``etrace_grad``) and run twice: each run leaves the
     trace of its own last call."""
     learner, own = _compile(Plain()), _compile(Plain())
@@ -184,8 +182,8 @@ def test_a_compiled_driver_writes_the_trace_once_at_every_run(tolerance_precisio
         xs, ys = normal(seed, (T, B, I)), normal(seed + 1, (T, B, H))
         grads = run(xs, ys)
         want, _ = _own_loop(own, xs, ys)
-        assert _close(grads, want, tolerance_precision)
-        assert _close(_states(learner), _states(own), tolerance_precision)
+        assert _close(grads, want, tolerance)
+        assert _close(_states(learner), _states(own), tolerance)
 
 
 @pytest.mark.parametrize(

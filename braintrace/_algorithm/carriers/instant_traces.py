@@ -145,8 +145,7 @@ class InstantTraceMixin:
                     or rel.control_flow_context is not None or rel.x_var is None or len(shape_of(rel.x_var)) != 2):
                 continue
             for group in rel.hidden_groups:
-                if not (group.reads_its_past() or group.descent is not None or group.reads_new_members()
-                        or group.index in read_past):
+                if not (group.reads_its_past() or group.reads_new_members() or group.index in read_past):
                     found[trace_key(rel, group)] = (rel, group)
         return found
 

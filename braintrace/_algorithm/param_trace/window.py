@@ -128,7 +128,7 @@ def chunk_roll(
         fp = host._fast_path(rel)
         x_seq = None if rel.x_var is None else xs[id(rel.x_var)]
         for group in rel.hidden_groups:
-            if not group.reads_its_past() and group.descent is None:
+            if not group.reads_its_past():
                 key = trace_key(rel, group)
                 out[key] = host._step_relation(
                     rel, group, etrace[key], Ds[group.index][-1], None if x_seq is None else x_seq[-1],
