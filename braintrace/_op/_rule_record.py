@@ -107,6 +107,12 @@ class FastPathRules(NamedTuple):
         ``diag ⊙ old + instant`` and the contraction ``Σ_b signal ⊙ old`` in one pass over
         ``old`` (``diag``, ``df``, ``signal``: ``(B, *y)``). ``None``: the engine rolls and
         contracts apart.
+    roll_and_solve_steps : callable or None
+        ``roll_and_solve_steps(old, diag, x, df, signal, has_bias) -> (new, grads)``:
+        ``roll_and_solve`` over ``K`` steps at once (``diag``, ``x``, ``df``, ``signal`` with a
+        leading axis of ``K``; step ``s`` contracts the trace it entered with): the last trace
+        and the gradients summed over the steps, reading ``old`` once. ``None``: the engine
+        takes the steps one by one.
     roll_filter_and_solve : callable or None
         ``roll_filter_and_solve(old, filt, diag, x, df, signal, filt_signal, kappa, has_bias) ->
         (new, new_filt, grads)``: ``roll_and_solve`` for a trace with a low-pass filter: also
@@ -122,6 +128,7 @@ class FastPathRules(NamedTuple):
     chunk: TraceRule | None = None
     solve_instant: TraceRule | None = None
     roll_and_solve: Callable[..., tuple[dict[str, Array], dict[str, Array]]] | None = None
+    roll_and_solve_steps: Callable[..., tuple[dict[str, Array], dict[str, Array]]] | None = None
     roll_filter_and_solve: Callable[..., tuple[dict[str, Array], dict[str, Array], dict[str, Array]]] | None = None
 
 

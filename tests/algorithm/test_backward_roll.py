@@ -106,6 +106,17 @@ def rolls_every_trace(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(backward_roll, "ROLL_MIN_BYTES", 0)
 
 
+@pytest.fixture
+def one_call_per_roll(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every call rolls its own traces (no group of calls is rolled at once)."""
+    monkeypatch.setattr(backward_roll, "MAX_CALLS_PER_ROLL", 1)
+
+
+def _rolls_in_the_forward_pass(learner: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(learner, "_seq_roll_sink", lambda grouped=False: None)
+    monkeypatch.setattr(learner, "_seq_calls_per_roll", lambda calls: 1)
+
+
 def _read_past_lif() -> brainstate.nn.Module:
     """The benchmarks' LIF network, whose readout reads the spikes past their update."""
     brainstate.random.seed(0)
@@ -114,6 +125,14 @@ def _read_past_lif() -> brainstate.nn.Module:
 
 MODEL_CASES = {"leaky": MODELS["leaky"], "lif": MODELS["lif"], "gru": MODELS["gru"], "read-past-lif": _read_past_lif}
 CASES = [(m, a) for m in MODEL_CASES for a in ALGORITHMS]
+
+
+def _assert_same(got: Any, got_traces: list[Any], want: Any, want_traces: list[Any]) -> None:
+    """Gradients and traces equal to float32 rounding (the sums added in another order)."""
+    assert max_rel_err(want, got) < 1e-6
+    for got_trace, want_trace in zip(got_traces, want_traces, strict=True):
+        for name, value in want_trace.items():
+            np.testing.assert_allclose(got_trace[name], value, rtol=1e-6, atol=1e-7)
 
 
 def _etrace_grad(learner: Any) -> tuple[Any, list[Any]]:
@@ -126,23 +145,20 @@ def _etrace_grad(learner: Any) -> tuple[Any, list[Any]]:
 
 @pytest.mark.parametrize("model, algorithm", CASES, ids=[f"{m}-{a}" for m, a in CASES])
 def test_rolled_in_the_backward_pass_the_learner_computes_what_it_does_in_the_forward_pass(
-    model: str, algorithm: str, monkeypatch: pytest.MonkeyPatch, rolls_every_trace: None,
+    model: str, algorithm: str, monkeypatch: pytest.MonkeyPatch, rolls_every_trace: None, one_call_per_roll: None,
 ) -> None:
     backward = _compile(MODEL_CASES[model](), algorithm, monkeypatch)
     forward = _compile(MODEL_CASES[model](), algorithm, monkeypatch)
-    monkeypatch.setattr(forward, "_seq_roll_sink", lambda: None)
+    _rolls_in_the_forward_pass(forward, monkeypatch)
     got, got_traces = _etrace_grad(backward)
     want, want_traces = _etrace_grad(forward)
     assert backward._rolled_now and not forward._rolled_now
-    assert max_rel_err(want, got) < 1e-6
-    for got_trace, want_trace in zip(got_traces, want_traces, strict=True):
-        for name, value in want_trace.items():
-            np.testing.assert_allclose(got_trace[name], value, rtol=1e-6, atol=1e-7)
+    _assert_same(got, got_traces, want, want_traces)
 
 
 @pytest.mark.parametrize("model", ["lif", "leaky"])
 def test_rolled_by_the_pallas_kernel_the_gradient_matches_bptt(
-    model: str, monkeypatch: pytest.MonkeyPatch, rolls_every_trace: None,
+    model: str, monkeypatch: pytest.MonkeyPatch, rolls_every_trace: None, one_call_per_roll: None,
 ) -> None:
     monkeypatch.setattr(dense, "roll_and_contract",
                         lambda *a: fused_roll.roll_and_contract_pallas(*a, interpret=True))
@@ -160,13 +176,10 @@ def test_a_filtered_trace_rolled_by_the_pallas_kernel_gives_what_the_forward_rol
                         lambda *a: fused_roll.roll_filter_and_contract_pallas(*a, interpret=True))
     backward = _compile(MODELS["lif"](), "eprop-kappa", monkeypatch)
     forward = _compile(MODELS["lif"](), "eprop-kappa", monkeypatch)
-    monkeypatch.setattr(forward, "_seq_roll_sink", lambda: None)
+    _rolls_in_the_forward_pass(forward, monkeypatch)
     (got, got_traces), (want, want_traces) = _etrace_grad(backward), _etrace_grad(forward)
     assert backward._rolled_now
-    assert max_rel_err(want, got) < 1e-6
-    for got_trace, want_trace in zip(got_traces, want_traces, strict=True):
-        for name, value in want_trace.items():
-            np.testing.assert_allclose(got_trace[name], value, rtol=1e-6, atol=1e-7)
+    _assert_same(got, got_traces, want, want_traces)
 
 
 def test_etrace_train_and_check_finite_roll_in_the_backward_pass_too(
@@ -177,7 +190,7 @@ def test_etrace_train_and_check_finite_roll_in_the_backward_pass_too(
     for rolls in (True, False):
         learner = _compile(MODELS["gru"](), "d_rtrl", monkeypatch)
         if not rolls:
-            monkeypatch.setattr(learner, "_seq_roll_sink", lambda: None)
+            _rolls_in_the_forward_pass(learner, monkeypatch)
         learner.etrace_train(xs, ts, step_fn=lambda x, t, lr=learner: target_loss(t, lr(x)),
                              optimizer=optax.adam(1e-2), check_finite=True)
         assert bool(learner._rolled_now) == rolls
@@ -185,9 +198,101 @@ def test_etrace_train_and_check_finite_roll_in_the_backward_pass_too(
     assert max_rel_err(weights[1], weights[0]) < 1e-5
 
 
-def test_below_the_size_threshold_and_outside_the_drivers_traces_roll_in_the_forward_pass(
-    monkeypatch: pytest.MonkeyPatch,
+# --- traces rolled over groups of calls ------------------------------------------------------
+
+GROUPED = [(m, a) for m in MODEL_CASES for a in ("d_rtrl", "eprop", "ostl_recurrent")]
+
+
+@pytest.mark.parametrize("model, algorithm", GROUPED, ids=[f"{m}-{a}" for m, a in GROUPED])
+def test_rolled_over_a_group_of_calls_the_learner_computes_what_it_does_call_by_call(
+    model: str, algorithm: str, monkeypatch: pytest.MonkeyPatch, rolls_every_trace: None,
 ) -> None:
+    grouped = _compile(MODEL_CASES[model](), algorithm, monkeypatch)
+    forward = _compile(MODEL_CASES[model](), algorithm, monkeypatch)
+    _rolls_in_the_forward_pass(forward, monkeypatch)
+    assert grouped._seq_calls_per_roll(T) == T  # the loop's calls are one group
+    got, got_traces = _etrace_grad(grouped)
+    want, want_traces = _etrace_grad(forward)
+    assert grouped._rolled_now and grouped._sink_keys == grouped._grouped_keys()
+    _assert_same(got, got_traces, want, want_traces)
+
+
+@pytest.mark.parametrize("model", ["leaky", "lif"])
+def test_rolled_over_groups_of_calls_the_gradient_matches_bptt(
+    model: str, monkeypatch: pytest.MonkeyPatch, rolls_every_trace: None,
+) -> None:
+    monkeypatch.setattr(backward_roll, "MAX_CALLS_PER_ROLL", 3)  # two groups of three calls
+    learner = _compile(MODELS[model](), "d_rtrl", monkeypatch)
+    assert learner._seq_calls_per_roll(T) == 3
+    got, _ = _etrace_grad(learner)
+    assert learner._rolled_now
+    ref = bptt_grads(MODELS[model](), normal(11, (T, B, I)), batch_size=B)
+    assert max_rel_err(ref, got) <= RTOL
+    monkeypatch.setattr(backward_roll, "MAX_CALLS_PER_ROLL", 1)  # negative control: the path taken matters
+    assert _compile(MODELS[model](), "d_rtrl", monkeypatch)._seq_calls_per_roll(T) == 1
+
+
+def test_a_group_is_the_largest_divisor_of_the_loop_up_to_the_cap(
+    monkeypatch: pytest.MonkeyPatch, rolls_every_trace: None,
+) -> None:
+    learner = _compile(MODELS["leaky"](), "d_rtrl", monkeypatch)
+    cap = backward_roll.MAX_CALLS_PER_ROLL
+    assert [learner._seq_calls_per_roll(n) for n in (100, 1000, 64, 17, 6, 1)] == [10, 10, cap, 1, 6, 1]
+    filtered = _compile(MODELS["leaky"](), "eprop-kappa", monkeypatch)  # a filter rolls call by call
+    assert filtered._rolled_relations and filtered._seq_calls_per_roll(100) == 1
+
+
+def test_etrace_train_rolls_each_span_in_groups_and_keeps_masks_and_aux(
+    monkeypatch: pytest.MonkeyPatch, rolls_every_trace: None,
+) -> None:
+    """Spans of 4 and 2 calls (groups of 4 and 2), a mask and an aux: the same training, losses
+    and aux as rolling call by call."""
+    xs, ts, mask = normal(11, (T, B, I)), jnp.arange(T), jnp.asarray([1.0, 0.0, 2.0, 1.0, 0.5, 1.0])
+    results = []
+    for grouped in (True, False):
+        learner = _compile(MODELS["lif"](), "d_rtrl", monkeypatch)
+        if not grouped:
+            _rolls_in_the_forward_pass(learner, monkeypatch)
+
+        def step_fn(x: jax.Array, t: jax.Array, lr: Any = learner) -> tuple[jax.Array, jax.Array]:
+            out = lr(x)
+            return target_loss(t, out), jnp.sum(out)
+
+        run = learner.etrace_train(xs, ts, step_fn=step_fn, optimizer=optax.sgd(0.1), update_every=4, mask=mask,
+                                   has_aux=True)
+        assert bool(learner._rolled_now) == grouped
+        weights = _to_numpy({k: st.value for k, st in learner.param_states.items()})
+        results.append((weights, np.asarray(run.losses), np.asarray(run.aux)))
+    (w_got, loss_got, aux_got), (w_want, loss_want, aux_want) = results
+    assert max_rel_err(w_want, w_got) < 1e-5
+    np.testing.assert_allclose(loss_got, loss_want, rtol=1e-5)
+    np.testing.assert_allclose(aux_got, aux_want, rtol=1e-5)
+    assert loss_got.shape == (T,) and aux_got.shape == (T,)
+
+
+def test_a_failed_grouped_loop_leaves_the_learner_as_it_was(
+    monkeypatch: pytest.MonkeyPatch, rolls_every_trace: None,
+) -> None:
+    learner = _compile(MODELS["lif"](), "d_rtrl", monkeypatch)
+    _etrace_grad(learner)  # traces that are not zero
+    before = [np.asarray(leaf) for leaf in jax.tree.leaves(brainstate.graph.states(learner))]
+
+    def failing(x: jax.Array, t: jax.Array) -> jax.Array:
+        target_loss(t, learner(x))
+        raise ValueError("a user's mistake, after the call")
+
+    with pytest.raises(ValueError, match="a user's mistake"):
+        learner.etrace_grad(normal(11, (T, B, I)), jnp.arange(T), step_fn=failing)
+    after = [np.asarray(leaf) for leaf in jax.tree.leaves(brainstate.graph.states(learner))]
+    assert len(before) == len(after) and all(np.array_equal(a, b) for a, b in zip(before, after))
+    _etrace_grad(learner)
+    assert learner._rolled_now
+
+
+def test_below_the_size_threshold_and_outside_the_drivers_traces_roll_in_the_forward_pass(
+    monkeypatch: pytest.MonkeyPatch, one_call_per_roll: None,
+) -> None:
+    """Call by call (a loop whose length has no divisor up to the cap, here the cap at one)."""
     learner = _compile(MODELS["lif"](), "d_rtrl", monkeypatch)
     assert learner._rolled_relations  # it could, but its trace is below ROLL_MIN_BYTES
     _etrace_grad(learner)

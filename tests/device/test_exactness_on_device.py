@@ -142,12 +142,18 @@ def test_check_gradients_reads_exact_at_float32_rounding() -> None:
     assert audit.exact, audit
 
 
+@pytest.mark.parametrize("calls_per_roll", [1, backward_roll.MAX_CALLS_PER_ROLL], ids=["per-call", "grouped"])
 @pytest.mark.parametrize("model", ["leaky", "lif"])
-def test_traces_rolled_in_the_backward_pass_match_bptt(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a TPU the drivers roll large dense traces in the backward pass with a Pallas kernel
-    (``braintrace._algorithm.carriers.backward_roll``); with its size threshold at zero these small models
-    take that path there. Elsewhere the traces roll in the forward pass, checked the same way."""
+def test_traces_rolled_in_the_backward_pass_match_bptt(
+    model: str, calls_per_roll: int, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a TPU the drivers roll dense traces in the backward pass
+    (``braintrace._algorithm.carriers.backward_roll``): call by call with a Pallas kernel, or
+    over groups of calls at once (here the loop's ``T`` calls are one group); with the size
+    thresholds at zero these small models take either path there. Elsewhere the traces roll in
+    the forward pass, checked the same way."""
     monkeypatch.setattr(backward_roll, "ROLL_MIN_BYTES", 0)
+    monkeypatch.setattr(backward_roll, "MAX_CALLS_PER_ROLL", calls_per_roll)
     xs = normal(11, (T, B, I))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
@@ -155,7 +161,9 @@ def test_traces_rolled_in_the_backward_pass_match_bptt(model: str, monkeypatch: 
     with jax.default_matmul_precision("highest"):
         got = learner.etrace_grad(xs, jnp.arange(T), step_fn=lambda x, t: target_loss(t, learner(x)), reduction="sum")
         ref = bptt_grads(MODELS[model](), xs, batch_size=B)
-    assert bool(learner._rolled_now) == (jax.default_backend() == "tpu")
+    on_tpu = jax.default_backend() == "tpu"
+    assert bool(learner._rolled_now) == on_tpu
+    assert learner._seq_calls_per_roll(T) == (min(calls_per_roll, T) if on_tpu else 1)
     err = max_rel_err(ref, _to_numpy(got))
     assert err <= RTOL, f"D_RTRL rolled in the backward pass on {model}: max rel. err {err:.2e} > {RTOL:.0e}"
 

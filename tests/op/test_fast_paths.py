@@ -7,6 +7,7 @@ For each row of ``cases/`` whose primitive has a bundle:
 * ``recurrent(D, ε)[..., a]`` equals ``Σ_c dt_to_t(D[..., a, c], ε[..., c])``;
 * ``solve(g, ε)`` equals ``Σ_a dt_to_t(g[..., a], ε[..., a])`` (also folded over the batch);
 * ``chunk`` over a window equals the step-by-step roll;
+* ``roll_and_solve_steps`` over several steps equals ``roll_and_solve`` step by step;
 * ``applicable`` is false whenever a transform hook is active.
 """
 
@@ -119,6 +120,25 @@ def test_chunk_equals_the_step_by_step_roll(case: OpCase, num_state: int) -> Non
     full = suffix[0] @ diags[0]
     got = fp.chunk(xs, dfs, jnp.stack(suffix), full, start, num_state)
     jax.tree.map(lambda u, v: close(u, v, atol=1e-4, rtol=1e-4), got, trace)
+
+
+@fast_cases
+def test_roll_and_solve_steps_equals_roll_and_solve_step_by_step(case: OpCase) -> None:
+    """On a one-state trace stored without its state axis: the last trace and the summed
+    gradients of five steps, each step contracting the trace it entered with."""
+    fp = reg.ETP_FAST_PATH_RULES[case.prim]
+    if fp.roll_and_solve_steps is None or fp.roll_and_solve is None or not _batched(case):
+        pytest.skip("no kernel over several steps (they serve batched primitives)")
+    steps, y = 5, case.y().shape
+    trace = start = {k: rand(70 + i, s) for i, (k, s) in enumerate(case.drtrl_shapes.items())}
+    xs = jnp.stack([case.x * (t + 1) for t in range(steps)])
+    diags, dfs, signals = (rand(key, (steps, *y)) for key in (71, 72, 73))
+    total = None
+    for t in range(steps):
+        trace, grads = fp.roll_and_solve(trace, diags[t], xs[t], dfs[t], signals[t], _has_bias(case))
+        total = grads if total is None else jax.tree.map(jnp.add, total, grads)
+    got_trace, got_grads = fp.roll_and_solve_steps(start, diags, xs, dfs, signals, _has_bias(case))
+    jax.tree.map(lambda u, v: close(u, v, atol=1e-4, rtol=1e-4), (got_trace, got_grads), (trace, total))
 
 
 @pytest.mark.parametrize("case", HOOKED, ids=[c.id for c in HOOKED])

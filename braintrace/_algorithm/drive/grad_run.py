@@ -5,8 +5,9 @@ the gradient of ``J_c = Σ_{t in call c} mask_t · loss_t`` is taken with
 ``brainstate.transform.grad`` inside ``brainstate.transform.scan``, and the scan carries
 ``Σ_c ĝ_c``. Under ``check_finite`` the carry also holds the non-finite status, and every update
 from the first non-finite step on is discarded (:mod:`braintrace._algorithm.drive.finite`). A learner
-that rolls traces in the backward pass gets a sink for them here
-(:mod:`braintrace._algorithm.carriers.backward_roll`).
+that rolls traces in the backward pass gets a sink for them here, and one that rolls them over
+a group of calls at once gets its calls in groups: a scan over the groups, each a scan over its
+calls followed by the group's roll (:mod:`braintrace._algorithm.carriers.backward_roll`).
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ class GradRun:
         mask_rows = mask if self.window is None else mask.reshape((-1, self.window))
         zeros = {path: zeros_like(st.value) for path, st in self.weights.items()}
         if self.guarded is None:
+            group = 1 if self.window is not None else self.host._seq_calls_per_roll(int(np.shape(mask)[0]))
+            if group > 1:
+                grads, losses, aux = self._grouped(xs, mask_rows, zeros, group)
+                return grads, losses, aux, None
             grads, (losses, aux) = brainstate.transform.scan(self._body, zeros, (xs, mask_rows))
             return grads, losses, aux, None
         starts = steps if self.window is None else steps[:: self.window]
@@ -81,25 +86,52 @@ class GradRun:
         (grads, status), (losses, aux) = brainstate.transform.scan(self._checked_body, carry, (xs, mask_rows, starts))
         return grads, losses, aux, status
 
-    def _grad(self, slices: tuple[PyTree, ...], w: jax.Array) -> tuple[Grads, tuple[jax.Array, PyTree]]:
+    def _grad(
+        self, slices: tuple[PyTree, ...], w: jax.Array, grouped: bool = False,
+    ) -> tuple[Grads, tuple[jax.Array, PyTree], RollSink | None]:
+        """One call's estimate and ``(loss, aux)``; and, ``grouped``, what its backward pass
+        returned of the traces the learner rolls over the group (``None``: no sink)."""
+
         def objective(*sink: RollSink) -> tuple[jax.Array, tuple[jax.Array, PyTree]]:
             with self.host._seq_rolling_into(sink[0] if sink else None):
                 loss, aux = self._loss(self.step_fn(*slices))
             return u.math.sum(w * loss), (loss, aux)
 
-        sink = None if self.window is not None else self.host._seq_roll_sink()
+        sink = None if self.window is not None else self.host._seq_roll_sink(grouped)
+        rolled = None
         if sink is None:
             grads, loss_aux = brainstate.transform.grad(objective, self.weights, has_aux=True)()
         else:
             (grads, (rolled,)), loss_aux = brainstate.transform.grad(
                 objective, self.weights, argnums=(0,), has_aux=True)(sink)
-            self.host._seq_write_rolled(rolled)
+            if not grouped:
+                self.host._seq_write_rolled(rolled)
         self.host._seq_after_gradient(grads)
-        return grads, loss_aux
+        return grads, loss_aux, rolled
 
     def _body(self, acc: Grads, inputs: tuple[tuple[PyTree, ...], jax.Array]) -> tuple[Grads, tuple[jax.Array, PyTree]]:
-        g, loss_aux = self._grad(*inputs)
-        return jax.tree.map(lambda a, b: a + b, acc, g), loss_aux
+        g, loss_aux, _ = self._grad(*inputs)
+        return _added(acc, g), loss_aux
+
+    def _grouped(
+        self, xs: tuple[PyTree, ...], mask: jax.Array, zeros: Grads, size: int,
+    ) -> tuple[Grads, jax.Array, PyTree]:
+        """The calls in groups of ``size``: each call returns its traces' factors instead of
+        rolling them, and the learner rolls them once per group
+        (:mod:`braintrace._algorithm.carriers.backward_roll`)."""
+
+        def call(acc: Grads, inputs: tuple[tuple[PyTree, ...], jax.Array]) -> tuple[Grads, tuple[PyTree, ...]]:
+            g, loss_aux, factors = self._grad(*inputs, grouped=True)
+            return _added(acc, g), (loss_aux, factors)
+
+        def group(acc: Grads, inputs: tuple[tuple[PyTree, ...], jax.Array]) -> tuple[Grads, tuple[jax.Array, PyTree]]:
+            acc, (loss_aux, factors) = brainstate.transform.scan(call, acc, inputs)
+            history = self.host._seq_roll_calls(factors)
+            return _added(acc, {path: history[path] for path in acc}), loss_aux
+
+        groups = jax.tree.map(lambda a: jnp.reshape(a, (-1, size, *np.shape(a)[1:])), (xs, mask))
+        grads, (losses, aux) = brainstate.transform.scan(group, zeros, groups)
+        return grads, jnp.reshape(losses, (-1,)), jax.tree.map(lambda a: jnp.reshape(a, (-1, *np.shape(a)[2:])), aux)
 
     def _checked_body(
         self, carry: tuple[Grads, Status], inputs: tuple[tuple[PyTree, ...], jax.Array, jax.Array]
@@ -108,7 +140,7 @@ class GradRun:
         (acc, status), (slices, w, step) = carry, inputs
         guard = StateGuard(self.guarded or ())
         entering = [st.value for st in self.weights.values()]
-        g, (loss, aux) = self._grad(slices, w)
+        g, (loss, aux), _ = self._grad(slices, w)
         checks = {**self._step_checks(slices, w, entering, loss, guard), "gradient": all_finite(g)}
         status = advance(status, step, checks)
         guard.keep_if(status.fine)
@@ -149,6 +181,10 @@ class GradRun:
                 f"objective v as jnp.broadcast_to(v / k, (k,))."
             )
         return loss, aux
+
+
+def _added(acc: Grads, g: Grads) -> Grads:
+    return jax.tree.map(lambda a, b: a + b, acc, g)
 
 
 def windows(sequences: tuple[PyTree, ...], window: int | None) -> tuple[PyTree, ...]:

@@ -15,7 +15,7 @@ It imports the non-finite status only (:mod:`braintrace._algorithm.drive.finite`
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Callable, ClassVar, Mapping, Protocol, Sequence, Union
+from typing import Callable, ClassVar, Mapping, NamedTuple, Protocol, Sequence, Union
 
 import brainstate
 import jax
@@ -23,7 +23,7 @@ import jax
 from braintrace._algorithm.drive.finite import Status
 from braintrace._typing import Path, PyTree, Trace
 
-__all__ = ["Grads", "StepFn", "RolledTrace", "RollSink", "SequenceHost", "SequenceRun", "SequenceRunType"]
+__all__ = ["Grads", "StepFn", "RolledTrace", "StepFactors", "RollSink", "SequenceHost", "SequenceRun", "SequenceRunType"]
 
 #: ``path -> gradient`` keyed like the ``weights`` that were differentiated (each shaped like the
 #: parameter's value, a pytree).
@@ -33,9 +33,26 @@ StepFn = Callable[..., PyTree]
 #: One trace rolled in the backward pass, in its stored form: the trace, or a filtered trace's
 #: ``{'eps': trace, 'filt': filter}``.
 RolledTrace = Union[Trace, dict[str, Trace]]
-#: Zeros shaped like each trace a call rolls in its backward pass, in the learner's order; the
-#: call's backward pass returns the rolled traces as its cotangent.
-RollSink = Sequence[RolledTrace]
+
+
+class StepFactors(NamedTuple):
+    """What a call's backward pass returns of a trace the driver rolls over several calls at once:
+    the roll's factors and the signal the entering trace meets, each ``(batch, ...)``."""
+
+    #: The relation's input, ``(batch, in)``.
+    x: jax.Array
+    #: The group's factor ``d`` of the roll ``ε' = d ε + x ⊗ df``, ``(batch, out)``.
+    diag: jax.Array
+    #: The relation's ``df``, ``(batch, out)``.
+    df: jax.Array
+    #: The signal ``q`` of the gradient's history term ``Σ_b q ⊙ ε``, ``(batch, out)``.
+    signal: jax.Array
+
+
+#: Zeros shaped like what a call's backward pass returns of each trace it leaves to the driver, in
+#: the learner's order: the rolled traces, or, where the driver rolls them over several calls at
+#: once, their :class:`StepFactors`. The backward pass returns these as the sink's cotangent.
+RollSink = Sequence[Union[RolledTrace, StepFactors]]
 
 
 class SequenceRun(Protocol):
@@ -112,14 +129,23 @@ class SequenceHost(Protocol):
         """Called with each call's gradient inside the traced step (a learner orders its trace
         writes after the gradient there)."""
 
-    def _seq_roll_sink(self) -> RollSink | None:
-        """Zeros shaped like the traces the next call rolls in its backward pass (``None``: none)."""
+    def _seq_calls_per_roll(self, calls: int) -> int:
+        """How many of a loop's ``calls`` single-step calls leave their traces' roll to one
+        :meth:`_seq_roll_calls` (``1``: each call rolls its own)."""
+
+    def _seq_roll_sink(self, grouped: bool = False) -> RollSink | None:
+        """Zeros shaped like what the next call's backward pass returns of its traces (``None``:
+        none): the rolled traces, or (``grouped``) their :class:`StepFactors`."""
 
     def _seq_rolling_into(self, sink: RollSink | None) -> AbstractContextManager[None]:
         """Within this block, the learner's call rolls those traces into ``sink``'s cotangent."""
 
-    def _seq_write_rolled(self, rolled: Sequence[RolledTrace]) -> None:
+    def _seq_write_rolled(self, rolled: RollSink) -> None:
         """Write the traces rolled in the backward pass (``rolled``: the sink's cotangent)."""
+
+    def _seq_roll_calls(self, factors: RollSink) -> Grads:
+        """Roll the traces over a group of calls from their :class:`StepFactors` (each stacked
+        over the calls); the gradients' history terms, keyed by every parameter's path."""
 
     def _seq_deferring_instant(self, checked: bool) -> AbstractContextManager[None]:
         """Around a driver's whole loop: the traces without history that the loop's calls keep

@@ -44,8 +44,9 @@ import brainstate
 from braintrace._algorithm.engine.call_lock import learner_lock
 from braintrace._algorithm.drive import drivers, train
 from braintrace._algorithm.drive.grad_run import GradRun
-from braintrace._algorithm.drive.host import Grads, RolledTrace, RollSink, SequenceRunType
+from braintrace._algorithm.drive.host import Grads, RollSink, SequenceRunType
 from braintrace._algorithm.drive.train import TrainResult
+from braintrace._errors import internal_error
 from braintrace._typing import Path, PyTree
 
 __all__ = ["SequenceDriverMixin", "TrainResult"]
@@ -157,8 +158,14 @@ class SequenceDriverMixin:
     def _seq_after_gradient(self, grads: Grads) -> None:
         """Called with the gradient of each call, inside the traced step (default: nothing)."""
 
-    def _seq_roll_sink(self) -> RollSink | None:
-        """Zeros shaped like the traces the next call rolls in its backward pass (default: ``None``, none)."""
+    def _seq_calls_per_roll(self, calls: int) -> int:
+        """How many calls leave their traces' roll to one :meth:`_seq_roll_calls` (default ``1``:
+        each call rolls its own)."""
+        return 1
+
+    def _seq_roll_sink(self, grouped: bool = False) -> RollSink | None:
+        """Zeros shaped like what the next call's backward pass returns of its traces (default:
+        ``None``, none)."""
         return None
 
     @contextlib.contextmanager
@@ -166,8 +173,12 @@ class SequenceDriverMixin:
         """Within this block, the learner's call rolls those traces into ``sink``'s cotangent."""
         yield
 
-    def _seq_write_rolled(self, rolled: Sequence[RolledTrace]) -> None:
+    def _seq_write_rolled(self, rolled: RollSink) -> None:
         """Write the traces rolled in the backward pass (``rolled``: the sink's cotangent)."""
+
+    def _seq_roll_calls(self, factors: RollSink) -> Grads:
+        """Roll the traces over a group of calls (default: the learner groups none)."""
+        raise internal_error(f"{type(self).__name__} was asked to roll traces over calls it does not group")
 
     def _seq_deferring_instant(self, checked: bool) -> contextlib.AbstractContextManager[None]:
         """Around a driver's whole loop (default: every call writes its traces)."""
