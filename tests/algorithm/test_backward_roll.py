@@ -228,8 +228,20 @@ def test_rolled_over_groups_of_calls_the_gradient_matches_bptt(
     assert learner._rolled_now
     ref = bptt_grads(MODELS[model](), normal(11, (T, B, I)), batch_size=B)
     assert max_rel_err(ref, got) <= RTOL
-    monkeypatch.setattr(backward_roll, "MAX_CALLS_PER_ROLL", 1)  # negative control: the path taken matters
-    assert _compile(MODELS[model](), "d_rtrl", monkeypatch)._seq_calls_per_roll(T) == 1
+    # Negative control: a group's roll that drops the history terms misses BPTT by far.
+    blind = _compile(MODELS[model](), "d_rtrl", monkeypatch)
+    fast_path = blind._fast_path
+
+    def without_history(rel: Any) -> Any:
+        fp = fast_path(rel)
+        if fp is None:
+            return None
+        steps = fp.roll_and_solve_steps
+        return fp._replace(roll_and_solve_steps=lambda old, d, x, df, q, bias: steps(old, d, x, df, 0 * q, bias))
+
+    monkeypatch.setattr(blind, "_fast_path", without_history)
+    missed, _ = _etrace_grad(blind)
+    assert blind._rolled_now and max_rel_err(ref, missed) > 100 * RTOL
 
 
 def test_a_group_is_the_largest_divisor_of_the_loop_up_to_the_cap(

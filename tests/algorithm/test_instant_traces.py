@@ -4,10 +4,10 @@ A group whose past reaches its new state only through the relations (``h = tanh(
 has traces ``ε^t = x^t ⊗ df^t``. In the drivers' loops each call keeps ``(x, df)`` and the trace
 is written once at the loop's end. Pinned here: the drivers' gradients, losses, outputs, hidden
 states and traces equal those of the same calls in a loop of the user's own (float32 at 1e-5 on
-every platform, float64 at 1e-12; bfloat16 traces on an accelerator at bfloat16's resolution) for D_RTRL, EProp (with random feedback, whose term is then
-``⟨s − g, x ⊗ df⟩``, and with a filter, whose ``ē`` is still written every step), bfloat16
-traces, a model that mixes such a group with a leaky one, and every driver; the factor states
-are not among the learner's states; a failed loop leaves the learner as it was; a driver
+every platform, float64 at 1e-12; bfloat16 traces on an accelerator at bfloat16's resolution)
+for D_RTRL, EProp (with random feedback, whose term is then ``⟨s − g, x ⊗ df⟩``, and with a
+filter, whose ``ē`` is still written every step), bfloat16 traces, a model that mixes such a
+group with a leaky one, and every driver; the factor states are not among the learner's states; a failed loop leaves the learner as it was; a driver
 compiled once writes the trace of its own run at every run; and the traces that a gradient or
 the next step reads are written every step. That the drivers' loop carries no such trace is
 pinned in ``test_trace_traffic.py``.

@@ -138,7 +138,7 @@ def test_roll_and_solve_steps_equals_roll_and_solve_step_by_step(case: OpCase) -
         trace, grads = fp.roll_and_solve(trace, diags[t], xs[t], dfs[t], signals[t], _has_bias(case))
         total = grads if total is None else jax.tree.map(jnp.add, total, grads)
     got_trace, got_grads = fp.roll_and_solve_steps(start, diags, xs, dfs, signals, _has_bias(case))
-    jax.tree.map(lambda u, v: close(u, v, atol=1e-4, rtol=1e-4), (got_trace, got_grads), (trace, total))
+    jax.tree.map(lambda u, v: close(u, v, atol=1e-5, rtol=1e-5), (got_trace, got_grads), (trace, total))
 
 
 @pytest.mark.parametrize("case", HOOKED, ids=[c.id for c in HOOKED])
