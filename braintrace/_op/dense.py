@@ -299,13 +299,14 @@ def _dense_fast_roll_and_solve_steps(
     weight = prod_all[:, None, :] * old["weight"]
     for s in range(x.shape[0]):
         weight = weight + x[s][:, :, None] * (prod[s] * df[s])[:, None, :]
-    folded = x.shape[0] * x.shape[1]  # the gradient's term of the steps: one product over steps and rows
-    grad = (jnp.sum(old["weight"] * lam_first[:, None, :], axis=0)
-            + jnp.matmul(jnp.reshape(x, (folded, -1)).T, jnp.reshape(lam * df, (folded, -1)), precision=_HIGHEST))
-    new, grads = {"weight": weight}, {"weight": grad}
+    folded = x.shape[0] * x.shape[1]  # the steps' own terms: one product over steps and rows
+    steps = _dense_fast_solve_instant(jnp.reshape(lam, (folded, -1, 1)), jnp.reshape(x, (folded, -1)),
+                                      jnp.reshape(df, (folded, -1, 1)), has_bias, fold_batch=True)
+    new = {"weight": weight}
+    grads = {"weight": jnp.sum(old["weight"] * lam_first[:, None, :], axis=0) + steps["weight"]}
     if "bias" in old:
         new["bias"] = prod_all * old["bias"] + (jnp.sum(prod * df, axis=0) if has_bias else 0.0)
-        grads["bias"] = jnp.sum(lam_first * old["bias"], axis=0) + (jnp.sum(lam * df, axis=(0, 1)) if has_bias else 0.0)
+        grads["bias"] = jnp.sum(lam_first * old["bias"], axis=0) + steps.get("bias", 0.0)
     return new, grads
 
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import ClassVar, Iterator, Mapping, Protocol, Sequence
+from typing import ClassVar, Iterator, Mapping, Protocol
 
 import brainstate
 
