@@ -235,7 +235,10 @@ def bandwidth(n_bytes: int | None = None, repeats: int = 5, updates: int | None 
     return 2 * n_bytes * updates / statistics.median(samples)
 
 
-def run(setting: Setting, batch: int, steps: int, long_steps: int, repeats: int, bw: float) -> dict[str, Any]:
+def run(setting: Setting, batch: int, steps: int, long_steps: int, repeats: int, bw: float,
+        compilations: int = 3) -> dict[str, Any]:
+    """Every method's row on ``setting``: its step timed ``repeats`` times, its compile time the
+    fastest of ``compilations`` at fresh lengths near ``long_steps``."""
     key = jax.random.PRNGKey(0)
     data = lambda t: (jax.random.normal(key, (t, batch, setting.n_in)),  # noqa: E731
                       jax.random.normal(key, (t, batch, setting.n_out)))
@@ -268,7 +271,7 @@ def run(setting: Setting, batch: int, steps: int, long_steps: int, repeats: int,
         steps_of[name] = step
         mem_short, _ = compile_step(step, xs, ys)
         mem_long, compile_seconds = compile_step(step, xl, yl)
-        for shorter in (COMPILE_STRIDE, 2 * COMPILE_STRIDE):  # fresh lengths: nothing cached
+        for shorter in range(COMPILE_STRIDE, compilations * COMPILE_STRIDE, COMPILE_STRIDE):  # fresh: nothing cached
             compile_seconds = min(compile_seconds, compile_step(step, xl[shorter:], yl[shorter:])[1])
         rows[name] = {
             "mem_short": mem_short,
@@ -316,7 +319,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--long-steps", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=11)
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and one compilation each, for a smoke run")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument("--connectome", action=argparse.BooleanOptionalAction, default=None,
                         help="the connectome-scale workload (benchmarks/connectome.py); default: on unless --quick")
@@ -334,7 +337,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"batch {args.batch}, T={args.steps} (memory also at T={args.long_steps})\n")
     results: dict[str, Any] = {"bandwidth_bytes_per_s": bw, "import_seconds": imports, "models": {}}
     for name in args.models:
-        rows = run(SETTINGS[name], args.batch, args.steps, args.long_steps, args.repeats, bw)
+        rows = run(SETTINGS[name], args.batch, args.steps, args.long_steps, args.repeats, bw,
+                   compilations=1 if args.quick else 3)
         results["models"][name] = rows
         print(f"{name}")
         print(f"  {'method':<20}{'vs BPTT':>9}{'vs D_RTRL':>11}{'vs floor':>10}{'temp MiB':>10}"
