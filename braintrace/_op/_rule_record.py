@@ -32,6 +32,7 @@ __all__ = [
     "ArrayRule",
     "AdjacencyRule",
     "FastSolve",
+    "FilteredRoll",
     "TrainableInvarsFn",
     "FastPathRules",
     "REQUIRED_RULES",
@@ -68,6 +69,10 @@ class FastSolve(Protocol):
 
     def __call__(self, signal: Array, trace: dict[str, Array], /, *, fold_batch: bool = ...) -> dict[str, Array]:
         ...
+
+
+#: What a filtered trace's roll returns: the new trace, the new filter and the gradients.
+FilteredRoll = tuple[dict[str, Array], dict[str, Array], dict[str, Array]]
 
 
 class FastPathRules(NamedTuple):
@@ -119,6 +124,11 @@ class FastPathRules(NamedTuple):
         ``new_filt = kappa ⊙ filt + new`` and ``grads`` the contraction
         ``Σ_b signal ⊙ old + filt_signal ⊙ filt``, in one pass over each. ``None``: the engine
         rolls, filters and contracts apart.
+    roll_filter_and_solve_steps : callable or None
+        ``roll_filter_and_solve_steps(old, filt, diag, x, df, signal, filt_signal, kappa,
+        has_bias) -> (new, new_filt, grads)``: ``roll_filter_and_solve`` over ``K`` steps at
+        once, as ``roll_and_solve_steps`` is ``roll_and_solve``'s. ``None``: the engine takes the
+        steps one by one.
     """
 
     instant: TraceRule
@@ -129,7 +139,8 @@ class FastPathRules(NamedTuple):
     solve_instant: TraceRule | None = None
     roll_and_solve: Callable[..., tuple[dict[str, Array], dict[str, Array]]] | None = None
     roll_and_solve_steps: Callable[..., tuple[dict[str, Array], dict[str, Array]]] | None = None
-    roll_filter_and_solve: Callable[..., tuple[dict[str, Array], dict[str, Array], dict[str, Array]]] | None = None
+    roll_filter_and_solve: Callable[..., FilteredRoll] | None = None
+    roll_filter_and_solve_steps: Callable[..., FilteredRoll] | None = None
 
 
 #: The rules every learner needs of a primitive whose weights it traces: ``D_RTRL`` and the

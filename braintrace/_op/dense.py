@@ -252,9 +252,15 @@ def _dense_fast_chunk(
     """
     pdf = propagate_df(p_seq, df_seq, num_state)
     out = _dense_fast_recurrent(m_full, old, num_state)
-    out["weight"] = out["weight"] + jnp.einsum(
-        "t...i,t...ka->...ika", x_seq, pdf, precision=_HIGHEST
-    )
+    if jax.default_backend() == "tpu":
+        # Element-wise: on a TPU v5e the product over the window's steps compiled a GRU-256
+        # multi-step loop in 3.8 s, this sum in 1.6 s, its step 8 % slower (benchmarks/README.md).
+        weight = out["weight"]
+        for x, pdf_s in zip(x_seq, pdf):
+            weight = weight + x[..., :, None, None] * pdf_s[..., None, :, :]
+        out["weight"] = weight
+    else:
+        out["weight"] = out["weight"] + jnp.einsum("t...i,t...ka->...ika", x_seq, pdf, precision=_HIGHEST)
     if "bias" in old:
         out["bias"] = out["bias"] + pdf.sum(axis=0)
     return out
@@ -271,6 +277,13 @@ def _dense_fast_roll_and_solve(
         new["bias"] = diag * old["bias"] + (df if has_bias else 0.0)
         grads["bias"] = jnp.sum(signal * old["bias"], axis=0)
     return new, grads
+
+
+def _outer_sums(start: Array, x: Array, y: Array) -> Array:
+    """``start + Σ_s x_s ⊗ y_s``: ``(B, I, O)``, ``(K, B, I)`` and ``(K, B, O)``."""
+    for x_s, y_s in zip(x, y):
+        start = start + x_s[:, :, None] * y_s[:, None, :]
+    return start
 
 
 def _dense_fast_roll_and_solve_steps(
@@ -294,16 +307,16 @@ def _dense_fast_roll_and_solve_steps(
 
     start = (jnp.zeros_like(signal[0]), jnp.ones_like(diag[0]))
     (lam_first, prod_all), (lam, prod) = jax.lax.scan(back, start, (diag, signal), reverse=True)
-    # Element-wise, the trace's terms are one fusion; as one batched product over the steps, a TPU
-    # v5e ran 5-10 % faster but compiled the driver's loop 4-5x slower (benchmarks/README.md).
-    weight = prod_all[:, None, :] * old["weight"]
-    for s in range(x.shape[0]):
-        weight = weight + x[s][:, :, None] * (prod[s] * df[s])[:, None, :]
+    # Element-wise, the trace's terms are one fusion with the roll. On a TPU v5e, as one batched
+    # product over the steps, it ran 5-10 % faster but compiled the driver's loop 4-5x slower; as a
+    # Pallas kernel it ran 1.7x slower at LIF-1024 (benchmarks/README.md).
+    weight = _outer_sums(prod_all[:, None, :] * old["weight"], x, prod * df)
+    history = jnp.sum(old["weight"] * lam_first[:, None, :], axis=0)
     folded = x.shape[0] * x.shape[1]  # the steps' own terms: one product over steps and rows
     steps = _dense_fast_solve_instant(jnp.reshape(lam, (folded, -1, 1)), jnp.reshape(x, (folded, -1)),
                                       jnp.reshape(df, (folded, -1, 1)), has_bias, fold_batch=True)
     new = {"weight": weight}
-    grads = {"weight": jnp.sum(old["weight"] * lam_first[:, None, :], axis=0) + steps["weight"]}
+    grads = {"weight": history + steps["weight"]}
     if "bias" in old:
         new["bias"] = prod_all * old["bias"] + (jnp.sum(prod * df, axis=0) if has_bias else 0.0)
         grads["bias"] = jnp.sum(lam_first * old["bias"], axis=0) + steps.get("bias", 0.0)
@@ -325,6 +338,49 @@ def _dense_fast_roll_filter_and_solve(
     return new, new_filt, grads
 
 
+def _dense_fast_roll_filter_and_solve_steps(
+    old: dict[str, Array], filt: dict[str, Array], diag: Array, x: Array, df: Array, signal: Array,
+    filt_signal: Array, kappa: float, has_bias: bool,
+) -> tuple[dict[str, Array], dict[str, Array], dict[str, Array]]:
+    """:func:`_dense_fast_roll_filter_and_solve` over ``K`` steps at once (shaped as in
+    :func:`_dense_fast_roll_and_solve_steps`; ``filt_signal`` ``(K, B, O)``).
+
+    Step ``s`` rolls ``z_s = M_s z_{s-1} + (u_s, u_s)`` for ``z = (ε, ē)``, ``u_s = x_s ⊗ df_s``
+    and ``M_s = [[d_s, 0], [d_s, κ]]``, and contracts ``(q_s, r_s)`` with ``z_{s-1}``. With
+    ``Φ_s = M_{K-1} ⋯ M_{s+1} = [[a_s, 0], [c_s, κ^{K-1-s}]]`` and the adjoint
+    ``λ_{s-1} = (q_s, r_s) + M_sᵀ λ_s``: ``z_{K-1} = Φ_{-1} z_{-1} + Σ_s Φ_s (u_s, u_s)`` and the
+    gradient ``Σ_b λ_{-1} · z_{-1} + Σ_{s,b} x_s ⊗ ((λ^ε_s + λ^ē_s) df_s)``.
+    """
+
+    Carry = tuple[Array, Array, Array, Array, Array]  # λ_s and Φ_s
+
+    def back(carry: Carry, step: tuple[Array, Array, Array]) -> tuple[Carry, tuple[Array, Array, Array]]:
+        lam, lam_filt, a, c, e = carry
+        d, q, r = step
+        into = lam + lam_filt  # what the step's own u_s meets, through ε_s and ē_s
+        return (q + d * into, r + kappa * lam_filt, a * d, (c + e) * d, kappa * e), (into, a, c + e)
+
+    zeros, ones = jnp.zeros_like(signal[0]), jnp.ones_like(diag[0])
+    (lam_first, lam_filt_first, a_all, c_all, _), (lam, a, b) = jax.lax.scan(
+        back, (zeros, zeros, ones, zeros, ones), (diag, signal, filt_signal), reverse=True)
+    filt_decay = kappa ** x.shape[0]
+    weight = _outer_sums(a_all[:, None, :] * old["weight"], x, a * df)
+    weight_filt = _outer_sums(filt_decay * filt["weight"] + c_all[:, None, :] * old["weight"], x, b * df)
+    history = jnp.sum(old["weight"] * lam_first[:, None, :] + filt["weight"] * lam_filt_first[:, None, :], axis=0)
+    folded = x.shape[0] * x.shape[1]
+    steps = _dense_fast_solve_instant(jnp.reshape(lam, (folded, -1, 1)), jnp.reshape(x, (folded, -1)),
+                                      jnp.reshape(df, (folded, -1, 1)), has_bias, fold_batch=True)
+    new, new_filt = {"weight": weight}, {"weight": weight_filt}
+    grads = {"weight": history + steps["weight"]}
+    if "bias" in old:
+        new["bias"] = a_all * old["bias"] + (jnp.sum(a * df, axis=0) if has_bias else 0.0)
+        new_filt["bias"] = (filt_decay * filt["bias"] + c_all * old["bias"]
+                            + (jnp.sum(b * df, axis=0) if has_bias else 0.0))
+        grads["bias"] = (jnp.sum(lam_first * old["bias"] + lam_filt_first * filt["bias"], axis=0)
+                         + steps.get("bias", 0.0))
+    return new, new_filt, grads
+
+
 _DENSE_FAST_PATH = FastPathRules(
     instant=_dense_fast_instant,
     recurrent=_dense_fast_recurrent,
@@ -335,6 +391,7 @@ _DENSE_FAST_PATH = FastPathRules(
     roll_and_solve=_dense_fast_roll_and_solve,
     roll_and_solve_steps=_dense_fast_roll_and_solve_steps,
     roll_filter_and_solve=_dense_fast_roll_filter_and_solve,
+    roll_filter_and_solve_steps=_dense_fast_roll_filter_and_solve_steps,
 )
 
 def _dense_snap_adjacency(

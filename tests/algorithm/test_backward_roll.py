@@ -128,11 +128,12 @@ CASES = [(m, a) for m in MODEL_CASES for a in ALGORITHMS]
 
 
 def _assert_same(got: Any, got_traces: list[Any], want: Any, want_traces: list[Any]) -> None:
-    """Gradients and traces equal to float32 rounding (the sums added in another order)."""
+    """Gradients and traces equal to float32 rounding (the sums added in another order): a trace
+    entry that cancels to near zero keeps the rounding of its terms, which reach about 4 here."""
     assert max_rel_err(want, got) < 1e-6
     for got_trace, want_trace in zip(got_traces, want_traces, strict=True):
         for name, value in want_trace.items():
-            np.testing.assert_allclose(got_trace[name], value, rtol=1e-6, atol=1e-7)
+            np.testing.assert_allclose(got_trace[name], value, rtol=1e-6, atol=1e-6)
 
 
 def _etrace_grad(learner: Any) -> tuple[Any, list[Any]]:
@@ -200,7 +201,7 @@ def test_etrace_train_and_check_finite_roll_in_the_backward_pass_too(
 
 # --- traces rolled over groups of calls ------------------------------------------------------
 
-GROUPED = [(m, a) for m in MODEL_CASES for a in ("d_rtrl", "eprop", "ostl_recurrent")]
+GROUPED = [(m, a) for m in MODEL_CASES for a in ("d_rtrl", "eprop", "eprop-kappa", "ostl_recurrent")]
 
 
 @pytest.mark.parametrize("model, algorithm", GROUPED, ids=[f"{m}-{a}" for m, a in GROUPED])
@@ -250,8 +251,8 @@ def test_a_group_is_the_largest_divisor_of_the_loop_up_to_the_cap(
     learner = _compile(MODELS["leaky"](), "d_rtrl", monkeypatch)
     cap = backward_roll.MAX_CALLS_PER_ROLL
     assert [learner._seq_calls_per_roll(n) for n in (100, 1000, 64, 17, 6, 1)] == [10, 10, cap, 1, 6, 1]
-    filtered = _compile(MODELS["leaky"](), "eprop-kappa", monkeypatch)  # a filter rolls call by call
-    assert filtered._rolled_relations and filtered._seq_calls_per_roll(100) == 1
+    filtered = _compile(MODELS["leaky"](), "eprop-kappa", monkeypatch)  # a filter rolls with its trace
+    assert filtered._rolled_relations and filtered._seq_calls_per_roll(100) == 10
 
 
 def test_etrace_train_rolls_each_span_in_groups_and_keeps_masks_and_aux(

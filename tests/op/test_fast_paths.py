@@ -101,10 +101,15 @@ def test_solve_matches_the_sum_of_dt_to_t(case: OpCase, num_state: int) -> None:
 
 @fast_cases
 @states
-def test_chunk_equals_the_step_by_step_roll(case: OpCase, num_state: int) -> None:
+@pytest.mark.parametrize("backend", ["cpu", "tpu"])
+def test_chunk_equals_the_step_by_step_roll(
+    case: OpCase, num_state: int, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The window in closed form, as each platform sums its steps (a TPU element-wise)."""
     fp = reg.ETP_FAST_PATH_RULES[case.prim]
     if fp.chunk is None:
         pytest.skip("this bundle has no chunk kernel")
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
     steps = 4
     xs = None if case.x is None else jnp.stack([case.x * (t + 1) for t in range(steps)])
     dfs = rand(33, (steps, *case.y().shape, num_state))
@@ -139,6 +144,28 @@ def test_roll_and_solve_steps_equals_roll_and_solve_step_by_step(case: OpCase) -
         total = grads if total is None else jax.tree.map(jnp.add, total, grads)
     got_trace, got_grads = fp.roll_and_solve_steps(start, diags, xs, dfs, signals, _has_bias(case))
     jax.tree.map(lambda u, v: close(u, v, atol=1e-5, rtol=1e-5), (got_trace, got_grads), (trace, total))
+
+
+@fast_cases
+def test_roll_filter_and_solve_steps_equals_roll_filter_and_solve_step_by_step(case: OpCase) -> None:
+    """A trace and its filter ``ē ← κ ē + ε`` over five steps at once: the last trace and filter
+    and the summed gradients of the steps one by one."""
+    fp = reg.ETP_FAST_PATH_RULES[case.prim]
+    if fp.roll_filter_and_solve_steps is None or fp.roll_filter_and_solve is None or not _batched(case):
+        pytest.skip("no filtered kernel over several steps (they serve batched primitives)")
+    steps, y, kappa = 5, case.y().shape, 0.7
+    trace = start = {k: rand(80 + i, s) for i, (k, s) in enumerate(case.drtrl_shapes.items())}
+    filt = filt_start = {k: rand(90 + i, s) for i, (k, s) in enumerate(case.drtrl_shapes.items())}
+    xs = jnp.stack([case.x * (t + 1) for t in range(steps)])
+    diags, dfs, signals, filt_signals = (rand(key, (steps, *y)) for key in (81, 82, 83, 84))
+    total = None
+    for t in range(steps):
+        trace, filt, grads = fp.roll_filter_and_solve(trace, filt, diags[t], xs[t], dfs[t], signals[t],
+                                                      filt_signals[t], kappa, _has_bias(case))
+        total = grads if total is None else jax.tree.map(jnp.add, total, grads)
+    got = fp.roll_filter_and_solve_steps(start, filt_start, diags, xs, dfs, signals, filt_signals, kappa,
+                                         _has_bias(case))
+    jax.tree.map(lambda u, v: close(u, v, atol=1e-5, rtol=1e-5), got, (trace, filt, total))
 
 
 @pytest.mark.parametrize("case", HOOKED, ids=[c.id for c in HOOKED])

@@ -23,12 +23,14 @@ backward pass returns the call's ``(x, d, df, q)`` (``q`` the signal the enterin
 and no history term, and after the group the learner rolls the trace and adds the group's
 history terms in closed form (the rule record's ``roll_and_solve_steps``,
 :meth:`BackwardRollMixin._seq_roll_calls`): one read and one write of the trace per ``K`` calls.
-This applies to every such trace whatever its size, but not to a filtered one. On a TPU v5e it
-took a LIF-1024 D_RTRL step from 28× to 5.1× BPTT's time, and GRU-256's from 1.99× to 1.79×
-(``benchmarks/README.md``). Inside ``step_fn`` the grouped traces read their value at the
-group's start. On the development CPU, where a trace keeps its state axis, grouping the same
-traces took the step's time unchanged (LIF-1024 D_RTRL 4.21× BPTT call by call, 4.18× grouped),
-so it applies where traces are stored without it (a TPU).
+This applies to every such trace whatever its size; a filtered trace has its filter rolled in
+the same pass (``roll_filter_and_solve_steps``, the call's factors carrying the filter's signal
+``r`` too). On a TPU v5e it took a LIF-1024 D_RTRL step from 28× to 4.9× BPTT's time, its
+EProp(κ = 0.9) step from 53× to 11×, and GRU-256's D_RTRL from 1.99× to 1.79× in one probe
+(1.67× in a full benchmark run; ``benchmarks/README.md``). Inside ``step_fn`` the grouped
+traces read their value at the group's start. On the development CPU, where a trace keeps its
+state axis, grouping the same traces took the step's time unchanged (LIF-1024 D_RTRL 4.21× BPTT
+call by call, 4.18× grouped), so it applies where traces are stored without it (a TPU).
 
 It applies on a TPU, where traces of one-state groups are stored without their state axis
 (``ParamDimVjpAlgorithm._stored``), to the float32 traces of batched ``matmul`` relations that
@@ -80,7 +82,7 @@ ROLL_MIN_BYTES = 64 << 20
 
 #: The most calls of a driver's loop whose traces are rolled at once (the loop's groups are the
 #: largest divisor of its length up to this). Each call keeps ``(batch, in + 3 out)`` numbers per
-#: trace until its group's roll.
+#: trace (``in + 4 out`` with a filter) until its group's roll.
 MAX_CALLS_PER_ROLL = 16
 
 class Rolled(NamedTuple):
@@ -182,11 +184,12 @@ class BackwardRollMixin:
 
     def _grouped_keys(self: _RollHost) -> tuple[TraceKey, ...]:
         """The keys a driver may roll over a group of calls: those whose kernel takes several
-        steps at once, without a filter, outside a mesh."""
-        if self.sharding_plan is not None or self._trace_filters:
+        steps at once (with the filter of a filtered trace), outside a mesh."""
+        if self.sharding_plan is not None:
             return ()
+        kernel = "roll_filter_and_solve_steps" if self._trace_filters else "roll_and_solve_steps"
         return tuple(key for key, (_, rel, _) in self._rolled_relations.items()
-                     if getattr(self._fast_path(rel), "roll_and_solve_steps", None))
+                     if getattr(self._fast_path(rel), kernel, None))
 
     def _seq_calls_per_roll(self: _RollHost, calls: int) -> int:
         """The largest divisor of ``calls`` up to :data:`MAX_CALLS_PER_ROLL` (``1``: no key rolls
@@ -249,11 +252,20 @@ class BackwardRollMixin:
                 raise internal_error(f"trace {key} was rolled over a group of calls without its factors")
             _, rel, _ = self._rolled_relations[key]
             fp = self._fast_path(rel)
-            roll = None if fp is None else fp.roll_and_solve_steps
-            if roll is None:
-                raise internal_error(f"trace {key} rolled over a group of calls without its kernel")
             has_bias = bool(rel.eqn_params.get("has_bias", False))
-            new, history = roll(self.etrace_bwg[key].value, step.diag, step.x, step.df, step.signal, has_bias)
+            history: dict[str, jax.Array]
+            if step.filt_signal is None:
+                roll = None if fp is None else fp.roll_and_solve_steps
+                if roll is None:
+                    raise internal_error(f"trace {key} rolled over a group of calls without its kernel")
+                new, history = roll(self.etrace_bwg[key].value, step.diag, step.x, step.df, step.signal, has_bias)
+            else:
+                roll_filtered = None if fp is None else fp.roll_filter_and_solve_steps
+                if roll_filtered is None:
+                    raise internal_error(f"filtered trace {key} rolled over a group of calls without its kernel")
+                new, self._trace_filters[key].value, history = roll_filtered(
+                    self.etrace_bwg[key].value, self._trace_filters[key].value, step.diag, step.x, step.df,
+                    step.signal, step.filt_signal, self.kappa, has_bias)
             self.etrace_bwg[key].value = new
             for k, v in history.items():
                 grads = self._add_operand_gradient(grads, rel, k, v, weight_vals)
@@ -267,7 +279,8 @@ class BackwardRollMixin:
         x_var = rel.x_var
         if x_var is None:
             raise internal_error(f"the relation of trace {key} rolled over a group of calls reads no input")
-        return StepFactors(jnp.zeros(shape_of(x_var), dtype_of(x_var)), rows, rows, rows)
+        return StepFactors(jnp.zeros(shape_of(x_var), dtype_of(x_var)), rows, rows, rows,
+                           rows if self._trace_filters else None)
 
     def _take_roll_sink(self) -> RollSink | None:
         """The sink of the driver's step for this call (once: a second call gets none)."""
@@ -315,7 +328,8 @@ class BackwardRollMixin:
                 raise internal_error(f"the relation of trace {key} rolled in the backward pass reads no input")
             if history.history_jacobians is None:
                 raise internal_error(f"trace {key} rolled in the backward pass without its group's history Jacobian")
-            rolled.append(Rolled(None if self._rolling_grouped else stored, stored_filter, jac[1][group.index], x, df,
+            rolls_old, rolls_filter = (None, None) if self._rolling_grouped else (stored, stored_filter)
+            rolled.append(Rolled(rolls_old, rolls_filter, jac[1][group.index], x, df,
                                  history.history_jacobians[group.index]))
             kept[key] = eps_in[key]
             if filt_in is not None:
@@ -366,7 +380,8 @@ class BackwardRollMixin:
             has_bias = bool(rel.eqn_params.get("has_bias", False))
             history: dict[str, jax.Array]
             if entry.old is None:  # the driver rolls it over a group of calls, with its history term
-                traces.append(StepFactors(entry.x, diag, entry.df[..., 0], signal))
+                filt_signal = rel.output_layout(group, self.kappa * g)[..., 0] if self._trace_filters else None
+                traces.append(StepFactors(entry.x, diag, entry.df[..., 0], signal, filt_signal))
                 history = {}
             elif entry.old_filter is None:
                 roll = None if fp is None else fp.roll_and_solve

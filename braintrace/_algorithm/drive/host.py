@@ -47,6 +47,9 @@ class StepFactors(NamedTuple):
     df: jax.Array
     #: The signal ``q`` of the gradient's history term ``Σ_b q ⊙ ε``, ``(batch, out)``.
     signal: jax.Array
+    #: The signal ``r`` the entering filter ``ē`` of a filtered trace meets, ``Σ_b r ⊙ ē``
+    #: (``None``: no filter).
+    filt_signal: jax.Array | None = None
 
 
 #: Zeros shaped like what a call's backward pass returns of each trace it leaves to the driver, in
