@@ -286,6 +286,14 @@ def _outer_sums(start: Array, x: Array, y: Array) -> Array:
     return start
 
 
+def _steps_own_terms(lam: Array, x: Array, df: Array, has_bias: bool) -> dict[str, Array]:
+    """``Σ_{s,b} x_s ⊗ (λ_s df_s)``, the group's steps' own gradient terms (``λ``, ``df``:
+    ``(K, B, O)``; ``x``: ``(K, B, I)``), as one product over the steps and rows."""
+    folded = x.shape[0] * x.shape[1]
+    return _dense_fast_solve_instant(jnp.reshape(lam, (folded, -1, 1)), jnp.reshape(x, (folded, -1)),
+                                     jnp.reshape(df, (folded, -1, 1)), has_bias, fold_batch=True)
+
+
 def _dense_fast_roll_and_solve_steps(
     old: dict[str, Array], diag: Array, x: Array, df: Array, signal: Array, has_bias: bool
 ) -> tuple[dict[str, Array], dict[str, Array]]:
@@ -312,9 +320,7 @@ def _dense_fast_roll_and_solve_steps(
     # Pallas kernel it ran 1.7x slower at LIF-1024 (benchmarks/README.md).
     weight = _outer_sums(prod_all[:, None, :] * old["weight"], x, prod * df)
     history = jnp.sum(old["weight"] * lam_first[:, None, :], axis=0)
-    folded = x.shape[0] * x.shape[1]  # the steps' own terms: one product over steps and rows
-    steps = _dense_fast_solve_instant(jnp.reshape(lam, (folded, -1, 1)), jnp.reshape(x, (folded, -1)),
-                                      jnp.reshape(df, (folded, -1, 1)), has_bias, fold_batch=True)
+    steps = _steps_own_terms(lam, x, df, has_bias)
     new = {"weight": weight}
     grads = {"weight": history + steps["weight"]}
     if "bias" in old:
@@ -358,24 +364,23 @@ def _dense_fast_roll_filter_and_solve_steps(
         lam, lam_filt, a, c, e = carry
         d, q, r = step
         into = lam + lam_filt  # what the step's own u_s meets, through ε_s and ē_s
+        # and what u_s adds to the group's last trace and filter: Φ_s (1, 1) = (a_s, c_s + e_s)
         return (q + d * into, r + kappa * lam_filt, a * d, (c + e) * d, kappa * e), (into, a, c + e)
 
     zeros, ones = jnp.zeros_like(signal[0]), jnp.ones_like(diag[0])
-    (lam_first, lam_filt_first, a_all, c_all, _), (lam, a, b) = jax.lax.scan(
+    (lam_first, lam_filt_first, a_all, c_all, _), (lam, into_trace, into_filter) = jax.lax.scan(
         back, (zeros, zeros, ones, zeros, ones), (diag, signal, filt_signal), reverse=True)
     filt_decay = kappa ** x.shape[0]
-    weight = _outer_sums(a_all[:, None, :] * old["weight"], x, a * df)
-    weight_filt = _outer_sums(filt_decay * filt["weight"] + c_all[:, None, :] * old["weight"], x, b * df)
+    weight = _outer_sums(a_all[:, None, :] * old["weight"], x, into_trace * df)
+    weight_filt = _outer_sums(filt_decay * filt["weight"] + c_all[:, None, :] * old["weight"], x, into_filter * df)
     history = jnp.sum(old["weight"] * lam_first[:, None, :] + filt["weight"] * lam_filt_first[:, None, :], axis=0)
-    folded = x.shape[0] * x.shape[1]
-    steps = _dense_fast_solve_instant(jnp.reshape(lam, (folded, -1, 1)), jnp.reshape(x, (folded, -1)),
-                                      jnp.reshape(df, (folded, -1, 1)), has_bias, fold_batch=True)
+    steps = _steps_own_terms(lam, x, df, has_bias)
     new, new_filt = {"weight": weight}, {"weight": weight_filt}
     grads = {"weight": history + steps["weight"]}
     if "bias" in old:
-        new["bias"] = a_all * old["bias"] + (jnp.sum(a * df, axis=0) if has_bias else 0.0)
+        new["bias"] = a_all * old["bias"] + (jnp.sum(into_trace * df, axis=0) if has_bias else 0.0)
         new_filt["bias"] = (filt_decay * filt["bias"] + c_all * old["bias"]
-                            + (jnp.sum(b * df, axis=0) if has_bias else 0.0))
+                            + (jnp.sum(into_filter * df, axis=0) if has_bias else 0.0))
         grads["bias"] = (jnp.sum(lam_first * old["bias"] + lam_filt_first * filt["bias"], axis=0)
                          + steps.get("bias", 0.0))
     return new, new_filt, grads

@@ -37,7 +37,7 @@ RolledTrace = Union[Trace, dict[str, Trace]]
 
 class StepFactors(NamedTuple):
     """What a call's backward pass returns of a trace the driver rolls over several calls at once:
-    the roll's factors and the signal the entering trace meets, each ``(batch, ...)``."""
+    the roll's factors and the signals the entering trace (and filter) meet, each ``(batch, ...)``."""
 
     #: The relation's input, ``(batch, in)``.
     x: jax.Array
