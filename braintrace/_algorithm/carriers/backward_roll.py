@@ -263,9 +263,10 @@ class BackwardRollMixin:
                 roll_filtered = None if fp is None else fp.roll_filter_and_solve_steps
                 if roll_filtered is None:
                     raise internal_error(f"filtered trace {key} rolled over a group of calls without its kernel")
-                new, self._trace_filters[key].value, history = roll_filtered(
+                new, new_filter, history = roll_filtered(
                     self.etrace_bwg[key].value, self._trace_filters[key].value, step.diag, step.x, step.df,
                     step.signal, step.filt_signal, self.kappa, has_bias)
+                self._trace_filters[key].value = new_filter
             self.etrace_bwg[key].value = new
             for k, v in history.items():
                 grads = self._add_operand_gradient(grads, rel, k, v, weight_vals)
