@@ -128,12 +128,17 @@ def test_chunk_equals_the_step_by_step_roll(
 
 
 @fast_cases
-def test_roll_and_solve_steps_equals_roll_and_solve_step_by_step(case: OpCase) -> None:
+@pytest.mark.parametrize("backend", ["cpu", "tpu"])
+def test_roll_and_solve_steps_equals_roll_and_solve_step_by_step(
+    case: OpCase, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On a one-state trace stored without its state axis: the last trace and the summed
-    gradients of five steps, each step contracting the trace it entered with."""
+    gradients of five steps, each step contracting the trace it entered with; the steps' own
+    terms as each platform sums them (a TPU one product per step)."""
     fp = reg.ETP_FAST_PATH_RULES[case.prim]
     if fp.roll_and_solve_steps is None or fp.roll_and_solve is None or not _batched(case):
         pytest.skip("no kernel over several steps (they serve batched primitives)")
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
     steps, y = 5, case.y().shape
     trace = start = {k: rand(70 + i, s) for i, (k, s) in enumerate(case.drtrl_shapes.items())}
     xs = jnp.stack([case.x * (t + 1) for t in range(steps)])
@@ -147,12 +152,16 @@ def test_roll_and_solve_steps_equals_roll_and_solve_step_by_step(case: OpCase) -
 
 
 @fast_cases
-def test_roll_filter_and_solve_steps_equals_roll_filter_and_solve_step_by_step(case: OpCase) -> None:
+@pytest.mark.parametrize("backend", ["cpu", "tpu"])
+def test_roll_filter_and_solve_steps_equals_roll_filter_and_solve_step_by_step(
+    case: OpCase, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A trace and its filter ``ē ← κ ē + ε`` over five steps at once: the last trace and filter
-    and the summed gradients of the steps one by one."""
+    and the summed gradients of the steps one by one, as each platform sums them."""
     fp = reg.ETP_FAST_PATH_RULES[case.prim]
     if fp.roll_filter_and_solve_steps is None or fp.roll_filter_and_solve is None or not _batched(case):
         pytest.skip("no filtered kernel over several steps (they serve batched primitives)")
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
     steps, y, kappa = 5, case.y().shape, 0.7
     trace = start = {k: rand(80 + i, s) for i, (k, s) in enumerate(case.drtrl_shapes.items())}
     filt = filt_start = {k: rand(90 + i, s) for i, (k, s) in enumerate(case.drtrl_shapes.items())}
