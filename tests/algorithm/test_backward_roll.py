@@ -84,9 +84,11 @@ def test_the_xla_reference_is_the_roll_and_the_contraction() -> None:
 # --- the learners -------------------------------------------------------------------------
 
 
-#: The learners as compiled here: EProp with a filter is ``eprop-kappa``.
+#: The learners as compiled here: EProp with a filter is ``eprop-kappa``, with random feedback
+#: (a signal that replaces ``∂L/∂h``) ``eprop-random``.
 ALGORITHMS: dict[str, tuple[str, dict[str, Any]]] = {
     "d_rtrl": ("d_rtrl", {}), "eprop": ("eprop", {}), "eprop-kappa": ("eprop", {"kappa_filter_decay": 0.9}),
+    "eprop-random": ("eprop", {"feedback": "random", "random_feedback_key": 0}),
     "ostl_recurrent": ("ostl_recurrent", {}),
 }
 
@@ -203,7 +205,7 @@ def test_etrace_train_and_check_finite_roll_in_the_backward_pass_too(
 
 # --- traces rolled over groups of calls ------------------------------------------------------
 
-GROUPED = [(m, a) for m in MODEL_CASES for a in ("d_rtrl", "eprop", "eprop-kappa", "ostl_recurrent")]
+GROUPED = [(m, a) for m in MODEL_CASES for a in ALGORITHMS]
 
 
 @pytest.mark.parametrize("model, algorithm", GROUPED, ids=[f"{m}-{a}" for m, a in GROUPED])

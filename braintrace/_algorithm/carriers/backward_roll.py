@@ -25,18 +25,20 @@ history terms in closed form (the rule record's ``roll_and_solve_steps``,
 :meth:`BackwardRollMixin._seq_roll_calls`): one read and one write of the trace per ``K`` calls.
 This applies to every such trace whatever its size; a filtered trace has its filter rolled in
 the same pass (``roll_filter_and_solve_steps``, the call's factors carrying the filter's signal
-``r`` too). On a TPU v5e it took a LIF-1024 D_RTRL step from 28× to 4.9× BPTT's time, its
-EProp(κ = 0.9) step from 53× to 11×, and GRU-256's D_RTRL from 1.99× to 1.79× in one probe
-(1.67× in a full benchmark run; ``benchmarks/README.md``). Inside ``step_fn`` the grouped
-traces read their value at the group's start. On the development CPU, where a trace keeps its
-state axis, grouping the same traces took the step's time unchanged (LIF-1024 D_RTRL 4.21× BPTT
-call by call, 4.18× grouped), so it applies where traces are stored without it (a TPU).
+``r`` too). On a TPU v5e it took a LIF-1024 D_RTRL step from 28× to 5.8× BPTT's time, its
+EProp(κ = 0.9) step from 53× to 11×, its EProp with random feedback from 38× to 6.5×, and
+GRU-256's D_RTRL from 1.99× to 1.67–1.77× (``benchmarks/README.md``, the tenth and eleventh
+runs). Inside ``step_fn`` the grouped traces read their value at the group's start. On the
+development CPU, where a trace keeps its state axis, grouping the same traces took the step's
+time unchanged (LIF-1024 D_RTRL 4.21× BPTT call by call, 4.18× grouped), so it applies where
+traces are stored without it (a TPU).
 
 It applies on a TPU, where traces of one-state groups are stored without their state axis
 (``ParamDimVjpAlgorithm._stored``), to the float32 traces of batched ``matmul`` relations that
-roll plainly (single-step D_RTRL, EProp with or without a filter, OSTL), outside a mesh, where the
-group reads its past (a trace without history, ``ε^t = x ⊗ df``, is never read, and the drivers
-write it once per loop: :mod:`~braintrace._algorithm.carriers.instant_traces`). Every other
+roll plainly (single-step D_RTRL, EProp with or without a filter, EProp with random feedback
+and no filter, OSTL), outside a mesh, where the group reads its past (a trace without history,
+``ε^t = x ⊗ df``, is never read, and the drivers write it once per loop:
+:mod:`~braintrace._algorithm.carriers.instant_traces`). Every other
 call, and every call of a learner outside its drivers (``learner(x)`` under a user's own
 ``grad``), rolls its traces in the forward pass as before. Inside the driver's ``step_fn``, the
 deferred traces read their entering value until the step's gradient is taken.
@@ -54,6 +56,8 @@ import jax.numpy as jnp
 from braintrace._algorithm.drive.host import Grads, RolledTrace, RollSink, StepFactors
 from braintrace._algorithm.drive.grad_run import zeros_like
 from braintrace._algorithm.engine.graph_executor import CallJacobians, is_step_jacobians, trace_key
+from braintrace._algorithm.engine.learning_signal import SignalPair
+from braintrace._algorithm.param_trace.relation_rule import transpose_signal
 from braintrace._algorithm.param_trace.residual import plain_rolls
 from braintrace._algorithm.param_trace.solve import solve_instant
 from braintrace._algorithm.param_trace.types import (
@@ -61,6 +65,7 @@ from braintrace._algorithm.param_trace.types import (
     Carried,
     FilteredTraces,
     ParamTraceHost,
+    Signal,
     Traces,
     split_filtered,
 )
@@ -69,7 +74,7 @@ from braintrace._compiler.hid_param_op import HiddenParamOpRelation
 from braintrace._compiler.hidden_group import HiddenGroup
 from braintrace._errors import internal_error
 from braintrace._op import _registries as reg
-from braintrace._op._rule_helpers import dtype_of, mix_states, shape_of
+from braintrace._op._rule_helpers import dtype_of, shape_of
 from braintrace._typing import Path, PyTree, Trace, TraceKey
 
 __all__ = ["BackwardRollMixin", "ROLL_MIN_BYTES", "MAX_CALLS_PER_ROLL"]
@@ -162,7 +167,9 @@ class BackwardRollMixin:
         """The keys of :attr:`_rolled_relations`, found from the stored traces."""
         filtered = bool(self._trace_filters)
         hooks = ("_trace_for_backward", "_solve_weight_gradients")
-        if not (self._squeezed and self.vjp_method == "single-step" and not self.replaces_signal
+        # A replaced signal's unfiltered traces are read in one term too (_rollable_keys).
+        plain_signal = not self.replaces_signal or (not filtered and not self._modulated)
+        if not (self._squeezed and self.vjp_method == "single-step" and plain_signal
                 and self._rolls_plainly() and self._defined_in_library(*hooks)):
             return {}
         found: dict[TraceKey, RolledRelation] = {}
@@ -309,6 +316,7 @@ class BackwardRollMixin:
         history = residual.trace
         plain = plain_rolls(self, jac, history.through_while)
         local_keys = self._local_relation_weights().keys
+        takeable, read_off_new = _rollable_keys(residual, plain, self.replaces_signal)
         rolled: list[Rolled | RolledTrace | StepFactors] = []
         kept, taken = dict(eps_new), set()
         kept_filter: Traces = {} if filt_new is None else dict(filt_new)
@@ -317,7 +325,7 @@ class BackwardRollMixin:
             stored = self._stored(key, eps_in[key])
             stored_filter = None if filt_in is None else self._stored(key, filt_in[key])
             # Weights left out of the one-step VJP have a history read off the new trace only.
-            if key not in plain or (key not in history.instant and local_keys.get(index)):
+            if key not in takeable or (key not in read_off_new and local_keys.get(index)):
                 if self._rolling_grouped:
                     rolled.append(self._zero_factors(key))
                     continue
@@ -343,11 +351,17 @@ class BackwardRollMixin:
         old_filter = residual.old_filter
         if old_filter is not None:
             old_filter = {k: v for k, v in old_filter.items() if k not in taken}
-        residual = residual._replace(trace=history, old_filter=old_filter, rolled=rolled)
+        # A taken key of a replaced signal keeps its same-step term ⟨s − g, x ⊗ df⟩ and reads no trace.
+        swapped = {k: v for k, v in residual.swapped.items() if k not in taken}
+        learning_trace = None if residual.learning_trace is None else {
+            k: v for k, v in residual.learning_trace.items() if k not in taken}
+        residual = residual._replace(trace=history, old_filter=old_filter, rolled=rolled, swapped=swapped,
+                                     roll_jacobians=residual.roll_jacobians if swapped else None,
+                                     learning_trace=learning_trace)
         return residual, (FilteredTraces(eps=kept, filt=kept_filter) if filtered else kept)
 
     def _solve_rolled(
-        self: _RollHost, residual: BackwardResidual, signals: Sequence[jax.Array], weight_vals: dict[Path, PyTree],
+        self: _RollHost, residual: BackwardResidual, signals: Sequence[Signal], weight_vals: dict[Path, PyTree],
         grads: dict[Path, PyTree],
     ) -> tuple[dict[Path, PyTree], RollSink | None]:
         """Roll the traces the ``residual`` deferred and add their history term to ``grads``.
@@ -370,11 +384,14 @@ class BackwardRollMixin:
             if not isinstance(entry, Rolled):
                 traces.append(entry)
                 continue
-            g = signals[group.index]
+            pair = signals[group.index]
+            g, learned = (pair.autodiff, pair.learning) if isinstance(pair, SignalPair) else (pair, None)
             if group.index in read_past:
                 history_signal = read_past[group.index]
             else:
-                history_signal = mix_states(jnp.swapaxes(entry.history_jacobian, -1, -2), g)
+                history_signal = transpose_signal(g, entry.history_jacobian)
+            if learned is not None:  # and − Dᵀ (g − s), with the swap (solve.swapped_signals)
+                history_signal = history_signal - transpose_signal(g - learned, entry.diag)
             fp = self._fast_path(rel)
             diag = rel.output_layout(group, entry.diag)[..., 0, 0]
             signal = rel.output_layout(group, history_signal)[..., 0]
@@ -400,11 +417,31 @@ class BackwardRollMixin:
                     self.kappa, has_bias)
                 traces.append({"eps": new, "filt": new_filter})
             covered = local_keys.get(index, frozenset())
-            if covered:  # weights left out of the one-step VJP: their gradient is the whole ⟨g, ε^t⟩ (ē^t)
+            # Weights left out of the one-step VJP: their gradient is the whole ⟨g, ε^t⟩ (ē^t; s replacing g).
+            if covered:
                 weights = self._relation_operands(rel, weight_vals)
-                same_step = solve_instant(rel, rel.output_layout(group, g), entry.x, entry.df, weights, fp)
+                own = g if learned is None else learned
+                same_step = solve_instant(rel, rel.output_layout(group, own), entry.x, entry.df, weights, fp)
                 history = {**history, **{k: history[k] + same_step[k] if k in history else same_step[k]
                                          for k in covered}}
             for k, v in history.items():
                 grads = self._add_operand_gradient(grads, rel, k, v, weight_vals)
         return grads, traces
+
+
+def _rollable_keys(
+    residual: BackwardResidual, plain: Mapping[TraceKey, object], replaces_signal: bool,
+) -> tuple[set[TraceKey], set[TraceKey]]:
+    """The plainly rolled keys whose history the ``residual`` reads in one term, and those of
+    them whose history it reads off the new trace.
+
+    Under a replaced signal (unfiltered) that term is ``⟨s, ε^t⟩`` with the swap of the
+    same-step path, read off ``ε^{t-1}`` (:attr:`BackwardResidual.swapped`) or off ``ε^t`` (the
+    learning trace): the backward pass contracts ``ε^{t-1}`` with ``q − Dᵀ (g − s)`` instead,
+    and the key keeps its same-step term ``⟨s − g, x ⊗ df⟩``.
+    """
+    if not replaces_signal:
+        return set(plain), set(residual.trace.instant)
+    learning = residual.learning_trace or {}
+    read_off_new = {k for k in residual.same_step if k in plain and k in learning and k not in residual.swapped}
+    return read_off_new | {k for k in residual.swapped if k in plain}, read_off_new

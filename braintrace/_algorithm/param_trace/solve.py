@@ -81,7 +81,7 @@ def solve_weight_gradients(
         minus_g = [-x for x in g]
         grads = solve_traces(host, BackwardTrace(residual.learning_trace, None), s, weight_vals, grads)
         grads = solve_traces(host, BackwardTrace(residual.new_trace, None), minus_g, weight_vals, grads)
-        # Keys without history left out of the learning trace: ⟨s − g, x ⊗ df⟩ (replaced_signal_residual).
+        # Keys left out of the learning trace (no history, or rolled in the backward pass): ⟨s − g, x ⊗ df⟩.
         swapped = residual.swapped
         unread = {k for k in residual.same_step if k not in swapped and k not in residual.learning_trace}
         simple = {k: v for k, v in residual.same_step.items() if k not in swapped and k not in unread}

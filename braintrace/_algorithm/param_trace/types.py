@@ -163,8 +163,10 @@ class BackwardResidual(NamedTuple):
         off the entering trace (the term ``κ ⟨g, ē^{t-1}⟩``; the others read it off ``ē^t``).
     learning_trace : dict or None
         Single step, replaced signal: ``ē^t`` (``ε^t`` unfiltered), met by the learning signal;
-        unfiltered, without the ``same_step`` keys whose group has no history (``ε^t = x ⊗ df``),
-        whose ``⟨s, ε^t⟩ − ⟨g, x ⊗ df⟩`` is ``⟨s − g, x ⊗ df⟩``: no trace of theirs is read.
+        unfiltered, without the ``same_step`` keys whose group has no history (``ε^t = x ⊗ df``)
+        or whose trace the backward pass rolls (``backward_roll``, which contracts ``ε^{t-1}``
+        itself), whose ``⟨s, ε^t⟩ − ⟨g, x ⊗ df⟩`` is then ``⟨s − g, x ⊗ df⟩``: no trace of
+        theirs is read.
     new_trace : dict or None
         Single step, replaced signal: ``ε^t`` of the keys not in ``same_step``, met by ``−g``
         (removing the autodiff's same-step term).
