@@ -2,6 +2,12 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# The suite on the CPU compiles XLA's kernels without LLVM's optimisations: its programs are small
+# and compiled once each, so compiling is most of a test's time (make test 28 -> 23.5 min on two
+# cores). The level changes how a kernel's sums round in the last bits, not what the comparisons
+# find; no test times a kernel. A level set in XLA_FLAGS wins; make test-device leaves them as
+# they are.
+CPU_SUITE := XLA_FLAGS="--xla_backend_optimization_level=0 $$XLA_FLAGS"
 
 .PHONY: test test-oldest test-jax test-newest test-exhaustive test-long test-optimized test-device device-wheels fuzz typecheck demo bench docs clean
 
@@ -26,12 +32,12 @@ $(VENV)/.docs: $(VENV)/.base pyproject.toml requirements.txt
 
 # Every test the project ships, the whole grids and the long streams included (CI runs this).
 test: $(VENV)/.test
-	$(PY) -m pytest -n 2 -q --durations=20
+	$(CPU_SUITE) $(PY) -m pytest -n 2 -q --durations=20
 	$(MAKE) typecheck
 
 # Only the rest of the test grids beyond their representative cases (`make test` runs them too).
 test-exhaustive: $(VENV)/.test
-	$(PY) -m pytest -n 2 -q -m exhaustive
+	$(CPU_SUITE) $(PY) -m pytest -n 2 -q -m exhaustive
 
 # The model fuzzer's long profile: fresh random models for FUZZ_SECONDS of wall time (one process).
 # Each case has FUZZ_CASE_SECONDS (default 180 s) of wall time; one that overruns it is a hang, and the
@@ -43,11 +49,11 @@ fuzz: $(VENV)/.test
 
 # Only the streams of 10^6 steps through etrace_train (`make test` runs them too).
 test-long: $(VENV)/.test
-	$(PY) -m pytest -q -m long
+	$(CPU_SUITE) $(PY) -m pytest -q -m long
 
 # The suite of make test under python -O, which strips assert statements: the same results.
 test-optimized: $(VENV)/.test
-	$(PY) -O -m pytest -n 2 -q -m "not exhaustive and not long"
+	$(CPU_SUITE) $(PY) -O -m pytest -n 2 -q -m "not exhaustive and not long"
 
 # The oldest releases of the supported range (requirements-oldest.txt, the lower bounds in
 # pyproject.toml: JAX 0.8.0) in their own environment, exactly those releases, and a smoke subset
@@ -74,7 +80,7 @@ $(OLDEST)/.test: $(OLDEST)/.base pyproject.toml requirements-oldest.txt
 # BRAINTRACE_OLDEST_PINS: tests/test_supported_versions.py checks that the installed releases are
 # exactly requirements-oldest.txt's.
 test-oldest: $(OLDEST)/.test
-	BRAINTRACE_OLDEST_PINS=1 $(OLDEST_PY) -m pytest -n 2 -q -p no:cacheprovider \
+	BRAINTRACE_OLDEST_PINS=1 $(CPU_SUITE) $(OLDEST_PY) -m pytest -n 2 -q -p no:cacheprovider \
 		-m "not slow and not exhaustive and not long" $(SMOKE_TESTS)
 
 # The smoke subset on one JAX release (jax and jaxlib), the other dependencies at their oldest:
@@ -87,7 +93,7 @@ test-jax:
 	grep -v '^jax' requirements-oldest.txt > $(JAX_VENV)/constraints.txt
 	$(JAX_VENV)/bin/python -m pip install --quiet -c $(JAX_VENV)/constraints.txt -e . "jax==$(JAX)" "jaxlib==$(JAX)" \
 		pytest pytest-xdist hypothesis
-	$(JAX_VENV)/bin/python -m pytest -n 2 -q -p no:cacheprovider -m "not slow and not exhaustive and not long" \
+	$(CPU_SUITE) $(JAX_VENV)/bin/python -m pytest -n 2 -q -p no:cacheprovider -m "not slow and not exhaustive and not long" \
 		$(SMOKE_TESTS)
 
 # The smoke subset on the newest releases pip finds for Python 3.12 (JAX >= 0.11, brainstate 0.6,
@@ -101,7 +107,7 @@ test-newest:
 	$(NEWEST_PYTHON) -m venv $(NEWEST)
 	$(NEWEST)/bin/python -m pip install --quiet --upgrade pip
 	$(NEWEST)/bin/python -m pip install --quiet --upgrade -e . pytest pytest-xdist hypothesis
-	$(NEWEST)/bin/python -m pytest -n 2 -q -p no:cacheprovider -m "not slow and not exhaustive and not long" \
+	$(CPU_SUITE) $(NEWEST)/bin/python -m pytest -n 2 -q -p no:cacheprovider -m "not slow and not exhaustive and not long" \
 		--deselect tests/test_supported_versions.py::test_the_installed_releases_are_no_newer_than_tested \
 		--deselect tests/test_tested_versions.py::test_importing_braintrace_checks_the_installed_releases \
 		$(SMOKE_TESTS)

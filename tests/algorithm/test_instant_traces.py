@@ -174,7 +174,8 @@ def test_a_failed_loop_leaves_the_learner_as_it_was_and_the_next_writes_once() -
     own.etrace_evolve(xs[:2])
     learner.etrace_grad(xs, step_fn=lambda x: jnp.sum(learner(x)))
     _own_loop(own, xs, jnp.zeros((T, B, H)))
-    assert learner._deferred_instant and _close(_states(learner), _states(own))
+    # Float32, two programs: their sums may round differently.
+    assert learner._deferred_instant and _close(_states(learner), _states(own), 1e-5)
 
 
 def test_a_compiled_driver_writes_the_trace_once_at_every_run(tolerance: float) -> None:

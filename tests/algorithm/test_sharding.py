@@ -36,7 +36,8 @@ TIMEOUT = 900
 
 
 def _env(devices: int) -> dict[str, str]:
-    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
 
 
 def _run_script(folder: Path, grid: str) -> dict[str, Any]:

@@ -13,6 +13,7 @@ documented in :mod:`braintrace._algorithm.carriers.trace_storage`.
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from typing import Any
@@ -115,8 +116,9 @@ def test_rounding_to_bfloat16_is_to_nearest_with_ties_to_even() -> None:
 def test_the_split_rounds_every_float32_as_astype_does() -> None:
     """Every float32 bit pattern, in 64 blocks: the split's bits are ``astype``'s wherever
     ``65537 · v`` is finite and ``v`` is normal (or zero); a subnormal gives a signed zero and
-    everything else NaN."""
-    @jax.jit
+    everything else NaN. The check runs 64 times: it is compiled with LLVM's optimisations,
+    which ``make test`` leaves out (``Makefile``)."""
+    @functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 2})
     def mismatches(start: jax.Array) -> jax.Array:
         bits = start + jnp.arange(1 << 26, dtype=jnp.uint32)
         v = jax.lax.bitcast_convert_type(bits, jnp.float32)
