@@ -292,7 +292,7 @@ def _steps_own_terms(lam: Array, x: Array, df: Array, has_bias: bool) -> dict[st
     one product per step, summed.
 
     On a TPU v5e the single product (a LIF-1024 group of 10 steps, 320 rows) took the
-    driver's loop 6.9 s to compile, the sum of ten products 3.7 s, its step 8 % slower
+    driver's loop 6.8 s to compile, the sum of ten products 3.7 s, its step 8 % slower
     (``benchmarks/README.md``).
     """
     if jax.default_backend() == "tpu":

@@ -27,7 +27,7 @@ from benchmarks.models import LIF as ReadPastLIF
 from braintrace._algorithm.carriers import backward_roll
 from braintrace._op import dense, fused_roll
 from tests.algorithm.bptt import _to_numpy, bptt_grads, max_rel_err, normal, target_loss
-from tests.device.test_exactness_on_device import MODELS, RTOL, B, I, T
+from tests.device.test_exactness_on_device import MODELS, RTOL, B, H, I, T
 
 pytestmark = pytest.mark.skipif(jax.default_backend() == "tpu", reason="compiles as if on a TPU on another platform")
 
@@ -324,3 +324,32 @@ def test_below_the_size_threshold_and_outside_the_drivers_traces_roll_in_the_for
 def test_on_cpu_storage_no_trace_is_rolled_in_the_backward_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     learner = _compile(MODELS["lif"](), "d_rtrl", monkeypatch, as_on_tpu=False)
     assert not learner._rolled_relations
+
+
+@pytest.mark.parametrize("model", ["leaky", "lif", "gru"])
+def test_osttp_rolled_over_a_group_of_calls_computes_what_it_does_call_by_call(
+    model: str, monkeypatch: pytest.MonkeyPatch, rolls_every_trace: None,
+) -> None:
+    """OSTTP's target projection replaces ``∂L/∂h`` as random feedback does: its unfiltered
+    traces roll over the group too, to the same gradients and traces."""
+    x0, xs, targets = normal(11, (T, B, I))[0], normal(11, (T, B, I)), normal(12, (T, B, 2))
+    learners = []
+    for _ in range(2):
+        with monkeypatch.context() as patch, warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            patch.setattr(jax, "default_backend", lambda: "tpu")
+            n_groups = len(braintrace.compile(MODEL_CASES[model](), "d_rtrl", x0, batch_size=B).graph.hidden_groups)
+            B_list = [normal(13 + i, (2, H)) for i in range(n_groups)]
+            learners.append(braintrace.compile(MODEL_CASES[model](), "osttp", x0, batch_size=B,
+                                               B_list=B_list))
+    grouped, forward = learners
+    _rolls_in_the_forward_pass(forward, monkeypatch)
+    results = []
+    for learner in (grouped, forward):
+        grads = learner.etrace_grad(xs, targets, step_fn=lambda x, y, lr=learner: jnp.sum(lr(x, y) ** 2),
+                                    reduction="sum")
+        states = [*learner.etrace_bwg.values(), *learner._trace_filters.values()]
+        results.append((_to_numpy(grads), [jax.tree.map(np.asarray, st.value) for st in states]))
+    assert grouped._rolled_now and not forward._rolled_now
+    (got, got_traces), (want, want_traces) = results
+    _assert_same(got, got_traces, want, want_traces)

@@ -35,11 +35,11 @@ traces are stored without it (a TPU).
 
 It applies on a TPU, where traces of one-state groups are stored without their state axis
 (``ParamDimVjpAlgorithm._stored``), to the float32 traces of batched ``matmul`` relations that
-roll plainly (single-step D_RTRL, EProp with or without a filter, EProp with random feedback
-and no filter, OSTL), outside a mesh, where the group reads its past (a trace without history,
-``ε^t = x ⊗ df``, is never read, and the drivers write it once per loop:
-:mod:`~braintrace._algorithm.carriers.instant_traces`). Every other
-call, and every call of a learner outside its drivers (``learner(x)`` under a user's own
+roll plainly (single-step D_RTRL, EProp with or without a filter, OSTL, and without a filter
+EProp with random feedback and OSTTP, whose signals replace ``∂L/∂h``), outside a mesh, where
+the group reads its past (a trace without history, ``ε^t = x ⊗ df``, is never read, and the
+drivers write it once per loop: :mod:`~braintrace._algorithm.carriers.instant_traces`). Every
+other call, and every call of a learner outside its drivers (``learner(x)`` under a user's own
 ``grad``), rolls its traces in the forward pass as before. Inside the driver's ``step_fn``, the
 deferred traces read their entering value until the step's gradient is taken.
 """
