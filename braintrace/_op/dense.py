@@ -237,6 +237,15 @@ def _dense_fast_solve_instant(
     return out
 
 
+def _outer_sums(start: Array, x: Array, y: Array) -> Array:
+    """``start + Σ_s x_s ⊗ y_s``, element-wise: ``x`` ``(K, ..., I)``, ``y`` ``(K, ..., O, ...)``
+    and ``start`` ``(..., I, O, ...)``."""
+    trailing = y.ndim - x.ndim  # y's axes after O
+    for x_s, y_s in zip(x, y):
+        start = start + jnp.reshape(x_s, x_s.shape + (1,) * (trailing + 1)) * jnp.expand_dims(y_s, x_s.ndim - 1)
+    return start
+
+
 def _dense_fast_chunk(
     x_seq: Array,
     df_seq: Array,
@@ -255,10 +264,7 @@ def _dense_fast_chunk(
     if jax.default_backend() == "tpu":
         # Element-wise: on a TPU v5e the product over the window's steps compiled a GRU-256
         # multi-step loop in 3.8 s, this sum in 1.6 s, its step 8 % slower (benchmarks/README.md).
-        weight = out["weight"]
-        for x, pdf_s in zip(x_seq, pdf):
-            weight = weight + x[..., :, None, None] * pdf_s[..., None, :, :]
-        out["weight"] = weight
+        out["weight"] = _outer_sums(out["weight"], x_seq, pdf)
     else:
         out["weight"] = out["weight"] + jnp.einsum("t...i,t...ka->...ika", x_seq, pdf, precision=_HIGHEST)
     if "bias" in old:
@@ -277,13 +283,6 @@ def _dense_fast_roll_and_solve(
         new["bias"] = diag * old["bias"] + (df if has_bias else 0.0)
         grads["bias"] = jnp.sum(signal * old["bias"], axis=0)
     return new, grads
-
-
-def _outer_sums(start: Array, x: Array, y: Array) -> Array:
-    """``start + Σ_s x_s ⊗ y_s``: ``(B, I, O)``, ``(K, B, I)`` and ``(K, B, O)``."""
-    for x_s, y_s in zip(x, y):
-        start = start + x_s[:, :, None] * y_s[:, None, :]
-    return start
 
 
 def _steps_own_terms(lam: Array, x: Array, df: Array, has_bias: bool) -> dict[str, Array]:

@@ -59,7 +59,7 @@ from braintrace._algorithm.engine.graph_executor import CallJacobians, is_step_j
 from braintrace._algorithm.engine.learning_signal import SignalPair
 from braintrace._algorithm.param_trace.relation_rule import transpose_signal
 from braintrace._algorithm.param_trace.residual import plain_rolls
-from braintrace._algorithm.param_trace.solve import solve_instant
+from braintrace._algorithm.param_trace.solve import history_signal, solve_instant
 from braintrace._algorithm.param_trace.types import (
     BackwardResidual,
     Carried,
@@ -104,8 +104,6 @@ class Rolled(NamedTuple):
     x: jax.Array
     #: The relation's ``df`` (output layout).
     df: jax.Array
-    #: The group's history Jacobian.
-    history_jacobian: jax.Array
 
 
 #: A trace the backward pass may roll: its relation's index, the relation, the group.
@@ -338,8 +336,7 @@ class BackwardRollMixin:
             if history.history_jacobians is None:
                 raise internal_error(f"trace {key} rolled in the backward pass without its group's history Jacobian")
             rolls_old, rolls_filter = (None, None) if self._rolling_grouped else (stored, stored_filter)
-            rolled.append(Rolled(rolls_old, rolls_filter, jac[1][group.index], x, df,
-                                 history.history_jacobians[group.index]))
+            rolled.append(Rolled(rolls_old, rolls_filter, jac[1][group.index], x, df))
             kept[key] = eps_in[key]
             if filt_in is not None:
                 kept_filter[key] = filt_in[key]
@@ -377,7 +374,6 @@ class BackwardRollMixin:
         if rolled is None:
             return grads, None
         local_keys = self._local_relation_weights().keys
-        read_past = residual.trace.read_past_update
         traces: list[RolledTrace | StepFactors] = []
         for key, entry in zip(self._sink_keys, rolled):
             index, rel, group = self._rolled_relations[key]
@@ -386,15 +382,12 @@ class BackwardRollMixin:
                 continue
             pair = signals[group.index]
             g, learned = (pair.autodiff, pair.learning) if isinstance(pair, SignalPair) else (pair, None)
-            if group.index in read_past:
-                history_signal = read_past[group.index]
-            else:
-                history_signal = transpose_signal(g, entry.history_jacobian)
+            entering_signal = history_signal(residual.trace, group.index, g)
             if learned is not None:  # and − Dᵀ (g − s), with the swap (solve.swapped_signals)
-                history_signal = history_signal - transpose_signal(g - learned, entry.diag)
+                entering_signal = entering_signal - transpose_signal(g - learned, entry.diag)
             fp = self._fast_path(rel)
             diag = rel.output_layout(group, entry.diag)[..., 0, 0]
-            signal = rel.output_layout(group, history_signal)[..., 0]
+            signal = rel.output_layout(group, entering_signal)[..., 0]
             has_bias = bool(rel.eqn_params.get("has_bias", False))
             history: dict[str, jax.Array]
             if entry.old is None:  # the driver rolls it over a group of calls, with its history term

@@ -52,7 +52,7 @@ from braintrace._typing import Path, PyTree, Trace
 
 __all__ = [
     "solve_weight_gradients", "solve_traces", "solve_same_step", "solve_history_from_new", "solve_instant",
-    "swapped_signals",
+    "swapped_signals", "history_signal",
 ]
 
 
@@ -108,15 +108,20 @@ def swapped_signals(
     out = []
     for group in groups:
         i = group.index
-        if i in history.read_past_update:
-            q = history.read_past_update[i]
-        elif history.history_jacobians is not None:
-            q = transpose_signal(g[i], history.history_jacobians[i])
-        else:
-            q = g[i]
         rolled = g[i] if learned is None else g[i] - learned[i]
-        out.append(q - transpose_signal(rolled, roll_jacobians[i]))
+        out.append(history_signal(history, i, g[i]) - transpose_signal(rolled, roll_jacobians[i]))
     return out
+
+
+def history_signal(history: BackwardTrace, index: int, g: jax.Array) -> jax.Array:
+    """What the history term of group ``index`` meets ``ε^{t-1}`` with: ``∂L/∂h^{t-1}`` for a
+    group read past its update, else ``Hᵀ g`` (``H`` its history Jacobian; ``g`` where there is
+    none)."""
+    if index in history.read_past_update:
+        return history.read_past_update[index]
+    if history.history_jacobians is not None:
+        return transpose_signal(g, history.history_jacobians[index])
+    return g
 
 
 def solve_traces(
