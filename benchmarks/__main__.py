@@ -15,7 +15,8 @@ the seconds ``import braintrace`` adds to ``import brainstate``, median of fresh
   trace-sized array, the filter ``ē``, so twice D_RTRL's bytes; ``EProp random single`` is
   ``feedback='random'`` at ``κ = 0``, D_RTRL's one trace met by a random-feedback learning
   signal; ``OSTLRecurrent single`` rolls D_RTRL's one trace with ``D`` the per-position block
-  of the whole transition, recurrent weights included), with the bandwidth of a jitted
+  of the whole transition, recurrent weights included, and ``SnAp(n=1) single``, the same
+  coupled scope, the same trace), with the bandwidth of a jitted
   in-place ``a*x+b`` measured here;
 * ``temp MiB``: the step's compiled temporary memory at T=100 (:func:`temporary_bytes`);
 * ``mem T1000/T100``: compiled temporary memory at T=1000 over T=100;
@@ -51,7 +52,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import brainstate
 import jax
@@ -93,16 +94,18 @@ SETTINGS = {
 }
 METHODS = ("BPTT", "D_RTRL single", "D_RTRL multi(10)", "pp_prop single", "pp_prop multi(10)",
            "EProp single", "EProp(κ=.9) single", "EProp random single", "OSTLRecurrent single",
-           "D_RTRL single bf16", "pp_prop single bf16")
+           "SnAp(n=1) single", "D_RTRL single bf16", "pp_prop single bf16")
 #: The rows with traces stored in bfloat16, and the float32-trace rows they are compared with.
 BF16_OF = {"D_RTRL single bf16": "D_RTRL single", "pp_prop single bf16": "pp_prop single"}
 #: The row of the hand-written plain-JAX D_RTRL (models with ``Setting.by_hand``).
 BY_HAND = "D_RTRL by hand"
+#: The rows every ratio is taken against, run whatever ``--methods`` selects.
+REFERENCES = ("BPTT", "D_RTRL single")
 #: How much shorter the sequences of the repeated compilations are (a multiple of every window).
 COMPILE_STRIDE = 10
 #: The trace-sized arrays each single-step method reads and writes once per step.
 TRACES_PER_STEP = {"D_RTRL single": 1, "EProp single": 1, "EProp(κ=.9) single": 2, "EProp random single": 1,
-                   "OSTLRecurrent single": 1, "OTPE single": 1}
+                   "OSTLRecurrent single": 1, "SnAp(n=1) single": 1, "OTPE single": 1}
 
 
 def _loss(out: jax.Array, target: jax.Array) -> jax.Array:
@@ -236,9 +239,10 @@ def bandwidth(n_bytes: int | None = None, repeats: int = 5, updates: int | None 
 
 
 def run(setting: Setting, batch: int, steps: int, long_steps: int, repeats: int, bw: float,
-        compilations: int = 3) -> dict[str, Any]:
-    """Every method's row on ``setting``: its step timed ``repeats`` times, its compile time the
-    fastest of ``compilations`` at fresh lengths near ``long_steps``."""
+        compilations: int = 3, only: Sequence[str] | None = None) -> dict[str, Any]:
+    """Every method's row on ``setting`` (or those of ``only``, with BPTT and D_RTRL single, the
+    references of the ratios): its step timed ``repeats`` times, its compile time the fastest of
+    ``compilations`` at fresh lengths near ``long_steps``."""
     key = jax.random.PRNGKey(0)
     data = lambda t: (jax.random.normal(key, (t, batch, setting.n_in)),  # noqa: E731
                       jax.random.normal(key, (t, batch, setting.n_out)))
@@ -255,6 +259,7 @@ def run(setting: Setting, batch: int, steps: int, long_steps: int, repeats: int,
         "EProp random single": lambda: online_step(setting, batch, "eprop", 1, feedback="random",
                                                    random_feedback_key=0),
         "OSTLRecurrent single": lambda: online_step(setting, batch, "ostl_recurrent", 1),
+        "SnAp(n=1) single": lambda: online_step(setting, batch, "snap", 1, n=1),
         "D_RTRL single bf16": lambda: online_step(setting, batch, "d_rtrl", 1, trace_dtype=jnp.bfloat16),
         "pp_prop single bf16": lambda: online_step(setting, batch, "pp_prop", 1, decay_or_rank=0.9,
                                                    trace_dtype=jnp.bfloat16),
@@ -263,6 +268,8 @@ def run(setting: Setting, batch: int, steps: int, long_steps: int, repeats: int,
         BY_HAND: lambda: (hand_step(setting, batch), None),
     }
     methods = (METHODS if setting.methods is None else setting.methods) + ((BY_HAND,) if setting.by_hand else ())
+    if only is not None:
+        methods = tuple(m for m in methods if m in (*REFERENCES, *only))
     builders = {name: build for name, build in builders.items() if name in methods}
     rows: dict[str, Any] = {}
     steps_of: dict[str, Any] = {}
@@ -315,6 +322,10 @@ def import_seconds(repeats: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description="Online learners vs BPTT, as ratios measured in one run.")
     parser.add_argument("--models", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--methods", nargs="*", default=None,
+                        choices=list(dict.fromkeys((*METHODS, *OTTT_METHODS, BY_HAND))),
+                        help="only these rows of each model (BPTT and D_RTRL single, the references of the "
+                             "ratios, always run)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--long-steps", type=int, default=1000)
@@ -338,7 +349,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {"bandwidth_bytes_per_s": bw, "import_seconds": imports, "models": {}}
     for name in args.models:
         rows = run(SETTINGS[name], args.batch, args.steps, args.long_steps, args.repeats, bw,
-                   compilations=1 if args.quick else 3)
+                   compilations=1 if args.quick else 3, only=args.methods)
         results["models"][name] = rows
         print(f"{name}")
         print(f"  {'method':<20}{'vs BPTT':>9}{'vs D_RTRL':>11}{'vs floor':>10}{'temp MiB':>10}"

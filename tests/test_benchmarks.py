@@ -35,6 +35,12 @@ def test_learner_benchmark_reports_every_method() -> None:
     assert imports["brainstate"] > 0 and imports["braintrace_over_brainstate"] > 0
 
 
+def test_learner_benchmark_runs_the_chosen_methods_and_the_references_of_its_ratios() -> None:
+    rows = main(["--quick", "--models", "gru64", "--methods", "SnAp(n=1) single"])["models"]["gru64"]
+    assert list(rows) == ["BPTT", "D_RTRL single", "SnAp(n=1) single"]
+    assert rows["SnAp(n=1) single"]["vs_floor"] > 0 and rows["SnAp(n=1) single"]["vs_bptt"] > 0
+
+
 def _stats(temp: int, peak: int) -> object:
     return type("Stats", (), {"temp_size_in_bytes": temp, "peak_memory_in_bytes": peak, "argument_size_in_bytes": 10,
                               "output_size_in_bytes": 30, "alias_size_in_bytes": 5})()

@@ -68,6 +68,11 @@ __all__ = ["etp_mm_p", "etp_mv_p", "matmul"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
+#: From this many bytes of a weight's trace (``B·I·O``) up, a TPU sums a group's steps' own
+#: gradient terms element-wise rather than by products (:func:`_steps_own_terms`): a trace this
+#: large lives in the chip's memory, not on chip, and its roll leaves the vector units room.
+OWN_TERMS_ELEMENTWISE_BYTES = 64 << 20
+
 
 def _etp_matmul_impl(
     x: Array,
@@ -287,14 +292,24 @@ def _dense_fast_roll_and_solve(
 
 def _steps_own_terms(lam: Array, x: Array, df: Array, has_bias: bool) -> dict[str, Array]:
     """``Σ_{s,b} x_s ⊗ (λ_s df_s)``, the group's steps' own gradient terms (``λ``, ``df``:
-    ``(K, B, O)``; ``x``: ``(K, B, I)``): one product over the steps and rows, or on a TPU
-    one product per step, summed.
+    ``(K, B, O)``; ``x``: ``(K, B, I)``): one product over the steps and rows; on a TPU one
+    product per step, summed, or, for a trace of :data:`OWN_TERMS_ELEMENTWISE_BYTES` or more,
+    ``K`` outer products summed element-wise and reduced over the batch.
 
-    On a TPU v5e the single product (a LIF-1024 group of 10 steps, 320 rows) took the
-    driver's loop 6.8 s to compile, the sum of ten products 3.7 s, its step 8 % slower
-    (``benchmarks/README.md``).
+    On a TPU v5e (``benchmarks/README.md``), a LIF-1024 group of 10 steps (320 rows) compiled
+    the driver's loop in 6.8 s as one product and in 3.7–4.1 s as ten; element-wise, in 1.2 s
+    (call by call: 1.4 s), its step 6 % slower than with the ten products. On the GRU-256 and
+    LIF-256 traces, which the chip keeps in its on-chip memory, element-wise made the step 16–18 %
+    slower and compiled no faster, so they keep the products.
     """
     if jax.default_backend() == "tpu":
+        if x.shape[1] * x.shape[-1] * df.shape[-1] * df.dtype.itemsize >= OWN_TERMS_ELEMENTWISE_BYTES:
+            gdf = lam * df
+            start = jnp.zeros((*x.shape[1:], df.shape[-1]), jnp.result_type(x, gdf))
+            out = {"weight": jnp.sum(_outer_sums(start, x, gdf), axis=0)}
+            if has_bias:
+                out["bias"] = jnp.sum(gdf, axis=(0, 1))
+            return out
         per_step = [_dense_fast_solve_instant(lam_s[..., None], x_s, df_s[..., None], has_bias, fold_batch=True)
                     for lam_s, x_s, df_s in zip(lam, x, df)]
         return jax.tree.map(lambda *terms: sum(terms[1:], terms[0]), *per_step)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import pytest
 
 from braintrace._op import _registries as reg
+from braintrace._op import dense
 from tests.op.cases import ALL_CASES
 from tests.op.opcase import OpCase, close, rand
 
@@ -127,18 +128,29 @@ def test_chunk_equals_the_step_by_step_roll(
     jax.tree.map(lambda u, v: close(u, v, atol=1e-4, rtol=1e-4), got, trace)
 
 
+#: How each platform sums a group's steps' own gradient terms: one product (CPU), one product
+#: per step (TPU), element-wise (TPU, a trace of ``dense.OWN_TERMS_ELEMENTWISE_BYTES`` or more).
+STEPS_FORMS = pytest.mark.parametrize("backend", ["cpu", "tpu", "tpu-large-trace"])
+
+
+def _steps_form(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jax, "default_backend", lambda: backend.removesuffix("-large-trace"))
+    if backend.endswith("-large-trace"):
+        monkeypatch.setattr(dense, "OWN_TERMS_ELEMENTWISE_BYTES", 0)
+
+
 @fast_cases
-@pytest.mark.parametrize("backend", ["cpu", "tpu"])
+@STEPS_FORMS
 def test_roll_and_solve_steps_equals_roll_and_solve_step_by_step(
     case: OpCase, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On a one-state trace stored without its state axis: the last trace and the summed
     gradients of five steps, each step contracting the trace it entered with; the steps' own
-    terms as each platform sums them (a TPU one product per step)."""
+    terms in each platform's form (:data:`STEPS_FORMS`)."""
     fp = reg.ETP_FAST_PATH_RULES[case.prim]
     if fp.roll_and_solve_steps is None or fp.roll_and_solve is None or not _batched(case):
         pytest.skip("no kernel over several steps (they serve batched primitives)")
-    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    _steps_form(backend, monkeypatch)
     steps, y = 5, case.y().shape
     trace = start = {k: rand(70 + i, s) for i, (k, s) in enumerate(case.drtrl_shapes.items())}
     xs = jnp.stack([case.x * (t + 1) for t in range(steps)])
@@ -152,16 +164,16 @@ def test_roll_and_solve_steps_equals_roll_and_solve_step_by_step(
 
 
 @fast_cases
-@pytest.mark.parametrize("backend", ["cpu", "tpu"])
+@STEPS_FORMS
 def test_roll_filter_and_solve_steps_equals_roll_filter_and_solve_step_by_step(
     case: OpCase, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A trace and its filter ``ē ← κ ē + ε`` over five steps at once: the last trace and filter
-    and the summed gradients of the steps one by one, as each platform sums them."""
+    and the summed gradients of the steps one by one, in each platform's form."""
     fp = reg.ETP_FAST_PATH_RULES[case.prim]
     if fp.roll_filter_and_solve_steps is None or fp.roll_filter_and_solve is None or not _batched(case):
         pytest.skip("no filtered kernel over several steps (they serve batched primitives)")
-    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    _steps_form(backend, monkeypatch)
     steps, y, kappa = 5, case.y().shape, 0.7
     trace = start = {k: rand(80 + i, s) for i, (k, s) in enumerate(case.drtrl_shapes.items())}
     filt = filt_start = {k: rand(90 + i, s) for i, (k, s) in enumerate(case.drtrl_shapes.items())}
