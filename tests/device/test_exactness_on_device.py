@@ -25,7 +25,7 @@ import pytest
 
 import braintrace
 from braintrace._algorithm.carriers import backward_roll
-from braintrace._op import fused_roll
+from braintrace._op import dense, fused_roll
 from tests.algorithm.bptt import _to_numpy, bptt_grads, max_rel_err, normal, single_step_grads, target_loss, window_grads
 from tests.compiler.models import spike
 
@@ -142,18 +142,23 @@ def test_check_gradients_reads_exact_at_float32_rounding() -> None:
     assert audit.exact, audit
 
 
-@pytest.mark.parametrize("calls_per_roll", [1, backward_roll.MAX_CALLS_PER_ROLL], ids=["per-call", "grouped"])
+@pytest.mark.parametrize("calls_per_roll, own_terms_bytes", [
+    (1, None), (backward_roll.MAX_CALLS_PER_ROLL, None), (backward_roll.MAX_CALLS_PER_ROLL, 0),
+], ids=["per-call", "grouped", "grouped-elementwise-own-terms"])
 @pytest.mark.parametrize("model", ["leaky", "lif"])
 def test_traces_rolled_in_the_backward_pass_match_bptt(
-    model: str, calls_per_roll: int, monkeypatch: pytest.MonkeyPatch,
+    model: str, calls_per_roll: int, own_terms_bytes: int | None, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """On a TPU the drivers roll dense traces in the backward pass
     (``braintrace._algorithm.carriers.backward_roll``): call by call with a Pallas kernel, or
-    over groups of calls at once (here the loop's ``T`` calls are one group); with the size
-    thresholds at zero these small models take either path there. Elsewhere the traces roll in
-    the forward pass, checked the same way."""
+    over groups of calls at once (here the loop's ``T`` calls are one group), the steps' own
+    terms by products or, as for a large trace, element-wise; with the size thresholds at zero
+    these small models take each path there. Elsewhere the traces roll in the forward pass,
+    checked the same way."""
     monkeypatch.setattr(backward_roll, "ROLL_MIN_BYTES", 0)
     monkeypatch.setattr(backward_roll, "MAX_CALLS_PER_ROLL", calls_per_roll)
+    if own_terms_bytes is not None:
+        monkeypatch.setattr(dense, "OWN_TERMS_ELEMENTWISE_BYTES", own_terms_bytes)
     xs = normal(11, (T, B, I))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
