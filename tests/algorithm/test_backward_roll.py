@@ -223,7 +223,8 @@ def test_rolled_over_a_group_of_calls_the_learner_computes_what_it_does_call_by_
 
 
 def _own_terms_elementwise(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make the groups sum their steps' own terms as a TPU does for a trace of 64 MiB or more."""
+    """Make the groups sum their steps' own terms as a TPU does for a trace of
+    ``dense.OWN_TERMS_ELEMENTWISE_BYTES`` or more."""
     products = dense._steps_own_terms
 
     def elementwise(*args: Any) -> Any:
