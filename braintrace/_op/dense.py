@@ -47,6 +47,7 @@ from braintrace._op._operands import (
 from braintrace._op._primitive import register_primitive
 from braintrace._op._registries import FastPathRules, register_batched_counterpart, snap_anchored
 from braintrace._op.fused_roll import roll_and_contract, roll_filter_and_contract
+from braintrace._op import split_float32
 from braintrace._op._rule_helpers import (
     apply_hook,
     bias_trainable_invars,
@@ -68,11 +69,15 @@ __all__ = ["etp_mm_p", "etp_mv_p", "matmul"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
-#: From this many bytes of a weight's trace (``B·I·O``) up, a TPU sums a group's steps' own
-#: gradient terms element-wise rather than by products (:func:`_steps_own_terms`): measured on a
-#: v5e, LIF-1024's 130 MiB trace compiled 3.5× faster so for a 6 % slower step, while traces the
-#: chip keeps on chip (GRU-256's, LIF-256's) stepped 16–18 % slower.
-OWN_TERMS_ELEMENTWISE_BYTES = 64 << 20
+#: From this many bytes of a weight's trace (``B·I·O``) up, a TPU rolls a group of steps' trace
+#: and sums their own gradient terms element-wise (:func:`_steps_outer_sums`,
+#: :func:`_steps_own_terms`); smaller traces, which the chip keeps in its on-chip memory and
+#: whose element-wise roll is bound by its vector unit, take products. Measured on a v5e
+#: (``benchmarks/README.md``): as products GRU-256's D_RTRL step took 1.24x BPTT's instead of
+#: 1.65x and LIF-256's 1.23x instead of 1.50x, compiling in 0.9x and 1.4-1.8x the time;
+#: LIF-1024's 130 MiB trace, bound by memory traffic, stepped 10 % faster as products but
+#: compiled 4-5x slower.
+ELEMENTWISE_TRACE_BYTES = 64 << 20
 
 
 def _etp_matmul_impl(
@@ -291,29 +296,40 @@ def _dense_fast_roll_and_solve(
     return new, grads
 
 
+def _elementwise_on_tpu(x: Array, df: Array) -> bool:
+    """Whether a group of steps (``x``: ``(K, B, I)``, ``df``: ``(K, B, O)``) rolls and sums a
+    trace element-wise: on a TPU, from :data:`ELEMENTWISE_TRACE_BYTES` of trace up."""
+    trace_bytes = x.shape[1] * x.shape[-1] * df.shape[-1] * df.dtype.itemsize
+    return jax.default_backend() == "tpu" and trace_bytes >= ELEMENTWISE_TRACE_BYTES
+
+
+def _steps_outer_sums(start: Array, x: Array, y: Array) -> Array:
+    """``start + Σ_s x_s ⊗ y_s`` for a group's trace (``x``: ``(K, B, I)``, ``y``: ``(K, B, O)``):
+    on a TPU below :data:`ELEMENTWISE_TRACE_BYTES`, one bfloat16 product of the float32 parts
+    (:func:`braintrace._op.split_float32.outer_sums`); elsewhere element-wise, one fusion with
+    the roll (on the CPU, and on a TPU where a large trace's memory traffic bounds the step)."""
+    if jax.default_backend() == "tpu" and not _elementwise_on_tpu(x, y):
+        return start + split_float32.outer_sums(x, y)
+    return _outer_sums(start, x, y)
+
+
 def _steps_own_terms(lam: Array, x: Array, df: Array, has_bias: bool) -> dict[str, Array]:
     """``Σ_{s,b} x_s ⊗ (λ_s df_s)``, the group's steps' own gradient terms (``λ``, ``df``:
-    ``(K, B, O)``; ``x``: ``(K, B, I)``): one product over the steps and rows; on a TPU one
-    product per step, summed, or, for a trace of :data:`OWN_TERMS_ELEMENTWISE_BYTES` or more,
-    ``K`` outer products summed element-wise and reduced over the batch.
+    ``(K, B, O)``; ``x``: ``(K, B, I)``): one product over the steps and rows, or, on a TPU from
+    :data:`ELEMENTWISE_TRACE_BYTES` of trace up, ``K`` outer products summed element-wise and
+    reduced over the batch.
 
     On a TPU v5e (``benchmarks/README.md``), a LIF-1024 group of 10 steps (320 rows) compiled
-    the driver's loop in 6.8 s as one product and in 3.7–4.1 s as ten; element-wise, in 1.2 s
-    (call by call: 1.4 s), its step 6 % slower than with the ten products. On the GRU-256 and
-    LIF-256 traces, which the chip keeps in its on-chip memory, element-wise made the step 18 and
-    16 % slower (compiling 15 % faster and 30 % slower), so they keep the products.
+    the driver's loop in 6.6-6.8 s as one product and in 1.1-1.2 s element-wise (call by call:
+    1.4 s), its step 6-13 % slower.
     """
-    if jax.default_backend() == "tpu":
-        if x.shape[1] * x.shape[-1] * df.shape[-1] * df.dtype.itemsize >= OWN_TERMS_ELEMENTWISE_BYTES:
-            gdf = lam * df
-            start = jnp.zeros((*x.shape[1:], df.shape[-1]), jnp.result_type(x, gdf))
-            out = {"weight": jnp.sum(_outer_sums(start, x, gdf), axis=0)}
-            if has_bias:
-                out["bias"] = jnp.sum(gdf, axis=(0, 1))
-            return out
-        per_step = [_dense_fast_solve_instant(lam_s[..., None], x_s, df_s[..., None], has_bias, fold_batch=True)
-                    for lam_s, x_s, df_s in zip(lam, x, df)]
-        return jax.tree.map(lambda *terms: sum(terms[1:], terms[0]), *per_step)
+    if _elementwise_on_tpu(x, df):
+        gdf = lam * df
+        start = jnp.zeros((*x.shape[1:], df.shape[-1]), jnp.result_type(x, gdf))
+        out = {"weight": jnp.sum(_outer_sums(start, x, gdf), axis=0)}
+        if has_bias:
+            out["bias"] = jnp.sum(gdf, axis=(0, 1))
+        return out
     folded = x.shape[0] * x.shape[1]
     return _dense_fast_solve_instant(jnp.reshape(lam, (folded, -1, 1)), jnp.reshape(x, (folded, -1)),
                                      jnp.reshape(df, (folded, -1, 1)), has_bias, fold_batch=True)
@@ -340,10 +356,7 @@ def _dense_fast_roll_and_solve_steps(
 
     start = (jnp.zeros_like(signal[0]), jnp.ones_like(diag[0]))
     (lam_first, prod_all), (lam, prod) = jax.lax.scan(back, start, (diag, signal), reverse=True)
-    # Element-wise, the trace's terms are one fusion with the roll. On a TPU v5e, as one batched
-    # product over the steps, it ran 5-10 % faster but compiled the driver's loop 4-5x slower; as a
-    # Pallas kernel it ran 1.7x slower at LIF-1024 (benchmarks/README.md).
-    weight = _outer_sums(prod_all[:, None, :] * old["weight"], x, prod * df)
+    weight = _steps_outer_sums(prod_all[:, None, :] * old["weight"], x, prod * df)
     history = jnp.sum(old["weight"] * lam_first[:, None, :], axis=0)
     steps = _steps_own_terms(lam, x, df, has_bias)
     new = {"weight": weight}
@@ -396,8 +409,8 @@ def _dense_fast_roll_filter_and_solve_steps(
     (lam_first, lam_filt_first, a_all, c_all, _), (lam, into_trace, into_filter) = jax.lax.scan(
         back, (zeros, zeros, ones, zeros, ones), (diag, signal, filt_signal), reverse=True)
     filt_decay = kappa ** x.shape[0]
-    weight = _outer_sums(a_all[:, None, :] * old["weight"], x, into_trace * df)
-    weight_filt = _outer_sums(filt_decay * filt["weight"] + c_all[:, None, :] * old["weight"], x, into_filter * df)
+    weight = _steps_outer_sums(a_all[:, None, :] * old["weight"], x, into_trace * df)
+    weight_filt = _steps_outer_sums(filt_decay * filt["weight"] + c_all[:, None, :] * old["weight"], x, into_filter * df)
     history = jnp.sum(old["weight"] * lam_first[:, None, :] + filt["weight"] * lam_filt_first[:, None, :], axis=0)
     steps = _steps_own_terms(lam, x, df, has_bias)
     new, new_filt = {"weight": weight}, {"weight": weight_filt}

@@ -222,28 +222,31 @@ def test_rolled_over_a_group_of_calls_the_learner_computes_what_it_does_call_by_
     _assert_same(got, got_traces, want, want_traces)
 
 
-def _own_terms_elementwise(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make the groups sum their steps' own terms as a TPU does for a trace of
-    ``dense.OWN_TERMS_ELEMENTWISE_BYTES`` or more."""
-    products = dense._steps_own_terms
+def _tpu_group_form(large_trace: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the groups roll their traces and sum their steps' own terms as a TPU does: by
+    products, or element-wise as for a trace of ``dense.ELEMENTWISE_TRACE_BYTES`` or more."""
 
-    def elementwise(*args: Any) -> Any:
-        with monkeypatch.context() as patch:
-            patch.setattr(jax, "default_backend", lambda: "tpu")
-            patch.setattr(dense, "OWN_TERMS_ELEMENTWISE_BYTES", 0)
-            return products(*args)
+    def as_on_a_tpu(function: Any) -> Any:
+        def run(*args: Any) -> Any:
+            with monkeypatch.context() as patch:
+                patch.setattr(jax, "default_backend", lambda: "tpu")
+                if large_trace:
+                    patch.setattr(dense, "ELEMENTWISE_TRACE_BYTES", 0)
+                return function(*args)
+        return run
 
-    monkeypatch.setattr(dense, "_steps_own_terms", elementwise)
+    for name in ("_steps_outer_sums", "_steps_own_terms"):
+        monkeypatch.setattr(dense, name, as_on_a_tpu(getattr(dense, name)))
 
 
-@pytest.mark.parametrize("own_terms", ["products", "elementwise"])
+@pytest.mark.parametrize("form", ["cpu", "tpu", "tpu-large-trace"])
 @pytest.mark.parametrize("model", ["leaky", "lif"])
 def test_rolled_over_groups_of_calls_the_gradient_matches_bptt(
-    model: str, own_terms: str, monkeypatch: pytest.MonkeyPatch, rolls_every_trace: None,
+    model: str, form: str, monkeypatch: pytest.MonkeyPatch, rolls_every_trace: None,
 ) -> None:
     monkeypatch.setattr(backward_roll, "MAX_CALLS_PER_ROLL", 3)  # two groups of three calls
-    if own_terms == "elementwise":
-        _own_terms_elementwise(monkeypatch)
+    if form != "cpu":
+        _tpu_group_form(form == "tpu-large-trace", monkeypatch)
     learner = _compile(MODELS[model](), "d_rtrl", monkeypatch)
     assert learner._seq_calls_per_roll(T) == 3
     got, _ = _etrace_grad(learner)

@@ -142,23 +142,23 @@ def test_check_gradients_reads_exact_at_float32_rounding() -> None:
     assert audit.exact, audit
 
 
-@pytest.mark.parametrize("calls_per_roll, own_terms_bytes", [
+@pytest.mark.parametrize("calls_per_roll, elementwise_bytes", [
     (1, None), (backward_roll.MAX_CALLS_PER_ROLL, None), (backward_roll.MAX_CALLS_PER_ROLL, 0),
-], ids=["per-call", "grouped", "grouped-elementwise-own-terms"])
+], ids=["per-call", "grouped", "grouped-elementwise"])
 @pytest.mark.parametrize("model", ["leaky", "lif"])
 def test_traces_rolled_in_the_backward_pass_match_bptt(
-    model: str, calls_per_roll: int, own_terms_bytes: int | None, monkeypatch: pytest.MonkeyPatch,
+    model: str, calls_per_roll: int, elementwise_bytes: int | None, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """On a TPU the drivers roll dense traces in the backward pass
     (``braintrace._algorithm.carriers.backward_roll``): call by call with a Pallas kernel, or
-    over groups of calls at once (here the loop's ``T`` calls are one group), the steps' own
-    terms by products or, as for a large trace, element-wise; with the size thresholds at zero
-    these small models take each path there. Elsewhere the traces roll in the forward pass,
+    over groups of calls at once (here the loop's ``T`` calls are one group), the group's roll
+    and its steps' own terms by products or, as for a large trace, element-wise; with the size
+    thresholds at zero these small models take each path there. Elsewhere the traces roll in the forward pass,
     checked the same way."""
     monkeypatch.setattr(backward_roll, "ROLL_MIN_BYTES", 0)
     monkeypatch.setattr(backward_roll, "MAX_CALLS_PER_ROLL", calls_per_roll)
-    if own_terms_bytes is not None:
-        monkeypatch.setattr(dense, "OWN_TERMS_ELEMENTWISE_BYTES", own_terms_bytes)
+    if elementwise_bytes is not None:
+        monkeypatch.setattr(dense, "ELEMENTWISE_TRACE_BYTES", elementwise_bytes)
     xs = normal(11, (T, B, I))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)

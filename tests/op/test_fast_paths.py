@@ -128,15 +128,16 @@ def test_chunk_equals_the_step_by_step_roll(
     jax.tree.map(lambda u, v: close(u, v, atol=1e-4, rtol=1e-4), got, trace)
 
 
-#: How each platform sums a group's steps' own gradient terms: one product (CPU), one product
-#: per step (TPU), element-wise (TPU, a trace of ``dense.OWN_TERMS_ELEMENTWISE_BYTES`` or more).
+#: How each platform rolls a group of steps' trace and sums their own gradient terms: element-wise
+#: and one product (CPU), a bfloat16 product of the float32 parts and one product (TPU), both
+#: element-wise (TPU, a trace of ``dense.ELEMENTWISE_TRACE_BYTES`` or more).
 STEPS_FORMS = pytest.mark.parametrize("backend", ["cpu", "tpu", "tpu-large-trace"])
 
 
 def _steps_form(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(jax, "default_backend", lambda: backend.removesuffix("-large-trace"))
     if backend.endswith("-large-trace"):
-        monkeypatch.setattr(dense, "OWN_TERMS_ELEMENTWISE_BYTES", 0)
+        monkeypatch.setattr(dense, "ELEMENTWISE_TRACE_BYTES", 0)
 
 
 @fast_cases

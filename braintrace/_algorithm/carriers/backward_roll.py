@@ -28,7 +28,8 @@ the same pass (``roll_filter_and_solve_steps``, the call's factors carrying the 
 ``r`` too). On a TPU v5e it took a LIF-1024 D_RTRL step from 28× to 5.8× BPTT's time, its
 EProp(κ = 0.9) step from 53× to 11×, its EProp with random feedback from 38× to 6.5×, and
 GRU-256's D_RTRL from 1.99× to 1.67–1.77× (``benchmarks/README.md``, the tenth and eleventh
-runs). Inside ``step_fn`` the grouped traces read their value at the group's start. On the
+runs), then to 1.26× with the roll of a trace kept on chip as one bfloat16 product of float32
+parts (:mod:`braintrace._op.split_float32`, the fourteenth). Inside ``step_fn`` the grouped traces read their value at the group's start. On the
 development CPU, where a trace keeps its state axis, grouping the same traces took the step's
 time unchanged (LIF-1024 D_RTRL 4.21× BPTT call by call, 4.18× grouped), so it applies where
 traces are stored without it (a TPU).
