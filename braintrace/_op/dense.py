@@ -321,7 +321,7 @@ def _steps_own_terms(lam: Array, x: Array, df: Array, has_bias: bool) -> dict[st
 
     On a TPU v5e (``benchmarks/README.md``), a LIF-1024 group of 10 steps (320 rows) compiled
     the driver's loop in 6.6-6.8 s as one product and in 1.1-1.2 s element-wise (call by call:
-    1.4 s), its step 6-13 % slower.
+    1.4 s), its step 6-15 % slower.
     """
     if _elementwise_on_tpu(x, df):
         gdf = lam * df
