@@ -127,11 +127,11 @@ device-wheels:
 
 # The part of the suite that says whether the library works on an accelerator, in one process (one
 # program at a time holds a TPU): every learner against BPTT at the highest matmul precision, the
-# drivers, checkpoints and the audit. Runs on whatever platform JAX finds, the CPU included, with
-# .venv's Python where there is one; on an accelerator machine with JAX only, as
-# `scripts/on_device.sh make test-device` (benchmarks/README.md).
+# drivers, checkpoints, the audit and the float32 product of bfloat16 parts. Runs on whatever
+# platform JAX finds, the CPU included, with .venv's Python where there is one; on an accelerator
+# machine with JAX only, as `scripts/on_device.sh make test-device` (benchmarks/README.md).
 DEVICE_TESTS := tests/device tests/algorithm/test_memoryless_groups.py tests/algorithm/test_instant_traces.py tests/algorithm/test_sequence_drivers.py tests/algorithm/test_etrace_train.py \
-	tests/test_checkpoint.py tests/test_audit.py
+	tests/test_checkpoint.py tests/test_audit.py tests/op/test_split_float32.py
 test-device:
 	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m pytest -q -p no:cacheprovider --durations=15 -m "not exhaustive and not long" $(DEVICE_TESTS)
 
