@@ -153,8 +153,8 @@ def test_traces_rolled_in_the_backward_pass_match_bptt(
     (``braintrace._algorithm.carriers.backward_roll``): call by call with a Pallas kernel, or
     over groups of calls at once (here the loop's ``T`` calls are one group), the group's roll
     and its steps' own terms by products or, as for a large trace, element-wise; with the size
-    thresholds at zero these small models take each path there. Elsewhere the traces roll in the forward pass,
-    checked the same way."""
+    thresholds at zero these small models take each path there. Elsewhere the traces roll in the
+    forward pass, checked the same way."""
     monkeypatch.setattr(backward_roll, "ROLL_MIN_BYTES", 0)
     monkeypatch.setattr(backward_roll, "MAX_CALLS_PER_ROLL", calls_per_roll)
     if elementwise_bytes is not None:
