@@ -29,10 +29,10 @@ the same pass (``roll_filter_and_solve_steps``, the call's factors carrying the 
 EProp(κ = 0.9) step from 53× to 11×, its EProp with random feedback from 38× to 6.5×, and
 GRU-256's D_RTRL from 1.99× to 1.67–1.77× (``benchmarks/README.md``, the tenth and eleventh
 runs), then to 1.26× with the roll of a trace kept on chip as one bfloat16 product of float32
-parts (:mod:`braintrace._op.split_float32`, the fourteenth). Inside ``step_fn`` the grouped traces read their value at the group's start. On the
-development CPU, where a trace keeps its state axis, grouping the same traces took the step's
-time unchanged (LIF-1024 D_RTRL 4.21× BPTT call by call, 4.18× grouped), so it applies where
-traces are stored without it (a TPU).
+parts (:mod:`braintrace._op.split_float32`, the fourteenth). Inside ``step_fn`` the grouped
+traces read their value at the group's start. On the development CPU, where a trace keeps its
+state axis, grouping the same traces took the step's time unchanged (LIF-1024 D_RTRL 4.21× BPTT
+call by call, 4.18× grouped), so it applies where traces are stored without it (a TPU).
 
 It applies on a TPU, where traces of one-state groups are stored without their state axis
 (``ParamDimVjpAlgorithm._stored``), to the float32 traces of batched ``matmul`` relations that
