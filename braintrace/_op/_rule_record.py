@@ -113,11 +113,13 @@ class FastPathRules(NamedTuple):
         ``old`` (``diag``, ``df``, ``signal``: ``(B, *y)``). ``None``: the engine rolls and
         contracts apart.
     roll_and_solve_steps : callable or None
-        ``roll_and_solve_steps(old, diag, x, df, signal, has_bias) -> (new, grads)``:
+        ``roll_and_solve_steps(old, diag, x, df, signal, has_bias[, own=]) -> (new, grads)``:
         ``roll_and_solve`` over ``K`` steps at once (``diag``, ``x``, ``df``, ``signal`` with a
         leading axis of ``K``; step ``s`` contracts the trace it entered with): the last trace
-        and the gradients summed over the steps, reading ``old`` once. ``None``: the engine
-        takes the steps one by one.
+        and the gradients summed over the steps, reading ``old`` once. Given ``own`` (shaped
+        as ``signal``), the gradients also hold the steps' own terms, what ``solve_instant``
+        gives on ``(own_s, x_s, df_s)`` folded over the batch. ``None``: the engine takes the
+        steps one by one.
     roll_filter_and_solve : callable or None
         ``roll_filter_and_solve(old, filt, diag, x, df, signal, filt_signal, kappa, has_bias) ->
         (new, new_filt, grads)``: ``roll_and_solve`` for a trace with a low-pass filter: also
@@ -126,9 +128,9 @@ class FastPathRules(NamedTuple):
         rolls, filters and contracts apart.
     roll_filter_and_solve_steps : callable or None
         ``roll_filter_and_solve_steps(old, filt, diag, x, df, signal, filt_signal, kappa,
-        has_bias) -> (new, new_filt, grads)``: ``roll_filter_and_solve`` over ``K`` steps at
-        once, as ``roll_and_solve_steps`` is ``roll_and_solve``'s. ``None``: the engine takes the
-        steps one by one.
+        has_bias[, own=]) -> (new, new_filt, grads)``: ``roll_filter_and_solve`` over ``K`` steps
+        at once, as ``roll_and_solve_steps`` is ``roll_and_solve``'s (``own`` too). ``None``: the
+        engine takes the steps one by one.
     """
 
     instant: TraceRule

@@ -29,6 +29,8 @@ Array([3.5, 3.5, 3.5, 3.5], dtype=float32)
 
 from __future__ import annotations
 
+import math
+
 import brainunit as u
 import jax
 import jax.numpy as jnp
@@ -70,7 +72,7 @@ __all__ = ["etp_mm_p", "etp_mv_p", "matmul"]
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 #: From this many bytes of a weight's trace (``B·I·O``) up, a TPU rolls a group of steps' trace
-#: and sums their own gradient terms element-wise (:func:`_steps_outer_sums`,
+#: (and a multi-step window's) and sums their own gradient terms element-wise (:func:`_steps_outer_sums`,
 #: :func:`_steps_own_terms`); smaller traces, which the chip keeps in its on-chip memory and
 #: whose element-wise roll is bound by its vector unit, take products. Measured on a v5e
 #: (``benchmarks/README.md``): as products GRU-256's D_RTRL step took 1.24x BPTT's instead of
@@ -268,14 +270,13 @@ def _dense_fast_chunk(
     """A window of ``T`` steps at once: ``M ε + Σ_s x_s ⊗ (P_s df_s)``.
 
     ``x_seq: (T, ..., I)``, ``df_seq: (T, ..., O, S)``, ``p_seq: (T, ..., O, S, S)``,
-    ``m_full: (..., O, S, S)``.
+    ``m_full: (..., O, S, S)``. The sum over the steps is one product at ``HIGHEST`` on the
+    CPU and :func:`_steps_outer_sums` on a TPU.
     """
     pdf = propagate_df(p_seq, df_seq, num_state)
     out = _dense_fast_recurrent(m_full, old, num_state)
     if jax.default_backend() == "tpu":
-        # Element-wise: on a TPU v5e the product over the window's steps compiled a GRU-256
-        # multi-step loop in 3.8 s, this sum in 1.6 s, its step 8 % slower (benchmarks/README.md).
-        out["weight"] = _outer_sums(out["weight"], x_seq, pdf)
+        out["weight"] = _steps_outer_sums(out["weight"], x_seq, pdf)
     else:
         out["weight"] = out["weight"] + jnp.einsum("t...i,t...ka->...ika", x_seq, pdf, precision=_HIGHEST)
     if "bias" in old:
@@ -296,20 +297,22 @@ def _dense_fast_roll_and_solve(
     return new, grads
 
 
-def _elementwise_on_tpu(x: Array, df: Array) -> bool:
-    """Whether a group of steps (``x``: ``(K, B, I)``, ``df``: ``(K, B, O)``) rolls and sums a
-    trace element-wise: on a TPU, from :data:`ELEMENTWISE_TRACE_BYTES` of trace up."""
-    trace_bytes = x.shape[1] * x.shape[-1] * df.shape[-1] * df.dtype.itemsize
+def _elementwise_on_tpu(x: Array, y: Array) -> bool:
+    """Whether steps' outer products (``x``: ``(K, ..., I)``, ``y``: ``(K, ..., O, ...)``) are
+    summed into their trace element-wise: on a TPU, from :data:`ELEMENTWISE_TRACE_BYTES` of trace up."""
+    trace_bytes = math.prod(x.shape[1:]) * math.prod(y.shape[x.ndim - 1:]) * y.dtype.itemsize
     return jax.default_backend() == "tpu" and trace_bytes >= ELEMENTWISE_TRACE_BYTES
 
 
 def _steps_outer_sums(start: Array, x: Array, y: Array) -> Array:
-    """``start + Σ_s x_s ⊗ y_s`` for a group's trace (``x``: ``(K, B, I)``, ``y``: ``(K, B, O)``):
-    on a TPU below :data:`ELEMENTWISE_TRACE_BYTES`, one bfloat16 product of the float32 parts
+    """``start + Σ_s x_s ⊗ y_s`` for the steps of a group or a window (``x``: ``(K, ..., I)``,
+    ``y``: ``(K, ..., O, ...)``, ``start``: ``(..., I, O, ...)``): on a TPU below
+    :data:`ELEMENTWISE_TRACE_BYTES`, one bfloat16 product of the float32 parts
     (:func:`braintrace._op.split_float32.outer_sums`); elsewhere element-wise, one fusion with
     the roll (on the CPU, and on a TPU where a large trace's memory traffic bounds the step)."""
     if jax.default_backend() == "tpu" and not _elementwise_on_tpu(x, y):
-        return start + split_float32.outer_sums(x, y)
+        rows = jnp.reshape(y, (*y.shape[:x.ndim - 1], -1))  # the axes after I as one
+        return start + jnp.reshape(split_float32.outer_sums(x, rows), start.shape)
     return _outer_sums(start, x, y)
 
 
@@ -336,17 +339,19 @@ def _steps_own_terms(lam: Array, x: Array, df: Array, has_bias: bool) -> dict[st
 
 
 def _dense_fast_roll_and_solve_steps(
-    old: dict[str, Array], diag: Array, x: Array, df: Array, signal: Array, has_bias: bool
+    old: dict[str, Array], diag: Array, x: Array, df: Array, signal: Array, has_bias: bool,
+    own: Array | None = None,
 ) -> tuple[dict[str, Array], dict[str, Array]]:
     """:func:`_dense_fast_roll_and_solve` over ``K`` steps at once: their last trace and summed gradients.
 
-    ``diag``, ``df``, ``signal``: ``(K, B, O)``; ``x``: ``(K, B, I)``. Step ``s`` rolls
-    ``ε_s = d_s ε_{s-1} + x_s ⊗ df_s`` and contracts the trace it entered with,
-    ``Σ_b q_s ⊙ ε_{s-1}``. In closed form, with ``p_s = d_{K-1} ⋯ d_{s+1}`` and
-    ``λ_s = Σ_{t>s} d_{t-1} ⋯ d_{s+1} q_t`` (``λ_{s-1} = q_s + d_s λ_s``):
-    ``ε_{K-1} = p_{-1} ε_{-1} + Σ_s x_s ⊗ (p_s df_s)`` and the gradient
-    ``Σ_b λ_{-1} ⊙ ε_{-1} + Σ_{s,b} x_s ⊗ (λ_s df_s)``: one read of the entering trace and one
-    write of the new one for ``K`` steps (``K`` is small: the driver's groups).
+    ``diag``, ``df``, ``signal`` (and ``own``): ``(K, B, O)``; ``x``: ``(K, B, I)``. Step ``s``
+    rolls ``ε_s = d_s ε_{s-1} + x_s ⊗ df_s`` and contracts the trace it entered with,
+    ``Σ_b q_s ⊙ ε_{s-1}`` (with ``own``, also its own term ``Σ_b x_s ⊗ (g_s df_s)``). In closed
+    form, with ``p_s = d_{K-1} ⋯ d_{s+1}`` and ``λ_s = Σ_{t>s} d_{t-1} ⋯ d_{s+1} q_t``
+    (``λ_{s-1} = q_s + d_s λ_s``): ``ε_{K-1} = p_{-1} ε_{-1} + Σ_s x_s ⊗ (p_s df_s)`` and the
+    gradient ``Σ_b λ_{-1} ⊙ ε_{-1} + Σ_{s,b} x_s ⊗ ((λ_s + g_s) df_s)``: one read of the
+    entering trace and one write of the new one for ``K`` steps (``K`` is small: the driver's
+    groups), and one product for the steps' own terms.
     """
 
     def back(carry: tuple[Array, Array], step: tuple[Array, Array]) -> tuple[tuple[Array, Array], tuple[Array, Array]]:
@@ -358,7 +363,7 @@ def _dense_fast_roll_and_solve_steps(
     (lam_first, prod_all), (lam, prod) = jax.lax.scan(back, start, (diag, signal), reverse=True)
     weight = _steps_outer_sums(prod_all[:, None, :] * old["weight"], x, prod * df)
     history = jnp.sum(old["weight"] * lam_first[:, None, :], axis=0)
-    steps = _steps_own_terms(lam, x, df, has_bias)
+    steps = _steps_own_terms(lam if own is None else lam + own, x, df, has_bias)
     new = {"weight": weight}
     grads = {"weight": history + steps["weight"]}
     if "bias" in old:
@@ -384,10 +389,10 @@ def _dense_fast_roll_filter_and_solve(
 
 def _dense_fast_roll_filter_and_solve_steps(
     old: dict[str, Array], filt: dict[str, Array], diag: Array, x: Array, df: Array, signal: Array,
-    filt_signal: Array, kappa: float, has_bias: bool,
+    filt_signal: Array, kappa: float, has_bias: bool, own: Array | None = None,
 ) -> tuple[dict[str, Array], dict[str, Array], dict[str, Array]]:
     """:func:`_dense_fast_roll_filter_and_solve` over ``K`` steps at once (shaped as in
-    :func:`_dense_fast_roll_and_solve_steps`; ``filt_signal`` ``(K, B, O)``).
+    :func:`_dense_fast_roll_and_solve_steps`, ``own`` too; ``filt_signal`` ``(K, B, O)``).
 
     Step ``s`` rolls ``z_s = M_s z_{s-1} + (u_s, u_s)`` for ``z = (ε, ē)``, ``u_s = x_s ⊗ df_s``
     and ``M_s = [[d_s, 0], [d_s, κ]]``, and contracts ``(q_s, r_s)`` with ``z_{s-1}``. With
@@ -412,7 +417,7 @@ def _dense_fast_roll_filter_and_solve_steps(
     weight = _steps_outer_sums(a_all[:, None, :] * old["weight"], x, into_trace * df)
     weight_filt = _steps_outer_sums(filt_decay * filt["weight"] + c_all[:, None, :] * old["weight"], x, into_filter * df)
     history = jnp.sum(old["weight"] * lam_first[:, None, :] + filt["weight"] * lam_filt_first[:, None, :], axis=0)
-    steps = _steps_own_terms(lam, x, df, has_bias)
+    steps = _steps_own_terms(lam if own is None else lam + own, x, df, has_bias)
     new, new_filt = {"weight": weight}, {"weight": weight_filt}
     grads = {"weight": history + steps["weight"]}
     if "bias" in old:

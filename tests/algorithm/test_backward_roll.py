@@ -27,7 +27,7 @@ from benchmarks.models import LIF as ReadPastLIF
 from braintrace._algorithm.carriers import backward_roll
 from braintrace._op import dense, fused_roll
 from tests.algorithm.bptt import _to_numpy, bptt_grads, max_rel_err, normal, target_loss
-from tests.device.test_exactness_on_device import MODELS, RTOL, B, H, I, T
+from tests.device.test_exactness_on_device import MODELS, RTOL, B, H, I, Leaky, T
 
 pytestmark = pytest.mark.skipif(jax.default_backend() == "tpu", reason="compiles as if on a TPU on another platform")
 
@@ -262,11 +262,38 @@ def test_rolled_over_groups_of_calls_the_gradient_matches_bptt(
         if fp is None:
             return None
         steps = fp.roll_and_solve_steps
-        return fp._replace(roll_and_solve_steps=lambda old, d, x, df, q, bias: steps(old, d, x, df, 0 * q, bias))
+        return fp._replace(roll_and_solve_steps=lambda old, d, x, df, q, bias, **own: steps(old, d, x, df, 0 * q, bias, **own))
 
     monkeypatch.setattr(blind, "_fast_path", without_history)
     missed, _ = _etrace_grad(blind)
     assert blind._rolled_now and max_rel_err(ref, missed) > 100 * RTOL
+
+
+class _SharedBiasLeaky(Leaky):
+    """The leaky model whose readout adds its bias too: the weight is left out of the one-step
+    VJP, the bias (read outside its relation) is not."""
+
+    def update(self, x: jax.Array) -> jax.Array:
+        return super().update(x) + self.b.value
+
+
+@pytest.mark.parametrize("model", ["leaky", "shared-bias"])
+def test_a_group_sums_its_calls_own_terms_where_the_whole_trace_is_left_out_of_the_step(
+    model: str, monkeypatch: pytest.MonkeyPatch, rolls_every_trace: None,
+) -> None:
+    """Where every operand of a rolled trace is left out of the one-step VJP, its calls return
+    their own terms' signal and the group's roll adds those terms; where only some are, each
+    call adds theirs. Both give BPTT's gradient."""
+    make = Leaky if model == "leaky" else _SharedBiasLeaky
+    monkeypatch.setattr(backward_roll, "MAX_CALLS_PER_ROLL", 3)
+    learner = _compile(make(), "d_rtrl", monkeypatch)
+    (key,) = learner._grouped_keys()
+    left_out = dict(learner._local_relation_weights().keys)[learner._rolled_relations[key][0]]
+    assert left_out == ({"weight", "bias"} if model == "leaky" else {"weight"})
+    assert learner._group_sums_own_terms(key) == (model == "leaky")
+    got, _ = _etrace_grad(learner)
+    assert learner._rolled_now
+    assert max_rel_err(bptt_grads(make(), normal(11, (T, B, I)), batch_size=B), got) <= RTOL
 
 
 def test_a_group_is_the_largest_divisor_of_the_loop_up_to_the_cap(

@@ -100,17 +100,29 @@ def test_solve_matches_the_sum_of_dt_to_t(case: OpCase, num_state: int) -> None:
         jax.tree.map(lambda u, v: close(u, v.sum(axis=0), atol=1e-4), folded, want)
 
 
+#: How each platform rolls a group of steps' (or a window's) trace and sums their own gradient
+#: terms: element-wise and one product (CPU), a bfloat16 product of the float32 parts and one
+#: product (TPU), both element-wise (TPU, a trace of ``dense.ELEMENTWISE_TRACE_BYTES`` or more).
+STEPS_FORMS = pytest.mark.parametrize("backend", ["cpu", "tpu", "tpu-large-trace"])
+
+
+def _steps_form(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jax, "default_backend", lambda: backend.removesuffix("-large-trace"))
+    if backend.endswith("-large-trace"):
+        monkeypatch.setattr(dense, "ELEMENTWISE_TRACE_BYTES", 0)
+
+
 @fast_cases
 @states
-@pytest.mark.parametrize("backend", ["cpu", "tpu"])
+@STEPS_FORMS
 def test_chunk_equals_the_step_by_step_roll(
     case: OpCase, num_state: int, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The window in closed form, as each platform sums its steps (a TPU element-wise)."""
+    """The window in closed form, as each platform sums its steps."""
     fp = reg.ETP_FAST_PATH_RULES[case.prim]
     if fp.chunk is None:
         pytest.skip("this bundle has no chunk kernel")
-    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    _steps_form(backend, monkeypatch)
     steps = 4
     xs = None if case.x is None else jnp.stack([case.x * (t + 1) for t in range(steps)])
     dfs = rand(33, (steps, *case.y().shape, num_state))
@@ -128,26 +140,26 @@ def test_chunk_equals_the_step_by_step_roll(
     jax.tree.map(lambda u, v: close(u, v, atol=1e-4, rtol=1e-4), got, trace)
 
 
-#: How each platform rolls a group of steps' trace and sums their own gradient terms: element-wise
-#: and one product (CPU), a bfloat16 product of the float32 parts and one product (TPU), both
-#: element-wise (TPU, a trace of ``dense.ELEMENTWISE_TRACE_BYTES`` or more).
-STEPS_FORMS = pytest.mark.parametrize("backend", ["cpu", "tpu", "tpu-large-trace"])
+def _own_terms(fp: Any, own: jax.Array, xs: jax.Array, dfs: jax.Array, has_bias: bool) -> dict[str, jax.Array]:
+    """``solve_instant(own_s, x_s, df_s)`` folded over the batch and summed over the steps."""
+    per_step = [fp.solve_instant(own[t][..., None], xs[t], dfs[t][..., None], has_bias, fold_batch=True)
+                for t in range(own.shape[0])]
+    return jax.tree.map(lambda *terms: sum(terms), *per_step)  # type: ignore[no-any-return]
 
 
-def _steps_form(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(jax, "default_backend", lambda: backend.removesuffix("-large-trace"))
-    if backend.endswith("-large-trace"):
-        monkeypatch.setattr(dense, "ELEMENTWISE_TRACE_BYTES", 0)
+OWN = pytest.mark.parametrize("with_own", [False, True], ids=["history", "with-own-terms"])
 
 
 @fast_cases
 @STEPS_FORMS
+@OWN
 def test_roll_and_solve_steps_equals_roll_and_solve_step_by_step(
-    case: OpCase, backend: str, monkeypatch: pytest.MonkeyPatch
+    case: OpCase, backend: str, with_own: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On a one-state trace stored without its state axis: the last trace and the summed
-    gradients of five steps, each step contracting the trace it entered with; the steps' own
-    terms in each platform's form (:data:`STEPS_FORMS`)."""
+    gradients of five steps, each step contracting the trace it entered with (and, given
+    ``own``, adding its own term); the steps' own terms in each platform's form
+    (:data:`STEPS_FORMS`)."""
     fp = reg.ETP_FAST_PATH_RULES[case.prim]
     if fp.roll_and_solve_steps is None or fp.roll_and_solve is None or not _batched(case):
         pytest.skip("no kernel over several steps (they serve batched primitives)")
@@ -160,14 +172,19 @@ def test_roll_and_solve_steps_equals_roll_and_solve_step_by_step(
     for t in range(steps):
         trace, grads = fp.roll_and_solve(trace, diags[t], xs[t], dfs[t], signals[t], _has_bias(case))
         total = grads if total is None else jax.tree.map(jnp.add, total, grads)
-    got_trace, got_grads = fp.roll_and_solve_steps(start, diags, xs, dfs, signals, _has_bias(case))
+    kwargs = {}
+    if with_own:
+        kwargs["own"] = rand(74, (steps, *y))
+        total = jax.tree.map(jnp.add, total, _own_terms(fp, kwargs["own"], xs, dfs, _has_bias(case)))
+    got_trace, got_grads = fp.roll_and_solve_steps(start, diags, xs, dfs, signals, _has_bias(case), **kwargs)
     jax.tree.map(lambda u, v: close(u, v, atol=1e-5, rtol=1e-5), (got_trace, got_grads), (trace, total))
 
 
 @fast_cases
 @STEPS_FORMS
+@OWN
 def test_roll_filter_and_solve_steps_equals_roll_filter_and_solve_step_by_step(
-    case: OpCase, backend: str, monkeypatch: pytest.MonkeyPatch
+    case: OpCase, backend: str, with_own: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A trace and its filter ``ē ← κ ē + ε`` over five steps at once: the last trace and filter
     and the summed gradients of the steps one by one, in each platform's form."""
@@ -185,8 +202,12 @@ def test_roll_filter_and_solve_steps_equals_roll_filter_and_solve_step_by_step(
         trace, filt, grads = fp.roll_filter_and_solve(trace, filt, diags[t], xs[t], dfs[t], signals[t],
                                                       filt_signals[t], kappa, _has_bias(case))
         total = grads if total is None else jax.tree.map(jnp.add, total, grads)
+    kwargs = {}
+    if with_own:
+        kwargs["own"] = rand(85, (steps, *y))
+        total = jax.tree.map(jnp.add, total, _own_terms(fp, kwargs["own"], xs, dfs, _has_bias(case)))
     got = fp.roll_filter_and_solve_steps(start, filt_start, diags, xs, dfs, signals, filt_signals, kappa,
-                                         _has_bias(case))
+                                         _has_bias(case), **kwargs)
     jax.tree.map(lambda u, v: close(u, v, atol=1e-5, rtol=1e-5), got, (trace, filt, total))
 
 

@@ -50,6 +50,9 @@ class StepFactors(NamedTuple):
     #: The signal ``r`` the entering filter ``ē`` of a filtered trace meets, ``Σ_b r ⊙ ē``
     #: (``None``: no filter).
     filt_signal: jax.Array | None = None
+    #: The signal ``g`` of the call's own gradient term ``Σ_b x ⊗ (g df)``, which the group's
+    #: roll sums with the others' (``None``: the call adds its own term).
+    own_signal: jax.Array | None = None
 
 
 #: Zeros shaped like what a call's backward pass returns of each trace it leaves to the driver, in
