@@ -4,7 +4,7 @@ A TPU multiplies float32 matrices at ``Precision.HIGHEST`` as six bfloat16 produ
 operand split in three bfloat16 parts (``x = x₀ + x₁ + x₂``, eight of float32's 24 significant
 bits each), and ``x₀y₀ + x₀y₁ + x₁y₀ + x₀y₂ + x₁y₁ + x₂y₀`` summed in float32. Each of the six
 passes spends the matrix unit's depth (128 on a v5e) on the contracted axis; a sum over the
-``K`` steps of a group (``K`` ≤ 16) fills ``K/128`` of it. :func:`outer_sums` lays the six pairs
+``K`` steps of a group (``K`` ≤ 20) fills ``K/128`` of it. :func:`outer_sums` lays the six pairs
 of parts side by side along the contracted axis instead: the same exact bfloat16 products,
 accumulated in float32, in one pass of depth ``6K``, which XLA also compiles as one plain
 bfloat16 product (at ``HIGHEST`` the same sum over a GRU-256 trace compiled the driver's loop

@@ -300,10 +300,10 @@ def test_a_group_is_the_largest_divisor_of_the_loop_up_to_the_cap(
     monkeypatch: pytest.MonkeyPatch, rolls_every_trace: None,
 ) -> None:
     learner = _compile(MODELS["leaky"](), "d_rtrl", monkeypatch)
-    cap = backward_roll.MAX_CALLS_PER_ROLL
-    assert [learner._seq_calls_per_roll(n) for n in (100, 1000, 64, 17, 6, 1)] == [10, 10, cap, 1, 6, 1]
+    monkeypatch.setattr(backward_roll, "MAX_CALLS_PER_ROLL", 20)
+    assert [learner._seq_calls_per_roll(n) for n in (100, 1000, 64, 17, 23, 6, 1)] == [20, 20, 16, 17, 1, 6, 1]
     filtered = _compile(MODELS["leaky"](), "eprop-kappa", monkeypatch)  # a filter rolls with its trace
-    assert filtered._rolled_relations and filtered._seq_calls_per_roll(100) == 10
+    assert filtered._rolled_relations and filtered._seq_calls_per_roll(100) == 20
 
 
 def test_etrace_train_rolls_each_span_in_groups_and_keeps_masks_and_aux(

@@ -32,7 +32,8 @@ the same pass (``roll_filter_and_solve_steps``, the call's factors carrying the 
 EProp(κ = 0.9) step from 53× to 11×, its EProp with random feedback from 38× to 6.5×, and
 GRU-256's D_RTRL from 1.99× to 1.67–1.77× (``benchmarks/README.md``, the tenth and eleventh
 runs), then to 1.26× with the roll of a trace kept on chip as one bfloat16 product of float32
-parts (:mod:`braintrace._op.split_float32`, the fourteenth). Inside ``step_fn`` the grouped
+parts (:mod:`braintrace._op.split_float32`, the fourteenth); groups of 20 calls instead of 10
+took LIF-1024's D_RTRL to 4.3× (:data:`MAX_CALLS_PER_ROLL`). Inside ``step_fn`` the grouped
 traces read their value at the group's start. On the development CPU, where a trace keeps its
 state axis, grouping the same traces took the step's time unchanged (LIF-1024 D_RTRL 4.21× BPTT
 call by call, 4.18× grouped), so it applies where traces are stored without it (a TPU).
@@ -91,8 +92,13 @@ ROLL_MIN_BYTES = 64 << 20
 
 #: The most calls of a driver's loop whose traces are rolled at once (the loop's groups are the
 #: largest divisor of its length up to this). Each call keeps ``(batch, in + 3 out)`` numbers per
-#: trace (``in + 4 out`` with a filter) until its group's roll.
-MAX_CALLS_PER_ROLL = 16
+#: trace (``out`` more with a filter, and more with its own term's signal) until its group's
+#: roll. Twenty calls' split product (:mod:`braintrace._op.split_float32`, depth ``6K``) still
+#: fills one pass of a v5e's 128-deep matrix unit; at T = 100 groups of 20 instead of 10 took
+#: the D_RTRL step from 1.17x to 1.10x BPTT's time on GRU-256, from 1.18x to 1.13x on LIF-256
+#: and from 5.8x to 4.3x on LIF-1024 (compiling in 2.2 s instead of 1.7); groups of 25 were no
+#: faster and compiled 1.5x slower (``benchmarks/README.md``).
+MAX_CALLS_PER_ROLL = 20
 
 class Rolled(NamedTuple):
     """One trace's part of the backward residual."""
