@@ -72,9 +72,10 @@ __all__ = ["etp_mm_p", "etp_mv_p", "matmul"]
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 #: From this many bytes of a weight's trace (``B·I·O``) up, a TPU rolls a group of steps' trace
-#: (and a multi-step window's) and sums their own gradient terms element-wise (:func:`_steps_outer_sums`,
-#: :func:`_steps_own_terms`); smaller traces, which the chip keeps in its on-chip memory and
-#: whose element-wise roll is bound by its vector unit, take products. Measured on a v5e
+#: (and a multi-step window's) and sums their own gradient terms element-wise
+#: (:func:`_steps_outer_sums`, :func:`_steps_own_terms`); smaller traces, which the chip keeps
+#: in its on-chip memory and whose element-wise roll is bound by its vector unit, take products
+#: (the roll as a bfloat16 product of float32 parts). Measured on a v5e
 #: (``benchmarks/README.md``): as products GRU-256's D_RTRL step took 1.24x BPTT's instead of
 #: 1.65x and LIF-256's 1.23x instead of 1.50x, compiling in 0.9x and 1.4-1.8x the time;
 #: LIF-1024's 130 MiB trace, bound by memory traffic, stepped 10 % faster as products but

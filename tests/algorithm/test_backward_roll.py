@@ -262,7 +262,8 @@ def test_rolled_over_groups_of_calls_the_gradient_matches_bptt(
         if fp is None:
             return None
         steps = fp.roll_and_solve_steps
-        return fp._replace(roll_and_solve_steps=lambda old, d, x, df, q, bias, **own: steps(old, d, x, df, 0 * q, bias, **own))
+        return fp._replace(
+            roll_and_solve_steps=lambda old, d, x, df, q, bias, **own: steps(old, d, x, df, 0 * q, bias, **own))
 
     monkeypatch.setattr(blind, "_fast_path", without_history)
     missed, _ = _etrace_grad(blind)

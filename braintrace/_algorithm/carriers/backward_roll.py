@@ -305,7 +305,7 @@ class BackwardRollMixin:
     def _group_sums_own_terms(self: _RollHost, key: TraceKey) -> bool:
         """Whether the group's roll of ``key`` also sums its calls' own gradient terms
         ``Σ_b x ⊗ (g df)``: where every operand of the trace is left out of the one-step VJP
-        (otherwise each call adds the terms of those that are)."""
+        (where only some are, each call adds their own terms)."""
         index, _, _ = self._rolled_relations[key]
         covered = self._local_relation_weights().keys.get(index, frozenset())
         return bool(covered) and covered == set(self.etrace_bwg[key].value)
