@@ -118,8 +118,9 @@ class FastPathRules(NamedTuple):
         leading axis of ``K``; step ``s`` contracts the trace it entered with): the last trace
         and the gradients summed over the steps, reading ``old`` once. Given ``own`` (shaped
         as ``signal``), the gradients also hold the steps' own terms, what ``solve_instant``
-        gives on ``(own_s, x_s, df_s)`` folded over the batch. ``None``: the engine takes the
-        steps one by one.
+        gives on ``(own_s, x_s, df_s)`` folded over the batch; a kernel without an ``own``
+        parameter is never given it (the engine adds those terms call by call). ``None``: the
+        engine takes the steps one by one.
     roll_filter_and_solve : callable or None
         ``roll_filter_and_solve(old, filt, diag, x, df, signal, filt_signal, kappa, has_bias) ->
         (new, new_filt, grads)``: ``roll_and_solve`` for a trace with a low-pass filter: also

@@ -297,6 +297,30 @@ def test_a_group_sums_its_calls_own_terms_where_the_whole_trace_is_left_out_of_t
     assert max_rel_err(bptt_grads(make(), normal(11, (T, B, I)), batch_size=B), got) <= RTOL
 
 
+def test_a_kernel_over_several_steps_written_without_own_keeps_each_calls_own_term(
+    monkeypatch: pytest.MonkeyPatch, rolls_every_trace: None,
+) -> None:
+    """A rule record's ``roll_and_solve_steps`` of the signature before ``own``: the group's roll
+    leaves the calls' own terms to each call, and the gradient is BPTT's."""
+    monkeypatch.setattr(backward_roll, "MAX_CALLS_PER_ROLL", 3)
+    learner = _compile(Leaky(), "d_rtrl", monkeypatch)
+    fast_path = learner._fast_path
+
+    def without_own(rel: Any) -> Any:
+        fp = fast_path(rel)
+        if fp is None:
+            return None
+        steps = fp.roll_and_solve_steps
+        return fp._replace(roll_and_solve_steps=lambda old, d, x, df, q, bias: steps(old, d, x, df, q, bias))
+
+    monkeypatch.setattr(learner, "_fast_path", without_own)
+    (key,) = learner._grouped_keys()
+    assert not learner._group_sums_own_terms(key)
+    got, _ = _etrace_grad(learner)
+    assert learner._rolled_now
+    assert max_rel_err(bptt_grads(Leaky(), normal(11, (T, B, I)), batch_size=B), got) <= RTOL
+
+
 def test_a_group_is_the_largest_divisor_of_the_loop_up_to_the_cap(
     monkeypatch: pytest.MonkeyPatch, rolls_every_trace: None,
 ) -> None:

@@ -52,7 +52,8 @@ deferred traces read their entering value until the step's gradient is taken.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Mapping, NamedTuple, Protocol, Sequence
+import inspect
+from typing import Callable, Iterator, Mapping, NamedTuple, Protocol, Sequence
 
 import brainstate
 import jax
@@ -305,10 +306,12 @@ class BackwardRollMixin:
     def _group_sums_own_terms(self: _RollHost, key: TraceKey) -> bool:
         """Whether the group's roll of ``key`` also sums its calls' own gradient terms
         ``Σ_b x ⊗ (g df)``: where every operand of the trace is left out of the one-step VJP
-        (where only some are, each call adds their own terms)."""
-        index, _, _ = self._rolled_relations[key]
+        and the kernel takes ``own`` (otherwise each call adds the own terms of those left out)."""
+        index, rel, _ = self._rolled_relations[key]
         covered = self._local_relation_weights().keys.get(index, frozenset())
-        return bool(covered) and covered == set(self.etrace_bwg[key].value)
+        kernel = getattr(self._fast_path(rel), "roll_filter_and_solve_steps" if self._trace_filters
+                         else "roll_and_solve_steps", None)
+        return bool(covered) and covered == set(self.etrace_bwg[key].value) and _takes_own(kernel)
 
     def _take_roll_sink(self) -> RollSink | None:
         """The sink of the driver's step for this call (once: a second call gets none)."""
@@ -445,6 +448,17 @@ class BackwardRollMixin:
             for k, v in history.items():
                 grads = self._add_operand_gradient(grads, rel, k, v, weight_vals)
         return grads, traces
+
+
+def _takes_own(kernel: Callable[..., object] | None) -> bool:
+    """Whether a kernel over several steps takes the steps' own signals (``own``): a kernel of
+    the rule record written without it keeps each call's own term."""
+    if kernel is None:
+        return False
+    try:
+        return "own" in inspect.signature(kernel).parameters
+    except (TypeError, ValueError):  # no signature to read
+        return False
 
 
 def _own(step: StepFactors) -> dict[str, jax.Array]:
