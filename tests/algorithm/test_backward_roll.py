@@ -222,6 +222,17 @@ def test_rolled_over_a_group_of_calls_the_learner_computes_what_it_does_call_by_
     _assert_same(got, got_traces, want, want_traces)
 
 
+def _replace_steps_kernel(learner: Any, monkeypatch: pytest.MonkeyPatch, replace: Any) -> None:
+    """Give ``learner``'s fast paths the kernel ``replace(roll_and_solve_steps)`` over several steps."""
+    fast_path = learner._fast_path
+
+    def replaced(rel: Any) -> Any:
+        fp = fast_path(rel)
+        return None if fp is None else fp._replace(roll_and_solve_steps=replace(fp.roll_and_solve_steps))
+
+    monkeypatch.setattr(learner, "_fast_path", replaced)
+
+
 def _tpu_group_form(large_trace: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Make the groups roll their traces and sum their steps' own terms as a TPU does: by
     products, or element-wise as for a trace of ``dense.ELEMENTWISE_TRACE_BYTES`` or more."""
@@ -255,17 +266,8 @@ def test_rolled_over_groups_of_calls_the_gradient_matches_bptt(
     assert max_rel_err(ref, got) <= RTOL
     # Negative control: a group's roll that drops the history terms misses BPTT by far.
     blind = _compile(MODELS[model](), "d_rtrl", monkeypatch)
-    fast_path = blind._fast_path
-
-    def without_history(rel: Any) -> Any:
-        fp = fast_path(rel)
-        if fp is None:
-            return None
-        steps = fp.roll_and_solve_steps
-        return fp._replace(
-            roll_and_solve_steps=lambda old, d, x, df, q, bias, **own: steps(old, d, x, df, 0 * q, bias, **own))
-
-    monkeypatch.setattr(blind, "_fast_path", without_history)
+    _replace_steps_kernel(blind, monkeypatch, lambda steps: lambda old, d, x, df, q, bias, **own: steps(
+        old, d, x, df, 0 * q, bias, **own))
     missed, _ = _etrace_grad(blind)
     assert blind._rolled_now and max_rel_err(ref, missed) > 100 * RTOL
 
@@ -304,16 +306,8 @@ def test_a_kernel_over_several_steps_written_without_own_keeps_each_calls_own_te
     leaves the calls' own terms to each call, and the gradient is BPTT's."""
     monkeypatch.setattr(backward_roll, "MAX_CALLS_PER_ROLL", 3)
     learner = _compile(Leaky(), "d_rtrl", monkeypatch)
-    fast_path = learner._fast_path
-
-    def without_own(rel: Any) -> Any:
-        fp = fast_path(rel)
-        if fp is None:
-            return None
-        steps = fp.roll_and_solve_steps
-        return fp._replace(roll_and_solve_steps=lambda old, d, x, df, q, bias: steps(old, d, x, df, q, bias))
-
-    monkeypatch.setattr(learner, "_fast_path", without_own)
+    _replace_steps_kernel(learner, monkeypatch,
+                          lambda steps: lambda old, d, x, df, q, bias: steps(old, d, x, df, q, bias))
     (key,) = learner._grouped_keys()
     assert not learner._group_sums_own_terms(key)
     got, _ = _etrace_grad(learner)
