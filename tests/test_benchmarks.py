@@ -26,6 +26,9 @@ def test_learner_benchmark_reports_every_method() -> None:
         assert row["vs_bptt"] > 0 and math.isfinite(row["vs_bptt"])
         assert row["compile_seconds"] > 0 and math.isfinite(row["compile_vs_bptt"])
     assert rows["D_RTRL single"]["vs_floor"] > 0 and rows["EProp(κ=.9) single"]["vs_floor"] > 0
+    # The floor is a call's latency plus the trace traffic, so the step sits further above the traffic alone.
+    for name in ("D_RTRL single", "EProp(κ=.9) single"):
+        assert rows[name]["call_seconds"] > 0 and rows[name]["vs_traffic"] > rows[name]["vs_floor"]
     assert rows["D_RTRL single"]["vs_d_rtrl"] == 1.0
     assert rows["D_RTRL single"]["trace_bytes"] > 0 and rows["BPTT"]["mem_growth"] > 1
     # The weight's trace halves; the element-wise leak's (off the fast path) stays float32.
