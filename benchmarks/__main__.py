@@ -388,7 +388,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"  D_RTRL single over {BY_HAND}: step {d_rtrl['seconds'] / hand['seconds']:.2f}, "
                   f"compile {d_rtrl['compile_seconds'] / hand['compile_seconds']:.2f}")
         if any(n in rows for n in BF16_OF):
-            print("  bf16/f32 trace: " + ", ".join(f"{f32} {rows[n]['bf16_vs_f32']:.2f}" for n, f32 in BF16_OF.items()))
+            print("  bf16/f32 trace: " + ", ".join(
+                f"{f32} {rows[n]['bf16_vs_f32']:.2f}" for n, f32 in BF16_OF.items() if n in rows))
         print()
     if args.connectome if args.connectome is not None else not args.quick:
         from benchmarks import connectome  # it imports this module's timing helpers
