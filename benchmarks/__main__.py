@@ -378,8 +378,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{'mem T' + str(args.long_steps) + '/T' + str(args.steps):>18}{'compile vs BPTT':>17}")
         for method, r in rows.items():
             floor, traffic = (f"{r[k]:.2f}" if k in r else "-" for k in ("vs_floor", "vs_traffic"))
-            print(f"  {method:<20}{r['vs_bptt']:9.2f}{r['vs_d_rtrl']:11.2f}{floor:>10}{traffic:>12}{r['mem_short'] / 2**20:10.1f}"
-                  f"{r['mem_growth']:18.2f}{r['compile_vs_bptt']:17.2f}")
+            print(f"  {method:<20}{r['vs_bptt']:9.2f}{r['vs_d_rtrl']:11.2f}{floor:>10}{traffic:>12}"
+                  f"{r['mem_short'] / 2**20:10.1f}{r['mem_growth']:18.2f}{r['compile_vs_bptt']:17.2f}")
         if "call_seconds" in rows["D_RTRL single"]:
             print(f"  a call (an empty program over D_RTRL single's arguments): "
                   f"{rows['D_RTRL single']['call_seconds'] * 1e3:.3f} ms")

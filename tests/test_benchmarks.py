@@ -39,7 +39,8 @@ def test_learner_benchmark_reports_every_method() -> None:
 
 
 def test_learner_benchmark_runs_the_chosen_methods_and_the_references_of_its_ratios() -> None:
-    rows = main(["--quick", "--models", "gru64", "--methods", "SnAp(n=1) single", "D_RTRL single bf16"])["models"]["gru64"]
+    methods = ["SnAp(n=1) single", "D_RTRL single bf16"]
+    rows = main(["--quick", "--models", "gru64", "--methods", *methods])["models"]["gru64"]
     assert list(rows) == ["BPTT", "D_RTRL single", "SnAp(n=1) single", "D_RTRL single bf16"]
     assert rows["D_RTRL single bf16"]["bf16_vs_f32"] > 0  # one of the bf16 rows, without the other
     assert rows["SnAp(n=1) single"]["vs_floor"] > 0 and rows["SnAp(n=1) single"]["vs_bptt"] > 0
