@@ -93,14 +93,15 @@ ALGORITHMS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def _compile(model: Any, algorithm: str, monkeypatch: pytest.MonkeyPatch, as_on_tpu: bool = True) -> Any:
+def _compile(model: Any, algorithm: str, monkeypatch: pytest.MonkeyPatch, as_on_tpu: bool = True,
+             **extra: Any) -> Any:
     x0 = normal(11, (T, B, I))[0]
     name, options = ALGORITHMS[algorithm]
     with monkeypatch.context() as patch, warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         if as_on_tpu:
             patch.setattr(jax, "default_backend", lambda: "tpu")
-        return braintrace.compile(model, name, x0, batch_size=B, **options)
+        return braintrace.compile(model, name, x0, batch_size=B, **options, **extra)
 
 
 @pytest.fixture
@@ -270,6 +271,48 @@ def test_rolled_over_groups_of_calls_the_gradient_matches_bptt(
         old, d, x, df, 0 * q, bias, **own))
     missed, _ = _etrace_grad(blind)
     assert blind._rolled_now and max_rel_err(ref, missed) > 100 * RTOL
+
+
+@pytest.mark.parametrize("algorithm", ["d_rtrl", "eprop-kappa"])
+def test_a_16_bit_trace_is_rolled_over_its_group_in_float32_and_rounded_once(
+    algorithm: str, monkeypatch: pytest.MonkeyPatch, rolls_every_trace: None,
+) -> None:
+    """One group over the loop, from fresh traces: the bfloat16 learner computes the float32
+    learner's gradient bit for bit and stores the float32 traces (and filters) rounded once."""
+    f32 = _compile(MODELS["lif"](), algorithm, monkeypatch)
+    bf16 = _compile(MODELS["lif"](), algorithm, monkeypatch, trace_dtype=jnp.bfloat16)
+    assert bf16._seq_calls_per_roll(T) == T and len(bf16._grouped_keys()) == len(f32._grouped_keys()) > 0
+    (want, want_traces), (got, got_traces) = _etrace_grad(f32), _etrace_grad(bf16)
+    assert bf16._rolled_now
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    rounded = [st.value for key in bf16._grouped_keys()
+               for st in (bf16.etrace_bwg[key], *([bf16._trace_filters[key]] if bf16._trace_filters else []))]
+    assert rounded and all(leaf.dtype == jnp.bfloat16 for trace in rounded for leaf in trace.values())
+    for got_trace, want_trace in zip(got_traces, want_traces, strict=True):
+        jax.tree.map(lambda g, w: np.testing.assert_array_equal(g, np.asarray(jnp.asarray(w).astype(g.dtype))),
+                     got_trace, want_trace)
+
+
+@pytest.mark.parametrize("model", ["leaky", "lif"])
+def test_a_16_bit_trace_rolled_over_groups_keeps_the_gradient_within_its_rounding_of_bptt(
+    model: str, monkeypatch: pytest.MonkeyPatch, rolls_every_trace: None,
+) -> None:
+    monkeypatch.setattr(backward_roll, "MAX_CALLS_PER_ROLL", 3)  # two groups of three calls
+    grouped = _compile(MODELS[model](), "d_rtrl", monkeypatch, trace_dtype=jnp.bfloat16)
+    per_call = _compile(MODELS[model](), "d_rtrl", monkeypatch, trace_dtype=jnp.bfloat16)
+    _rolls_in_the_forward_pass(per_call, monkeypatch)
+    assert grouped._seq_calls_per_roll(T) == 3
+    (got, _), (by_call, _) = _etrace_grad(grouped), _etrace_grad(per_call)
+    assert grouped._rolled_now and not per_call._rolled_now
+    ref = bptt_grads(MODELS[model](), normal(11, (T, B, I)), batch_size=B)
+    # The entering trace of the second group is rounded (as every call's is when rolled call by call).
+    assert 0 < max_rel_err(ref, got) < 0.02 and max_rel_err(ref, by_call) < 0.02
+    # Negative control: a group's roll that drops the history terms misses BPTT by far.
+    blind = _compile(MODELS[model](), "d_rtrl", monkeypatch, trace_dtype=jnp.bfloat16)
+    _replace_steps_kernel(blind, monkeypatch, lambda steps: lambda old, d, x, df, q, bias, **own: steps(
+        old, d, x, df, 0 * q, bias, **own))
+    missed, _ = _etrace_grad(blind)
+    assert blind._rolled_now and max_rel_err(ref, missed) > 0.1
 
 
 class _SharedBiasLeaky(Leaky):

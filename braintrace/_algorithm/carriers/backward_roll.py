@@ -39,12 +39,16 @@ state axis, grouping the same traces took the step's time unchanged (LIF-1024 D_
 call by call, 4.18× grouped), so it applies where traces are stored without it (a TPU).
 
 It applies on a TPU, where traces of one-state groups are stored without their state axis
-(``ParamDimVjpAlgorithm._stored``), to the float32 traces of batched ``matmul`` relations that
-roll plainly (single-step D_RTRL, EProp with or without a filter, OSTL, and without a filter
-EProp with random feedback and OSTTP, whose signals replace ``∂L/∂h``), outside a mesh, where
-the group reads its past (a trace without history, ``ε^t = x ⊗ df``, is never read, and the
-drivers write it once per loop: :mod:`~braintrace._algorithm.carriers.instant_traces`). Every
-other call, and every call of a learner outside its drivers (``learner(x)`` under a user's own
+(``ParamDimVjpAlgorithm._stored``), to the traces of batched ``matmul`` relations that roll
+plainly (single-step D_RTRL, EProp with or without a filter, OSTL, and without a filter EProp
+with random feedback and OSTTP, whose signals replace ``∂L/∂h``), outside a mesh, where the
+group reads its past. Float32 traces roll in the backward pass call by call (from
+:data:`ROLL_MIN_BYTES`) or over groups; a trace stored in 16 bits (``trace_dtype``) only over
+groups, rolled in the factors' float32 and rounded to its storage once per group instead of
+once per call (``test_a_16_bit_trace_is_rolled_over_its_group_in_float32_and_rounded_once``).
+A group reads its past unless its trace has no history, ``ε^t = x ⊗ df``: no gradient reads
+such a trace, and the drivers write it once per loop
+(:mod:`~braintrace._algorithm.carriers.instant_traces`). Every other call, and every call of a learner outside its drivers (``learner(x)`` under a user's own
 ``grad``), rolls its traces in the forward pass as before. Inside the driver's ``step_fn``, the
 deferred traces read their entering value until the step's gradient is taken.
 """
@@ -59,6 +63,7 @@ import brainstate
 import jax
 import jax.numpy as jnp
 
+from braintrace._algorithm.carriers.trace_storage import store, upcast
 from braintrace._algorithm.drive.host import Grads, RolledTrace, RollSink, StepFactors
 from braintrace._algorithm.drive.grad_run import zeros_like
 from braintrace._algorithm.engine.graph_executor import CallJacobians, is_step_jacobians, trace_key
@@ -100,6 +105,11 @@ ROLL_MIN_BYTES = 64 << 20
 #: and from 5.8x to 4.3x on LIF-1024 (compiling in 2.2 s instead of 1.7); groups of 25 were no
 #: faster and compiled 1.5x slower (``benchmarks/README.md``).
 MAX_CALLS_PER_ROLL = 20
+
+#: The storage dtypes of the traces the backward pass may roll: float32, and the 16-bit floats of
+#: ``trace_dtype``, whose traces only a driver's groups roll (in the factors' float32, rounded to
+#: their storage once per group); the one-pass kernel of a large trace rolls float32 only.
+_ROLLED_STORAGE = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 class Rolled(NamedTuple):
     """One trace's part of the backward residual."""
@@ -195,7 +205,7 @@ class BackwardRollMixin:
                 key = trace_key(rel, group)
                 stored = self.etrace_bwg[key].value
                 if (key in self._squeezed and stored["weight"].ndim == 3 and group.reads_its_past()
-                        and all(v.dtype == jnp.float32 for v in stored.values())):
+                        and all(v.dtype in _ROLLED_STORAGE for v in stored.values())):
                     found[key] = (index, rel, group)
         return found
 
@@ -226,8 +236,8 @@ class BackwardRollMixin:
             self._sink_keys = self._grouped_keys()
             return [self._zero_factors(key) for key in self._sink_keys] or None
         traces = {key: self.etrace_bwg[key].value for key in self._rolled_relations}
-        self._sink_keys = tuple(key for key, trace in traces.items()
-                                if trace["weight"].size * trace["weight"].dtype.itemsize >= ROLL_MIN_BYTES)
+        self._sink_keys = tuple(key for key, trace in traces.items() if trace["weight"].dtype == jnp.float32
+                                and trace["weight"].size * trace["weight"].dtype.itemsize >= ROLL_MIN_BYTES)
         if not self._sink_keys:
             return None
         sink = [{k: jnp.zeros(v.shape, v.dtype) for k, v in traces[key].items()} for key in self._sink_keys]
@@ -273,30 +283,33 @@ class BackwardRollMixin:
             fp = self._fast_path(rel)
             has_bias = bool(rel.eqn_params.get("has_bias", False))
             history: dict[str, jax.Array]
+            old = self.etrace_bwg[key].value  # rolled in the factors' dtype, stored rounded back once per group
             if step.filt_signal is None:
                 roll = None if fp is None else fp.roll_and_solve_steps
                 if roll is None:
                     raise internal_error(f"trace {key} rolled over a group of calls without its kernel")
-                new, history = roll(self.etrace_bwg[key].value, step.diag, step.x, step.df, step.signal, has_bias,
+                new, history = roll(upcast(old, step.df.dtype), step.diag, step.x, step.df, step.signal, has_bias,
                                     **_own(step))
             else:
                 roll_filtered = None if fp is None else fp.roll_filter_and_solve_steps
                 if roll_filtered is None:
                     raise internal_error(f"filtered trace {key} rolled over a group of calls without its kernel")
+                old_filter = self._trace_filters[key].value
                 new, new_filter, history = roll_filtered(
-                    self.etrace_bwg[key].value, self._trace_filters[key].value, step.diag, step.x, step.df,
+                    upcast(old, step.df.dtype), upcast(old_filter, step.df.dtype), step.diag, step.x, step.df,
                     step.signal, step.filt_signal, self.kappa, has_bias, **_own(step))
-                self._trace_filters[key].value = new_filter
-            self.etrace_bwg[key].value = new
+                self._trace_filters[key].value = store(new_filter, old_filter)
+            self.etrace_bwg[key].value = store(new, old)
             for k, v in history.items():
                 grads = self._add_operand_gradient(grads, rel, k, v, weight_vals)
         return grads
 
     def _zero_factors(self: _RollHost, key: TraceKey) -> StepFactors:
-        """Zeros shaped like one call's :class:`StepFactors` of ``key``."""
+        """Zeros shaped like one call's :class:`StepFactors` of ``key`` (in the relation's output
+        dtype, whatever the trace's storage)."""
         _, rel, _ = self._rolled_relations[key]
         weight = self.etrace_bwg[key].value["weight"]  # (batch, in, out), see _find_rolled_relations
-        rows = jnp.zeros((weight.shape[0], weight.shape[2]), weight.dtype)
+        rows = jnp.zeros((weight.shape[0], weight.shape[2]), dtype_of(rel.y_var))
         x_var = rel.x_var
         if x_var is None:
             raise internal_error(f"the relation of trace {key} rolled over a group of calls reads no input")

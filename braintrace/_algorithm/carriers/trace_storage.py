@@ -8,7 +8,9 @@ write; the gradient reads the stored trace and upcasts it inside the contraction
 is memory and memory traffic (half the bytes of a float32 trace), never the precision of the
 arithmetic: no product or sum is formed in ``bfloat16``.
 
-The stored trace carries one rounding to nearest per step, which the roll then damps by ``D``.
+The stored trace carries one rounding to nearest per step (per group of calls where a TPU's
+drivers roll it over groups: :mod:`~braintrace._algorithm.carriers.backward_roll`), which the
+roll then damps by ``D``.
 How much of it reaches the gradient depends on how slowly the trace decays. Measured (cosine of
 the bfloat16-trace gradient to the float32-trace one, summed over 1000 single steps): 0.999995
 on the benchmark's LIF network with 1024 neurons (leak 0.88, reset on spikes), 0.9999 on a
