@@ -173,6 +173,33 @@ def test_traces_rolled_in_the_backward_pass_match_bptt(
     assert err <= RTOL, f"D_RTRL rolled in the backward pass on {model}: max rel. err {err:.2e} > {RTOL:.0e}"
 
 
+@pytest.mark.parametrize("model", ["leaky", "lif"])
+def test_traces_stored_in_bfloat16_stay_within_their_rounding_of_bptt(model: str) -> None:
+    """``trace_dtype=jnp.bfloat16`` under the drivers. On a TPU the loop's ``T`` calls are one
+    group, rolled in float32 from fresh traces and rounded once at its end, so the gradient is the
+    float32 learner's; elsewhere each call rounds its trace, and the gradient stays within 2 %
+    of BPTT's."""
+    xs = normal(11, (T, B, I))
+    grads, rolled = {}, {}
+    for name, dtype in (("float32", None), ("bfloat16", jnp.bfloat16)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            learner = braintrace.compile(MODELS[model](), "d_rtrl", xs[0], batch_size=B, trace_dtype=dtype)
+        with jax.default_matmul_precision("highest"):
+            grads[name] = _to_numpy(learner.etrace_grad(
+                xs, jnp.arange(T), step_fn=lambda x, t, lr=learner: target_loss(t, lr(x)), reduction="sum"))
+        rolled[name] = bool(learner._rolled_now)
+    with jax.default_matmul_precision("highest"):
+        ref = bptt_grads(MODELS[model](), xs, batch_size=B)
+    on_tpu = jax.default_backend() == "tpu"
+    assert rolled == {"float32": on_tpu, "bfloat16": on_tpu}
+    if on_tpu:
+        err = max_rel_err(grads["float32"], grads["bfloat16"])
+        assert err <= RTOL, f"bfloat16 traces over one group on {model}: {err:.2e} from float32 > {RTOL:.0e}"
+    err = max_rel_err(ref, grads["bfloat16"])
+    assert err < 0.02, f"bfloat16 traces on {model} ({jax.default_backend()}): max rel. err {err:.2e} from BPTT"
+
+
 def test_a_filtered_trace_rolled_in_the_backward_pass_gives_its_forward_roll(monkeypatch: pytest.MonkeyPatch) -> None:
     """EProp with a filter (approximate, so not against BPTT): the drivers' estimate, with the
     trace and its filter rolled in the backward pass on a TPU, equals the sum of the learner's
