@@ -293,11 +293,14 @@ def test_a_16_bit_trace_is_rolled_over_its_group_in_float32_and_rounded_once(
                      got_trace, want_trace)
 
 
+@pytest.mark.parametrize("form", ["cpu", "tpu", "tpu-large-trace"])
 @pytest.mark.parametrize("model", ["leaky", "lif"])
 def test_a_16_bit_trace_rolled_over_groups_keeps_the_gradient_within_its_rounding_of_bptt(
-    model: str, monkeypatch: pytest.MonkeyPatch, rolls_every_trace: None,
+    model: str, form: str, monkeypatch: pytest.MonkeyPatch, rolls_every_trace: None,
 ) -> None:
     monkeypatch.setattr(backward_roll, "MAX_CALLS_PER_ROLL", 3)  # two groups of three calls
+    if form != "cpu":
+        _tpu_group_form(form == "tpu-large-trace", monkeypatch)
     grouped = _compile(MODELS[model](), "d_rtrl", monkeypatch, trace_dtype=jnp.bfloat16)
     per_call = _compile(MODELS[model](), "d_rtrl", monkeypatch, trace_dtype=jnp.bfloat16)
     _rolls_in_the_forward_pass(per_call, monkeypatch)
