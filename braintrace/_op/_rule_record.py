@@ -119,8 +119,9 @@ class FastPathRules(NamedTuple):
         and the gradients summed over the steps, reading ``old`` once. Given ``own`` (shaped
         as ``signal``), the gradients also hold the steps' own terms, what ``solve_instant``
         gives on ``(own_s, x_s, df_s)`` folded over the batch; a kernel without an ``own``
-        parameter is never given it (the engine adds those terms call by call). ``None``: the
-        engine takes the steps one by one.
+        parameter is never given it (the engine adds those terms call by call). ``old`` comes
+        in the factors' dtype, whatever the trace's storage (``trace_dtype``), and the engine
+        rounds ``new`` to that storage. ``None``: the engine takes the steps one by one.
     roll_filter_and_solve : callable or None
         ``roll_filter_and_solve(old, filt, diag, x, df, signal, filt_signal, kappa, has_bias) ->
         (new, new_filt, grads)``: ``roll_and_solve`` for a trace with a low-pass filter: also
@@ -130,8 +131,8 @@ class FastPathRules(NamedTuple):
     roll_filter_and_solve_steps : callable or None
         ``roll_filter_and_solve_steps(old, filt, diag, x, df, signal, filt_signal, kappa,
         has_bias[, own=]) -> (new, new_filt, grads)``: ``roll_filter_and_solve`` over ``K`` steps
-        at once, as ``roll_and_solve_steps`` is ``roll_and_solve``'s (``own`` too). ``None``: the
-        engine takes the steps one by one.
+        at once, as ``roll_and_solve_steps`` is ``roll_and_solve``'s (``own`` and the dtypes
+        too). ``None``: the engine takes the steps one by one.
     """
 
     instant: TraceRule
