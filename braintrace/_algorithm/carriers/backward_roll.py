@@ -48,9 +48,10 @@ groups, rolled in the factors' float32 and rounded to its storage once per group
 once per call (``test_a_16_bit_trace_is_rolled_over_its_group_in_float32_and_rounded_once``).
 A group reads its past unless its trace has no history, ``ε^t = x ⊗ df``: no gradient reads
 such a trace, and the drivers write it once per loop
-(:mod:`~braintrace._algorithm.carriers.instant_traces`). Every other call, and every call of a learner outside its drivers (``learner(x)`` under a user's own
-``grad``), rolls its traces in the forward pass as before. Inside the driver's ``step_fn``, the
-deferred traces read their entering value until the step's gradient is taken.
+(:mod:`~braintrace._algorithm.carriers.instant_traces`). Every other call, and every call of a
+learner outside its drivers (``learner(x)`` under a user's own ``grad``), rolls its traces in
+the forward pass as before. Inside the driver's ``step_fn``, the deferred traces read their
+entering value until the step's gradient is taken.
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ MAX_CALLS_PER_ROLL = 20
 #: ``trace_dtype``, whose traces only a driver's groups roll (in the factors' float32, rounded to
 #: their storage once per group); the one-pass kernel of a large trace rolls float32 only.
 _ROLLED_STORAGE = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
 
 class Rolled(NamedTuple):
     """One trace's part of the backward residual."""
