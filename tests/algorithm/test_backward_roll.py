@@ -251,26 +251,38 @@ def _tpu_group_form(large_trace: bool, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(dense, name, as_on_a_tpu(getattr(dense, name)))
 
 
+def _in_two_groups(form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop's ``T`` calls in two groups of three, rolled in ``form`` (``cpu``, ``tpu``, or
+    ``tpu-large-trace``: :func:`_tpu_group_form`)."""
+    monkeypatch.setattr(backward_roll, "MAX_CALLS_PER_ROLL", 3)
+    if form != "cpu":
+        _tpu_group_form(form == "tpu-large-trace", monkeypatch)
+
+
+def _error_without_history(model: str, ref: Any, monkeypatch: pytest.MonkeyPatch, **extra: Any) -> float:
+    """The negative control: D_RTRL on ``model`` (compiled with ``extra``) whose group's roll
+    drops the history terms; its gradient's max. rel. error against ``ref``."""
+    blind = _compile(MODELS[model](), "d_rtrl", monkeypatch, **extra)
+    _replace_steps_kernel(blind, monkeypatch, lambda steps: lambda old, d, x, df, q, bias, **own: steps(
+        old, d, x, df, 0 * q, bias, **own))
+    missed, _ = _etrace_grad(blind)
+    assert blind._rolled_now
+    return max_rel_err(ref, missed)
+
+
 @pytest.mark.parametrize("form", ["cpu", "tpu", "tpu-large-trace"])
 @pytest.mark.parametrize("model", ["leaky", "lif"])
 def test_rolled_over_groups_of_calls_the_gradient_matches_bptt(
     model: str, form: str, monkeypatch: pytest.MonkeyPatch, rolls_every_trace: None,
 ) -> None:
-    monkeypatch.setattr(backward_roll, "MAX_CALLS_PER_ROLL", 3)  # two groups of three calls
-    if form != "cpu":
-        _tpu_group_form(form == "tpu-large-trace", monkeypatch)
+    _in_two_groups(form, monkeypatch)
     learner = _compile(MODELS[model](), "d_rtrl", monkeypatch)
     assert learner._seq_calls_per_roll(T) == 3
     got, _ = _etrace_grad(learner)
     assert learner._rolled_now
     ref = bptt_grads(MODELS[model](), normal(11, (T, B, I)), batch_size=B)
     assert max_rel_err(ref, got) <= RTOL
-    # Negative control: a group's roll that drops the history terms misses BPTT by far.
-    blind = _compile(MODELS[model](), "d_rtrl", monkeypatch)
-    _replace_steps_kernel(blind, monkeypatch, lambda steps: lambda old, d, x, df, q, bias, **own: steps(
-        old, d, x, df, 0 * q, bias, **own))
-    missed, _ = _etrace_grad(blind)
-    assert blind._rolled_now and max_rel_err(ref, missed) > 100 * RTOL
+    assert _error_without_history(model, ref, monkeypatch) > 100 * RTOL  # misses BPTT by far
 
 
 @pytest.mark.parametrize("algorithm", ["d_rtrl", "eprop-kappa"])
@@ -298,9 +310,7 @@ def test_a_16_bit_trace_is_rolled_over_its_group_in_float32_and_rounded_once(
 def test_a_16_bit_trace_rolled_over_groups_keeps_the_gradient_within_its_rounding_of_bptt(
     model: str, form: str, monkeypatch: pytest.MonkeyPatch, rolls_every_trace: None,
 ) -> None:
-    monkeypatch.setattr(backward_roll, "MAX_CALLS_PER_ROLL", 3)  # two groups of three calls
-    if form != "cpu":
-        _tpu_group_form(form == "tpu-large-trace", monkeypatch)
+    _in_two_groups(form, monkeypatch)
     grouped = _compile(MODELS[model](), "d_rtrl", monkeypatch, trace_dtype=jnp.bfloat16)
     per_call = _compile(MODELS[model](), "d_rtrl", monkeypatch, trace_dtype=jnp.bfloat16)
     _rolls_in_the_forward_pass(per_call, monkeypatch)
@@ -310,12 +320,7 @@ def test_a_16_bit_trace_rolled_over_groups_keeps_the_gradient_within_its_roundin
     ref = bptt_grads(MODELS[model](), normal(11, (T, B, I)), batch_size=B)
     # The entering trace of the second group is rounded (as every call's is when rolled call by call).
     assert 0 < max_rel_err(ref, got) < 0.02 and max_rel_err(ref, by_call) < 0.02
-    # Negative control: a group's roll that drops the history terms misses BPTT by far.
-    blind = _compile(MODELS[model](), "d_rtrl", monkeypatch, trace_dtype=jnp.bfloat16)
-    _replace_steps_kernel(blind, monkeypatch, lambda steps: lambda old, d, x, df, q, bias, **own: steps(
-        old, d, x, df, 0 * q, bias, **own))
-    missed, _ = _etrace_grad(blind)
-    assert blind._rolled_now and max_rel_err(ref, missed) > 0.1
+    assert _error_without_history(model, ref, monkeypatch, trace_dtype=jnp.bfloat16) > 0.1  # misses BPTT by far
 
 
 class _SharedBiasLeaky(Leaky):
