@@ -113,16 +113,22 @@ test-newest:
 		$(SMOKE_TESTS)
 
 # The wheels an accelerator machine without a package index lacks: every runtime dependency but
-# JAX and what the machine's JAX brings (jaxlib, numpy, scipy, ml_dtypes, opt_einsum), for
-# Python 3.11 on x86-64 Linux. scripts/on_device.sh installs them there (benchmarks/README.md).
+# JAX and what the machine's JAX brings (jaxlib, numpy, scipy, ml_dtypes, opt_einsum), at the
+# releases installed in .venv (those `make test` ran on), for each Python of DEVICE_PYTHONS on
+# x86-64 Linux (a TPU machine's 3.11, a GPU machine's 3.12). scripts/on_device.sh installs there
+# those the machine does not have (benchmarks/README.md).
 DEVICE_WHEELS := .device-wheels
+DEVICE_PYTHONS ?= 3.11 3.12
 DEVICE_PLATFORMS := $(foreach p,manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014,--platform $(p)_x86_64)
-device-wheels:
+device-wheels: $(VENV)/.test
 	rm -rf $(DEVICE_WHEELS)
-	$(PYTHON) -m pip download --quiet --dest $(DEVICE_WHEELS) --only-binary=:all: --python-version 3.11 \
-		--implementation cp $(DEVICE_PLATFORMS) --platform any -r requirements.txt optax msgpack
-	rm -f $(DEVICE_WHEELS)/jax-* $(DEVICE_WHEELS)/jaxlib-* $(DEVICE_WHEELS)/numpy-* $(DEVICE_WHEELS)/scipy-* \
-		$(DEVICE_WHEELS)/ml_dtypes-* $(DEVICE_WHEELS)/opt_einsum-*
+	mkdir -p $(DEVICE_WHEELS)
+	$(PY) -m pip freeze --exclude-editable > $(DEVICE_WHEELS)/tested-releases.txt
+	$(foreach v,$(DEVICE_PYTHONS),$(PY) -m pip download --quiet --dest $(DEVICE_WHEELS) --only-binary=:all: \
+		--python-version $(v) --implementation cp $(DEVICE_PLATFORMS) --platform any \
+		-c $(DEVICE_WHEELS)/tested-releases.txt -r requirements.txt optax msgpack &&) true
+	rm -f $(DEVICE_WHEELS)/tested-releases.txt $(DEVICE_WHEELS)/jax-* $(DEVICE_WHEELS)/jaxlib-* \
+		$(DEVICE_WHEELS)/numpy-* $(DEVICE_WHEELS)/scipy-* $(DEVICE_WHEELS)/ml_dtypes-* $(DEVICE_WHEELS)/opt_einsum-*
 	du -sh $(DEVICE_WHEELS)
 
 # The part of the suite that says whether the library works on an accelerator, in one process (one
