@@ -38,7 +38,7 @@ PYTHON
     if [ -n "$missing" ]; then
         # shellcheck disable=SC2086  # one argument per distribution
         PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated --quiet --no-index --no-deps --no-compile \
-            --no-cache-dir --find-links "$WHEELS" --target "$SITE" $missing
+            --no-cache-dir --upgrade --find-links "$WHEELS" --target "$SITE" $missing
     fi
     mkdir -p "$SITE"
     touch "$SITE/.installed"
