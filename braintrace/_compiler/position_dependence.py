@@ -349,11 +349,11 @@ def read_tail(tail: Jaxpr, varshape: Sequence[int]) -> tuple[Dependence | None, 
     'y of shape (3,) is not laid out over the positions (1, 3)'
     """
     varshape = tuple(varshape)
-    if len(tail.invars) != 1 or _shape(tail.invars[0]) != varshape:
-        shapes = ", ".join(str(_shape(v)) for v in tail.invars)
-        return None, f"y of shape {shapes} is not laid out over the positions {varshape}"
+    _, (y,) = split_jaxpr_invars(tail, 1)  # y is the last input, after the tail's constants
+    if _shape(y) != varshape:
+        return None, f"y of shape {_shape(y)} is not laid out over the positions {varshape}"
     try:
-        outs = [d for d in _walk(tail, [_identity(varshape)], varshape) if d is not None]
+        outs = [d for d in _walk_from(tail, {y: _identity(varshape)}, varshape) if d is not None]
     except _Unreadable as why:
         return None, str(why)
     return (_or(outs) if outs else tuple(np.zeros((v, v), bool) for v in varshape)), None

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import braintrace
+from braintrace import _compatible_imports as compat
 from braintrace._compatible_imports import Primitive, ShapedArray, ad
 from braintrace._compiler.position_dependence import group_adjacency, read_tail
 
@@ -98,3 +99,17 @@ def test_a_lif_layer_s_recurrence_is_unit_by_unit() -> None:
         graph = braintrace.compile_etrace_graph(brainstate.nn.init_all_states(Layer()), jnp.ones(3))
     (adjacency,), reason = group_adjacency(graph.hidden_groups[0])
     assert reason is None and adjacency.astype(int).tolist() == np.eye(V, dtype=int).tolist()
+
+
+def test_a_tail_reads_y_as_its_last_input_whether_its_constants_are_separate_or_leading_inputs() -> None:
+    """The compiler builds a ``y -> h`` tail with the other values it reads as constants; JAX 0.12
+    keeps constants without values as plain leading inputs. Either way ``y`` is the last input."""
+    closed = jax.make_jaxpr(lambda c, y: c + jnp.roll(y, 1))(jnp.zeros(V), jnp.zeros(V))
+    c, y = closed.jaxpr.invars
+    separate = compat.Jaxpr([c], [y], closed.jaxpr.outvars, closed.jaxpr.eqns, closed.jaxpr.effects,
+                            compat.DebugInfo("test", "separate", ("y",), ("h",)))
+    leading = compat.Jaxpr([], [c, y], closed.jaxpr.outvars, closed.jaxpr.eqns, closed.jaxpr.effects,
+                           compat.DebugInfo("test", "leading", ("c", "y"), ("h",)))
+    for tail in (separate, leading):
+        reach, reason = read_tail(tail, (V,))
+        assert reason is None and _pattern(reach) == np.roll(np.eye(V, dtype=int), 1, axis=0).tolist()
