@@ -18,6 +18,8 @@ import pytest
 
 SCRIPT = pathlib.Path(__file__).parent.parent / "scripts" / "on_device.sh"
 
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="the script is a bash script")
+
 
 def _wheel(folder: pathlib.Path, name: str, version: str, module_source: str) -> None:
     """A minimal pure-Python wheel of distribution ``name`` holding the module ``name``."""
@@ -33,7 +35,6 @@ def _wheel(folder: pathlib.Path, name: str, version: str, module_source: str) ->
             wheel.writestr(path, text)
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="the script is a bash script")
 def test_only_the_distributions_the_machine_lacks_are_installed(tmp_path: pathlib.Path) -> None:
     checkout = tmp_path / "checkout"
     (checkout / "scripts").mkdir(parents=True)
